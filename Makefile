@@ -1,0 +1,32 @@
+# Two commands work on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-slow lint install clean
+
+$(STAMP): pyproject.toml requirements-dev.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c requirements-dev.txt -r requirements-dev.txt -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The main job: the compressor benchmark on generated gradients (later: the sweep and its dashboard).
+demo: $(STAMP)
+	$(BIN)/gradcomp bench compressors --sizes 1M,25M --threads 1 --repeats 5
+
+lint: $(STAMP)
+	$(BIN)/ruff check gradcomp hooks experiments tests
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

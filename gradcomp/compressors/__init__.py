@@ -1,0 +1,36 @@
+"""Gradient compressors: one module per family, all reachable by name through the registry.
+
+>>> from gradcomp.compressors import make_compressor
+>>> c = make_compressor("topk:ratio=0.01,ef=true")
+
+See ``docs/compressors.md`` for each compressor's math, wire cost and when to use it.
+"""
+
+from gradcomp.compressors import cast, fp8, powersgd, quantize, randomk, sign, threshold, topk
+from gradcomp.compressors.base import Aggregation, Compressor, CompressorConfig, Key, Meta, Payload
+from gradcomp.compressors.registry import REGISTRY, Spec, make_compressor, parse_spec, register
+from gradcomp.compressors.simulate import roundtrip, simulate
+
+__all__ = [
+    "REGISTRY",
+    "Aggregation",
+    "Compressor",
+    "CompressorConfig",
+    "Key",
+    "Meta",
+    "Payload",
+    "Spec",
+    "cast",
+    "fp8",
+    "make_compressor",
+    "parse_spec",
+    "powersgd",
+    "quantize",
+    "randomk",
+    "register",
+    "roundtrip",
+    "sign",
+    "simulate",
+    "threshold",
+    "topk",
+]

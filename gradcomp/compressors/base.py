@@ -1,0 +1,250 @@
+"""The compressor interface: what travels, what stays local, and how payloads aggregate.
+
+A compressor turns one gradient tensor into a *payload* (a tuple of tensors, the only thing that
+crosses the wire) and a *context* (anything, kept on this rank). Every compressor declares how
+payloads of several ranks combine:
+
+``Aggregation.SUM``
+    Payloads are linear: the element-wise sum of all ranks' payloads is itself a valid payload,
+    and decompressing it gives the sum of the (compressed) gradients. The engine all-reduces them.
+    Casts, shared-seed random-k and PowerSGD's factors are of this kind.
+``Aggregation.GATHER``
+    Everything else. The engine all-gathers the payloads and calls :meth:`Compressor.decompress_sum`,
+    which decompresses and sums them in one vectorized pass per rank, in rank order (so that every
+    rank gets bitwise the same result).
+
+The protocol, for one tensor on every rank (``simulate.py`` runs it for p ranks in one process)::
+
+    payload, ctx = c.compress(grad, key)
+    for r in range(1, c.rounds):              # multi-round compressors only (PowerSGD: P, then Q)
+        payload = aggregate(payload)          # all-reduce (SUM) on every rank, same order
+        payload, ctx = c.next_round(payload, ctx)
+    final = aggregate(payload)                # all-reduce (SUM) or all-gather (GATHER)
+    result = c.decompress(final, ctx)         # SUM: the sum of the gradients
+    result = c.decompress_sum(finals, ctx)    # GATHER: the same, from the list of payloads
+
+The engine never averages inside a compressor: it divides before summing where precision demands
+it (design rule 5) and averages exactly once.
+
+Input policy (the same for every compressor, tested in ``tests/test_input_policy.py``):
+
+* Floating-point tensors only; integer or boolean tensors raise :class:`TypeError`.
+* Empty tensors are valid: they compress to payload tensors with no elements (plus the fixed-size
+  parts a compressor always sends) and decompress to an empty tensor of the same shape and dtype.
+* Non-contiguous tensors are compressed from a contiguous copy (one extra pass); the result has the
+  input's shape and is contiguous.
+* NaN and Inf are never dropped silently: if the input holds a non-finite value, the decompressed
+  result holds at least one non-finite value (within the affected chunk for chunked quantizers,
+  anywhere for sparsifiers), so that :class:`torch.amp.GradScaler` sees the overflow and skips the
+  step. Casts to fp16/bf16 turn finite values beyond the target range into Inf, as a cast does.
+
+A compressor instance is not thread-safe, and it reuses scratch buffers between calls (see
+:class:`~gradcomp.compressors.workspace.Workspace`), so use one instance per process and stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from gradcomp.compressors.workspace import Workspace
+
+Payload = tuple[Tensor, ...]
+"""The tensors that travel. Nothing else crosses the wire."""
+
+Key = Hashable
+"""A stable identity of the tensor being compressed (e.g. the names of a bucket's parameters).
+
+State that outlives one call (PowerSGD's warm start, error-feedback residuals) is keyed by it. Use
+plain values (str, int, tuples of them) so that state dicts load with ``weights_only=True``."""
+
+
+class Aggregation(str, enum.Enum):
+    """How payloads of several ranks combine (see the module docstring)."""
+
+    SUM = "sum"
+    GATHER = "gather"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressorConfig:
+    """Base of every compressor's config: a frozen dataclass validated in ``__post_init__``.
+
+    Fields are the options of the compressor's spec (``"topk:ratio=0.01"``); their type hints drive
+    the parsing of spec strings (see :mod:`gradcomp.compressors.registry`).
+    """
+
+
+class Compressor(ABC):
+    """Base class: subclasses set ``name``, ``aggregation``, ``Config`` and implement the codec.
+
+    Args:
+        config: the compressor's options.
+        seed: seed of the generators this compressor owns. Use the same seed on every rank.
+        rank: this process's rank. Randomness that must agree between ranks (random-k indices,
+            PowerSGD's initial factors) uses ``seed`` alone; randomness that should be independent
+            between ranks (stochastic rounding) mixes in ``rank``.
+    """
+
+    name: str
+    """The registry name (a class attribute; wrappers set it per instance)."""
+    aggregation: Aggregation
+    Config: ClassVar[type[CompressorConfig]]
+    rounds: int = 1
+    """Communication rounds per tensor; more than one means :meth:`next_round` is called between."""
+
+    def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
+        config = self.Config() if config is None else config
+        if not isinstance(config, self.Config):
+            raise TypeError(f"{type(self).__name__} takes a {self.Config.__name__}, got {type(config).__name__}")
+        if rank < 0:
+            raise ValueError(f"rank must be >= 0, got {rank}")
+        self.config = config
+        self.seed = seed
+        self.rank = rank
+        self.workspace = Workspace()
+
+    def __repr__(self) -> str:
+        options = ",".join(f"{f.name}={getattr(self.config, f.name)}" for f in dataclasses.fields(self.config))
+        return f"{self.name}:{options}" if options else self.name
+
+    @property
+    def unbiased(self) -> bool:
+        """True when E[decompress(compress(x))] == x (over the compressor's randomness)."""
+        return False
+
+    # -- the codec ---------------------------------------------------------------------------------
+
+    @abstractmethod
+    def compress(
+        self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
+    ) -> tuple[Payload, Any]:
+        """Compress ``tensor``; return the (first round's) payload and the local context.
+
+        Args:
+            tensor: a floating-point gradient of any shape.
+            key: stable identity of this tensor, for compressors that keep state between steps.
+            shapes: when ``tensor`` is the flat concatenation of several tensors (a DDP bucket),
+                their shapes in order. Compressors that exploit structure (PowerSGD) use it; the
+                others ignore it.
+        """
+
+    @abstractmethod
+    def decompress(self, payload: Payload, ctx: Any, out: Tensor | None = None) -> Tensor:
+        """Reconstruct a tensor of the input's shape and dtype from a (final) payload.
+
+        For ``SUM`` compressors ``payload`` may be the sum of every rank's payload. Writes into
+        ``out`` (same shape and dtype as the input) when given; otherwise the result may alias the
+        payload.
+        """
+
+    def next_round(self, payload: Payload, ctx: Any) -> tuple[Payload, Any]:
+        """Turn the aggregated payload of one round into this rank's payload of the next round.
+
+        Only multi-round compressors (``rounds > 1``) implement it.
+        """
+        raise TypeError(f"{self.name} is a single-round compressor; next_round is never called")
+
+    def decompress_sum(self, payloads: Sequence[Payload], ctx: Any, out: Tensor | None = None) -> Tensor:
+        """Decompress every rank's payload and sum them, in rank order, into one tensor.
+
+        ``ctx`` is this rank's context (only its shape and dtype information is used). Low-precision
+        results are accumulated in float32 and rounded once. Subclasses override this when they can
+        sum without densifying each payload (sparse payloads use ``index_add_``).
+        """
+        if not payloads:
+            raise ValueError("decompress_sum needs at least one payload")
+        first = self.decompress(payloads[0], ctx)
+        if first.dtype in (torch.float16, torch.bfloat16):
+            acc = first.float()
+            for payload in payloads[1:]:
+                acc.add_(self.decompress(payload, ctx))
+            return _into(out, acc.to(first.dtype))
+        acc = out if out is not None else torch.empty_like(first)
+        acc.copy_(first)
+        scratch = self.workspace.take("decompress_sum", first.numel(), first.dtype, first.device)
+        for payload in payloads[1:]:
+            acc.add_(self.decompress(payload, ctx, out=scratch.view_as(first)))
+        return acc
+
+    def contribution(self, payload: Payload, ctx: Any, out: Tensor | None = None) -> Tensor:
+        """What this rank's own final payload contributes to the aggregate, as a dense tensor.
+
+        Error feedback keeps ``compensated - contribution`` as its residual. For almost every
+        compressor this is :meth:`decompress` of the local payload; PowerSGD overrides it so that
+        reconstructing locally leaves its warm-start memory untouched.
+        """
+        return self.decompress(payload, ctx, out=out)
+
+    # -- accounting and state ----------------------------------------------------------------------
+
+    @staticmethod
+    def wire_bytes(payload: Payload) -> int:
+        """Bytes this payload puts on the wire: exactly the payload tensors' storage."""
+        return sum(t.numel() * t.element_size() for t in payload)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors and plain values only, loadable with ``torch.load(..., weights_only=True)``."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if state:
+            raise ValueError(f"{self.name} keeps no state, got keys {sorted(state)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Meta:
+    """The context most compressors need: what the input looked like."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    numel: int
+
+    @classmethod
+    def of(cls, tensor: Tensor) -> Meta:
+        return cls(tensor.shape, tensor.dtype, tensor.numel())
+
+    def empty(self, device: torch.device) -> Tensor:
+        """A new flat tensor for the decompressed result."""
+        return torch.empty(self.numel, dtype=self.dtype, device=device)
+
+
+def flat_out(out: Tensor | None, meta: Meta, device: torch.device) -> Tensor:
+    """The flat tensor to decompress into: ``out`` (checked) or a new one."""
+    if out is None:
+        return meta.empty(device)
+    if out.numel() != meta.numel or out.dtype != meta.dtype or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous {meta.dtype} tensor of {meta.numel} elements, "
+            f"got {out.dtype} with {out.numel()} elements (contiguous={out.is_contiguous()})"
+        )
+    return out.view(-1)
+
+
+def check_gradient(tensor: Tensor) -> Tensor:
+    """Apply the input policy: refuse non-floating tensors, return a contiguous flat view."""
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_floating_point():
+        raise TypeError(f"gradient compressors take floating-point tensors, got dtype {tensor.dtype}")
+    return tensor.contiguous().view(-1)
+
+
+def _into(out: Tensor | None, result: Tensor) -> Tensor:
+    """Return ``result``, copied into ``out`` when the caller gave one."""
+    if out is None:
+        return result
+    out.copy_(result.view_as(out))
+    return out
+
+
+def write_out(out: Tensor | None, result: Tensor, shape: torch.Size) -> Tensor:
+    """Shape ``result`` as the original tensor, honouring a caller-provided ``out``."""
+    return _into(out, result.view(shape))

@@ -1,0 +1,40 @@
+"""Per-chunk views of a flat tensor, without padding copies.
+
+A flat tensor of n elements splits into ``n // chunk`` full chunks, viewed as one 2-D tensor, and
+at most one shorter tail chunk, viewed as a 1-row 2-D tensor. Per-chunk statistics and per-chunk
+affine maps are then two vectorized operations at most, whatever n is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+
+def num_chunks(numel: int, chunk: int) -> int:
+    """How many chunks (the last one possibly short) ``numel`` elements make."""
+    return -(-numel // chunk)
+
+
+def parts(flat: Tensor, chunk: int) -> Iterator[tuple[Tensor, slice]]:
+    """Yield (2-D view, slice of chunk indices) for the full chunks and for the tail chunk."""
+    full = flat.numel() // chunk
+    if full:
+        yield flat[: full * chunk].view(full, chunk), slice(0, full)
+    if flat.numel() > full * chunk:
+        yield flat[full * chunk :].view(1, -1), slice(full, full + 1)
+
+
+def reduce(flat: Tensor, chunk: int, op: Callable[[Tensor], Tensor]) -> Tensor:
+    """Per-chunk reduction: ``op`` maps a (rows, cols) view to a (rows,) tensor."""
+    results = [op(view) for view, _ in parts(flat, chunk)]
+    if not results:
+        return torch.empty(0, dtype=flat.dtype, device=flat.device)
+    return results[0] if len(results) == 1 else torch.cat(results)
+
+
+def amax_abs(flat: Tensor, chunk: int) -> Tensor:
+    """max |x| per chunk, without materialising |x| (two cheap reductions instead of a 4-byte pass)."""
+    return reduce(flat, chunk, lambda v: torch.maximum(v.amax(dim=1), v.amin(dim=1).neg()))

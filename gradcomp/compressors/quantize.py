@@ -1,0 +1,269 @@
+"""Scalar quantizers: uniform n-bit (``quantize``), QSGD (``qsgd``) and TernGrad (``terngrad``).
+
+All three send bit-packed integer codes plus a few float32 scales per chunk, and share one codec
+(:mod:`gradcomp.compressors.affine`): they differ in the per-chunk offset and step they choose.
+Their payloads are not summable (each rank has its own scales), so they aggregate by ``gather``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import abstractmethod
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from gradcomp.compressors import affine, bitpack, chunks
+from gradcomp.compressors.base import (
+    Aggregation,
+    Compressor,
+    CompressorConfig,
+    Key,
+    Meta,
+    Payload,
+    check_gradient,
+    flat_out,
+)
+from gradcomp.compressors.randomness import Generators, rank_seed
+from gradcomp.compressors.registry import register
+
+Rounding = Literal["stochastic", "nearest"]
+
+
+def _check_chunk(chunk: int) -> None:
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+
+
+class AffineQuantizer(Compressor):
+    """Base of the quantizers: codes = round((x - offset) / step) per chunk, bit-packed.
+
+    Payload: ``(packed codes: uint8[ceil(n * bits / 8)], scales: float32[k, chunks])``.
+    Subclasses choose ``bits``, ``chunk``, the scales and how offset and step follow from them.
+    """
+
+    aggregation = Aggregation.GATHER
+
+    def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
+        super().__init__(config, seed=seed, rank=rank)
+        # Rounding noise should be independent between ranks, so that it averages out.
+        self.noise = Generators(rank_seed(seed, rank))
+
+    @property
+    @abstractmethod
+    def bits(self) -> int:
+        """Bits per code on the wire."""
+
+    @property
+    @abstractmethod
+    def chunk(self) -> int:
+        """Elements per scale."""
+
+    @property
+    def stochastic(self) -> bool:
+        return True
+
+    @property
+    def unbiased(self) -> bool:
+        return self.stochastic
+
+    @abstractmethod
+    def scales(self, flat: Tensor) -> Tensor:
+        """The float32 scales that travel, shape (k, chunks)."""
+
+    @abstractmethod
+    def affine(self, scales: Tensor) -> tuple[Tensor, Tensor, int]:
+        """(offset, step, levels) per chunk from the scales that travel."""
+
+    def encode(self, flat: Tensor, offset: Tensor, step: Tensor, levels: int) -> Tensor:
+        """uint8 codes of ``flat``; the default is affine rounding."""
+        generator = self.noise.on(flat.device) if self.stochastic else None
+        return affine.encode(flat, offset, step, levels, self.chunk, generator, self.workspace)
+
+    def compress(
+        self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
+    ) -> tuple[Payload, Meta]:
+        flat = check_gradient(tensor)
+        scales = self.scales(flat)
+        offset, step, levels = self.affine(scales)
+        codes = self.encode(flat, offset, step, levels)
+        return (bitpack.pack(codes, self.bits), scales), Meta.of(tensor)
+
+    def decompress(self, payload: Payload, ctx: Meta, out: Tensor | None = None) -> Tensor:
+        packed, scales = payload
+        result = flat_out(out, ctx, packed.device)
+        codes = self.workspace.take("codes", ctx.numel, torch.uint8, packed.device)
+        bitpack.unpack(packed, self.bits, ctx.numel, out=codes)
+        offset, step, _ = self.affine(scales)
+        affine.decode(codes, offset, step, self.chunk, result, self.workspace)
+        return result.view(ctx.shape)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"noise": self.noise.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.noise.load_state_dict(state["noise"])
+
+
+def _finite_float32(values: Tensor) -> Tensor:
+    """Round float64 chunk statistics to float32 scales: finite stays finite, Inf and NaN stay."""
+    limit = torch.finfo(torch.float32).max
+    return torch.where(torch.isfinite(values), values.clamp(-limit, limit), values).float()
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeConfig(CompressorConfig):
+    bits: int = 4
+    """Bits per element, 1..8."""
+    chunk: int = 1024
+    """Elements per (min, step) pair; smaller chunks are more accurate and cost 8 bytes each."""
+    rounding: Rounding = "stochastic"
+    """``stochastic`` (unbiased) or ``nearest`` (biased, lower variance)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.bits <= 8:
+            raise ValueError(f"bits must be in 1..8, got {self.bits}")
+        _check_chunk(self.chunk)
+        if self.rounding not in ("stochastic", "nearest"):
+            raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {self.rounding!r}")
+
+
+@register
+class Quantize(AffineQuantizer):
+    """Uniform n-bit quantization with a per-chunk min-max scale.
+
+    Each chunk's range [min, max] is cut into 2**bits - 1 equal steps; a value travels as the index
+    of a neighbouring level, rounded stochastically (unbiased) or to the nearest (biased).
+
+    Wire: ``ceil(n * bits / 8)`` bytes of codes + 8 bytes (float32 min and step) per chunk.
+    Error: at most one step (nearest: half a step) per element, step = (max - min) / (2**bits - 1).
+    When: a general-purpose 4- or 8-bit compressor; with error feedback at 1-2 bits.
+    """
+
+    name = "quantize"
+    Config = QuantizeConfig
+    config: QuantizeConfig
+
+    @property
+    def bits(self) -> int:
+        return self.config.bits
+
+    @property
+    def chunk(self) -> int:
+        return self.config.chunk
+
+    @property
+    def stochastic(self) -> bool:
+        return self.config.rounding == "stochastic"
+
+    def scales(self, flat: Tensor) -> Tensor:
+        low = chunks.reduce(flat, self.chunk, lambda v: v.amin(dim=1)).double()
+        high = chunks.reduce(flat, self.chunk, lambda v: v.amax(dim=1)).double()
+        step = (high - low) / (2**self.bits - 1)
+        return torch.stack([_finite_float32(low), _finite_float32(step)])
+
+    def affine(self, scales: Tensor) -> tuple[Tensor, Tensor, int]:
+        return scales[0], scales[1], 2**self.bits - 1
+
+
+class SymmetricQuantizer(AffineQuantizer):
+    """Levels symmetric around zero: x ~ scale * l / s for integer l in -s..s, scale per chunk.
+
+    One float32 scale per chunk travels; the codes are ``l + s`` in ``0..2s``. Always stochastic,
+    hence unbiased.
+    """
+
+    @property
+    @abstractmethod
+    def half_levels(self) -> int:
+        """s: the number of levels on each side of zero."""
+
+    def affine(self, scales: Tensor) -> tuple[Tensor, Tensor, int]:
+        scale = scales[0]
+        return -scale, scale / self.half_levels, 2 * self.half_levels
+
+
+@dataclasses.dataclass(frozen=True)
+class QSGDConfig(CompressorConfig):
+    bits: int = 4
+    """Bits per element, 2..8: one for the sign, the rest for s = 2**(bits-1) - 1 levels."""
+    chunk: int = 512
+    """Elements per norm (QSGD's bucket size d); variance grows with sqrt(chunk) / s."""
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.bits <= 8:
+            raise ValueError(f"qsgd bits must be in 2..8 (one is the sign), got {self.bits}")
+        _check_chunk(self.chunk)
+
+
+@register
+class QSGD(SymmetricQuantizer):
+    """QSGD (Alistarh et al., NeurIPS 2017): norm-scaled stochastic levels.
+
+    Per chunk, x_i travels as ||x||_2 * sign(x_i) * l_i / s with l_i the stochastic rounding of
+    s * |x_i| / ||x||_2. Unbiased; variance at most min(d / s**2, sqrt(d) / s) * ||x||**2 per chunk.
+
+    Wire: ``ceil(n * bits / 8)`` bytes + 4 bytes (the float32 norm) per chunk.
+    When: unbiased compression without error feedback, with a convergence guarantee.
+    """
+
+    name = "qsgd"
+    Config = QSGDConfig
+    config: QSGDConfig
+
+    @property
+    def bits(self) -> int:
+        return self.config.bits
+
+    @property
+    def chunk(self) -> int:
+        return self.config.chunk
+
+    @property
+    def half_levels(self) -> int:
+        return 2 ** (self.bits - 1) - 1
+
+    def scales(self, flat: Tensor) -> Tensor:
+        norms = chunks.reduce(flat, self.chunk, lambda v: torch.linalg.vector_norm(v, dim=1, dtype=torch.float64))
+        return _finite_float32(norms).view(1, -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TernGradConfig(CompressorConfig):
+    chunk: int = 1024
+    """Elements per max-abs scale (TernGrad scales per layer; per chunk bounds the variance better)."""
+
+    def __post_init__(self) -> None:
+        _check_chunk(self.chunk)
+
+
+@register
+class TernGrad(SymmetricQuantizer):
+    """TernGrad (Wen et al., NeurIPS 2017): ternary levels {-1, 0, +1} times the chunk's max |x|.
+
+    x_i travels as max|x| * sign(x_i) * b_i with b_i ~ Bernoulli(|x_i| / max|x|). Unbiased.
+
+    Wire: ``ceil(n * 2 / 8)`` bytes (2-bit codes) + 4 bytes (the float32 max) per chunk.
+    When: the cheapest unbiased quantizer; pair with small chunks, its variance grows with max|x|.
+    """
+
+    name = "terngrad"
+    Config = TernGradConfig
+    config: TernGradConfig
+
+    @property
+    def bits(self) -> int:
+        return 2
+
+    @property
+    def chunk(self) -> int:
+        return self.config.chunk
+
+    @property
+    def half_levels(self) -> int:
+        return 1
+
+    def scales(self, flat: Tensor) -> Tensor:
+        return chunks.amax_abs(flat, self.chunk).float().view(1, -1)

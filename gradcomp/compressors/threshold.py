@@ -1,0 +1,51 @@
+"""``threshold``: send every element with |x| >= tau (a variable-size payload)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from gradcomp.compressors.base import CompressorConfig, Key, Meta, Payload, check_gradient
+from gradcomp.compressors.registry import register
+from gradcomp.compressors.sparse import SparseCompressor
+
+
+@dataclasses.dataclass(frozen=True)
+class ThresholdConfig(CompressorConfig):
+    tau: float = 1e-3
+    """Magnitude at or above which an element is sent."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.tau) and self.tau >= 0):
+            raise ValueError(f"tau must be a finite number >= 0, got {self.tau}")
+
+
+@register
+class Threshold(SparseCompressor):
+    """Hard-threshold sparsification (Strom, Interspeech 2015): x_i travels if |x_i| >= tau.
+
+    Wire: m * (value bytes + index bytes) for the m selected elements; m depends on the data and can
+    be anything from 0 to n, so the engine gathers with variable sizes. NaN elements are always
+    selected (so they reach every rank). Biased: use with error feedback, which lets the small
+    elements accumulate until they cross tau.
+    When: gradients whose scale is known and stable; otherwise prefer ``topk``, which fixes the size.
+    """
+
+    name = "threshold"
+    Config = ThresholdConfig
+    config: ThresholdConfig
+
+    def compress(
+        self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
+    ) -> tuple[Payload, Meta]:
+        flat = check_gradient(tensor)
+        below = self.workspace.take("below", flat.numel(), torch.bool, flat.device)
+        magnitudes = self.workspace.take("abs", flat.numel(), flat.dtype, flat.device)
+        torch.lt(torch.abs(flat, out=magnitudes), self.config.tau, out=below)
+        # "not below" rather than ">=": NaN compares false either way, and must be selected.
+        indices = torch.nonzero(below.logical_not_()).view(-1)
+        return self.sparse_payload(flat, indices), Meta.of(tensor)

@@ -1,0 +1,115 @@
+"""``topk``: send the k = ceil(ratio * n) largest-magnitude elements, exactly or by a sampled threshold."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from gradcomp.compressors.base import CompressorConfig, Key, Meta, Payload, check_gradient
+from gradcomp.compressors.randomness import Generators, rank_seed
+from gradcomp.compressors.registry import register
+from gradcomp.compressors.sparse import SparseCompressor, kept, ratio_error
+
+Method = Literal["exact", "sampled"]
+
+SAMPLE_HITS = 1024
+"""Expected number of sampled elements above the k-th largest: sets the sample size to
+SAMPLE_HITS * n / k, and the threshold's relative error to about 1 / sqrt(SAMPLE_HITS) = 3%."""
+EXACT_MARGIN = 4.0
+"""The exact method lowers the sampled threshold by this many standard deviations, so that at least
+k candidates pass it except with probability ~3e-5 (then it falls back to a full ``torch.topk``)."""
+SMALL = 1 << 16
+"""Below this many elements a plain ``torch.topk`` is as fast as sampling."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TopKConfig(CompressorConfig):
+    ratio: float = 0.01
+    """Fraction of elements sent, in (0, 1]."""
+    method: Method = "exact"
+    """``exact``: exactly the k largest |x|. ``sampled``: a threshold estimated from a random sample
+    (DGC); sends between (1 - tolerance) * k and k elements."""
+    tolerance: float = 0.2
+    """``sampled`` only: the fewest elements it may send is (1 - tolerance) * k; below that it falls
+    back to the exact selection."""
+
+    def __post_init__(self) -> None:
+        problem = ratio_error(self.ratio)
+        if problem:
+            raise ValueError(problem)
+        if self.method not in ("exact", "sampled"):
+            raise ValueError(f"method must be 'exact' or 'sampled', got {self.method!r}")
+        if not 0.0 <= self.tolerance < 1.0:
+            raise ValueError(f"tolerance must be in [0, 1), got {self.tolerance}")
+
+
+@register
+class TopK(SparseCompressor):
+    """Top-k sparsification (Aji & Heafield 2017; Lin et al., DGC, ICLR 2018).
+
+    Both methods first estimate the k-th largest |x| from a random sample of SAMPLE_HITS * n / k
+    elements, keep the elements above it (one compare and one ``nonzero`` pass), and cut the
+    candidates down to k with a small ``torch.topk``. ``exact`` sets the threshold a few standard
+    deviations low so that the candidates contain the true top k, and falls back to ``torch.topk``
+    over everything in the rare case they do not; ``sampled`` uses the estimate as it is and may
+    send fewer than k. Either is several times faster than ``torch.topk`` on large tensors.
+
+    Wire: k * (value bytes + index bytes), indices in the smallest integer type that fits n
+    (``sampled``: up to k). NaN elements always count as the largest. Biased: use with error
+    feedback, without which the dropped coordinates never reach the model.
+    When: the strongest compression (100x at ratio 0.01) on slow links, with ``ef=true``.
+    """
+
+    name = "topk"
+    Config = TopKConfig
+    config: TopKConfig
+
+    def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
+        super().__init__(config, seed=seed, rank=rank)
+        self.sampler = Generators(rank_seed(seed, rank))
+
+    def compress(
+        self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
+    ) -> tuple[Payload, Meta]:
+        flat = check_gradient(tensor)
+        magnitudes = self.workspace.take("abs", flat.numel(), flat.dtype, flat.device)
+        torch.abs(flat, out=magnitudes)
+        indices = self.select(magnitudes, kept(self.config.ratio, flat.numel()))
+        return self.sparse_payload(flat, indices), Meta.of(tensor)
+
+    def select(self, magnitudes: Tensor, k: int) -> Tensor:
+        """int64 indices of (about, for ``sampled``) the k largest ``magnitudes``."""
+        n = magnitudes.numel()
+        sample_size = math.ceil(SAMPLE_HITS * n / max(k, 1))
+        if k == n:
+            return torch.arange(n, device=magnitudes.device)
+        if n <= SMALL or sample_size >= n // 2:
+            return torch.topk(magnitudes, k, sorted=False).indices
+        generator = self.sampler.on(magnitudes.device)
+        positions = torch.randint(0, n, (sample_size,), generator=generator, device=magnitudes.device)
+        sample = magnitudes[positions]
+        hits = k * sample_size / n
+        if self.config.method == "exact":
+            hits += EXACT_MARGIN * math.sqrt(hits)
+        threshold = torch.topk(sample, min(sample_size, math.ceil(hits)), sorted=False).values.min()
+        below = self.workspace.take("below", n, torch.bool, magnitudes.device)
+        torch.lt(magnitudes, threshold, out=below)
+        # "not below" rather than ">=": NaN compares false either way, and must be a candidate.
+        candidates = torch.nonzero(below.logical_not_()).view(-1)
+        fewest = k if self.config.method == "exact" else math.ceil((1 - self.config.tolerance) * k)
+        if candidates.numel() < fewest:
+            return torch.topk(magnitudes, k, sorted=False).indices
+        if candidates.numel() > k:
+            candidates = candidates[torch.topk(magnitudes[candidates], k, sorted=False).indices]
+        return candidates
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])

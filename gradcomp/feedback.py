@@ -1,0 +1,127 @@
+"""Error feedback: remember what compression dropped and add it back to the next gradient.
+
+For every key, with g the new gradient and e the residual (zero at first)::
+
+    c     = g + e                     # the compensated gradient, what gets compressed
+    e_new = c - contribution(c)       # what this rank's payload failed to carry
+
+so that ``g + e == contribution + e_new`` holds exactly up to float rounding, and nothing a
+compressor drops is lost, only delayed (Seide et al. 2014; Karimireddy et al., ICML 2019).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradcomp.compressors.base import Compressor, CompressorConfig, Key, Payload, check_gradient
+
+
+@dataclasses.dataclass
+class FeedbackContext:
+    key: Key
+    inner: Any
+    compensated: Tensor
+    round: int = 0
+
+
+class ErrorFeedback(Compressor):
+    """Wraps any compressor with a residual per key. Build it with ``ef=true`` in a spec.
+
+    Same aggregation, rounds and payload as the wrapped compressor; the residual is updated from
+    this rank's own final payload, before it travels (``Compressor.contribution``).
+
+    Memory: two buffers per key the size of the gradient (the residual, and the compensated
+    gradient, which the payload may alias while in flight). Compute: two extra passes (the add and
+    the subtract) plus one decompression of the local payload.
+    Keys: every distinct tensor needs its own key (its identity across steps, e.g. its parameter
+    names); the same key with a new shape is an error, not a silent reset.
+    """
+
+    Config = CompressorConfig
+
+    def __init__(self, inner: Compressor) -> None:
+        if isinstance(inner, ErrorFeedback):
+            raise ValueError("this compressor already has error feedback")
+        super().__init__(inner.config, seed=inner.seed, rank=inner.rank)
+        self.inner = inner
+        self.name = inner.name
+        self.aggregation = inner.aggregation
+        self.rounds = inner.rounds
+        self.residuals: dict[Key, Tensor] = {}
+        self._compensated: dict[Key, Tensor] = {}
+
+    def __repr__(self) -> str:
+        return f"{self.inner!r},ef=true"
+
+    @property
+    def unbiased(self) -> bool:
+        return False
+
+    def residual(self, key: Key, like: Tensor) -> Tensor:
+        """The residual of ``key`` (zeros the first time), checked against the new gradient."""
+        residual = self.residuals.get(key)
+        if residual is None:
+            residual = torch.zeros_like(like)
+            self.residuals[key] = residual
+        elif residual.shape != like.shape or residual.dtype != like.dtype or residual.device != like.device:
+            raise ValueError(
+                f"error feedback key {key!r} held a {residual.dtype} residual of {residual.numel()} elements on "
+                f"{residual.device}, now gets {like.dtype} with {like.numel()} on {like.device}: "
+                "give every tensor its own key"
+            )
+        return residual
+
+    def compress(
+        self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
+    ) -> tuple[Payload, FeedbackContext]:
+        flat = check_gradient(tensor)
+        residual = self.residual(key, flat)
+        compensated = self._compensated.get(key)
+        if compensated is None or compensated.shape != flat.shape:
+            compensated = self._compensated[key] = torch.empty_like(flat)
+        torch.add(flat, residual, out=compensated)
+        payload, inner_ctx = self.inner.compress(compensated.view(tensor.shape), key, shapes)
+        ctx = FeedbackContext(key, inner_ctx, compensated)
+        if self.rounds == 1:
+            self._update(payload, ctx)
+        return payload, ctx
+
+    def next_round(self, payload: Payload, ctx: FeedbackContext) -> tuple[Payload, FeedbackContext]:
+        payload, ctx.inner = self.inner.next_round(payload, ctx.inner)
+        ctx.round += 1
+        if ctx.round == self.rounds - 1:
+            self._update(payload, ctx)
+        return payload, ctx
+
+    def _update(self, payload: Payload, ctx: FeedbackContext) -> None:
+        """e = c - contribution(payload), computed in the residual's own buffer (no allocation)."""
+        residual = self.residuals[ctx.key]
+        self.inner.contribution(payload, ctx.inner, out=residual)
+        torch.sub(ctx.compensated, residual, out=residual)
+
+    def decompress(self, payload: Payload, ctx: FeedbackContext, out: Tensor | None = None) -> Tensor:
+        return self.inner.decompress(payload, ctx.inner, out=out)
+
+    def decompress_sum(
+        self, payloads: Sequence[Payload], ctx: FeedbackContext, out: Tensor | None = None
+    ) -> Tensor:
+        return self.inner.decompress_sum(payloads, ctx.inner, out=out)
+
+    def contribution(self, payload: Payload, ctx: FeedbackContext, out: Tensor | None = None) -> Tensor:
+        return self.inner.contribution(payload, ctx.inner, out=out)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "inner": self.inner.state_dict(),
+            "residuals": [{"key": key, "residual": residual} for key, residual in self.residuals.items()],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state["inner"])
+        self.residuals = {entry["key"]: entry["residual"] for entry in state["residuals"]}
+        self._compensated.clear()
