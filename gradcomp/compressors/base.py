@@ -160,18 +160,18 @@ class Compressor(ABC):
         """
         if not payloads:
             raise ValueError("decompress_sum needs at least one payload")
-        first = self.decompress(payloads[0], ctx)
-        if first.dtype in (torch.float16, torch.bfloat16):
-            acc = first.float()
+        result = self.decompress(payloads[0], ctx, out=out)
+        if len(payloads) == 1:
+            return result
+        if result.dtype in (torch.float16, torch.bfloat16):
+            acc = result.float()
             for payload in payloads[1:]:
                 acc.add_(self.decompress(payload, ctx))
-            return _into(out, acc.to(first.dtype))
-        acc = out if out is not None else torch.empty_like(first)
-        acc.copy_(first)
-        scratch = self.workspace.take("decompress_sum", first.numel(), first.dtype, first.device)
+            return result.copy_(acc)
+        scratch = self.workspace.take("decompress_sum", result.numel(), result.dtype, result.device)
         for payload in payloads[1:]:
-            acc.add_(self.decompress(payload, ctx, out=scratch.view_as(first)))
-        return acc
+            result.add_(self.decompress(payload, ctx, out=scratch.view_as(result)))
+        return result
 
     def contribution(self, payload: Payload, ctx: Any, out: Tensor | None = None) -> Tensor:
         """What this rank's own final payload contributes to the aggregate, as a dense tensor.
@@ -235,16 +235,3 @@ def check_gradient(tensor: Tensor) -> Tensor:
     if not tensor.is_floating_point():
         raise TypeError(f"gradient compressors take floating-point tensors, got dtype {tensor.dtype}")
     return tensor.contiguous().view(-1)
-
-
-def _into(out: Tensor | None, result: Tensor) -> Tensor:
-    """Return ``result``, copied into ``out`` when the caller gave one."""
-    if out is None:
-        return result
-    out.copy_(result.view_as(out))
-    return out
-
-
-def write_out(out: Tensor | None, result: Tensor, shape: torch.Size) -> Tensor:
-    """Shape ``result`` as the original tensor, honouring a caller-provided ``out``."""
-    return _into(out, result.view(shape))

@@ -29,7 +29,7 @@ def _check_bits(bits: int) -> None:
 
 
 def pack(codes: Tensor, bits: int) -> Tensor:
-    """Pack a flat uint8 tensor of codes below 2**bits into ``packed_size(n, bits)`` bytes.
+    """Pack a 1-D uint8 tensor (any stride) of codes below 2**bits into ``packed_size(n, bits)`` bytes.
 
     The result is always a new tensor: it travels while the caller reuses ``codes``.
     """
@@ -46,10 +46,9 @@ def pack(codes: Tensor, bits: int) -> Tensor:
             part = part & ((1 << width) - 1)
         per_byte = 8 // width
         plane = out[start : start + body_codes // per_byte]
-        columns = part.view(-1, per_byte)
-        plane.copy_(columns[:, 0])
+        plane.copy_(part[0::per_byte])
         for i in range(1, per_byte):
-            plane.bitwise_or_(columns[:, i] << (i * width))
+            plane.bitwise_or_(part[i::per_byte] << (i * width))
         start += plane.numel()
         shift += width
     if n > body_codes:
@@ -63,6 +62,8 @@ def unpack(packed: Tensor, bits: int, numel: int, out: Tensor | None = None) -> 
     if packed.numel() != packed_size(numel, bits):
         raise ValueError(f"{packed.numel()} bytes cannot hold {numel} codes of {bits} bits")
     codes = torch.empty(numel, dtype=torch.uint8, device=packed.device) if out is None else out
+    if bits == 8:
+        return codes.copy_(packed)
     body_codes = (numel // 8) * 8
     body = codes[:body_codes]
     start = shift = 0

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from gradcomp.compressors import chunks
+from gradcomp.compressors.affine import Affine
 from gradcomp.compressors.base import CompressorConfig
 from gradcomp.compressors.quantize import AffineQuantizer
 from gradcomp.compressors.registry import register
@@ -50,15 +51,15 @@ class Sign(AffineQuantizer):
         return False
 
     def scales(self, flat: Tensor) -> Tensor:
-        magnitudes = self.workspace.take("abs", flat.numel(), torch.float32, flat.device)
+        magnitudes = self.workspace.take("abs", flat.numel(), flat.dtype, flat.device)
         torch.abs(flat, out=magnitudes)
-        return chunks.reduce(magnitudes, self.chunk, lambda v: v.mean(dim=1)).view(1, -1)
+        return chunks.reduce(magnitudes, self.chunk, lambda v: v.mean(dim=1, dtype=torch.float32)).view(1, -1)
 
-    def affine(self, scales: Tensor) -> tuple[Tensor, Tensor, int]:
+    def affine(self, scales: Tensor) -> Affine:
         # code 0 -> +scale, code 1 -> -scale
-        return scales[0], -2 * scales[0], 1
+        return Affine(base=scales[0], step=-2 * scales[0], levels=1)
 
-    def encode(self, flat: Tensor, offset: Tensor, step: Tensor, levels: int) -> Tensor:
+    def encode(self, flat: Tensor, mapping: Affine) -> Tensor:
         negative = self.workspace.take("negative", flat.numel(), torch.bool, flat.device)
         torch.lt(flat, 0, out=negative)
         return negative.view(torch.uint8)

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``gradcomp bench``: compressor kernels today; collectives and DDP steps next."""

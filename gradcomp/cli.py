@@ -1,0 +1,99 @@
+"""The ``gradcomp`` command.
+
+    gradcomp compressors                       list compressors and their options
+    gradcomp bench compressors [--sizes ...]   time every compressor against the memory floor
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import typing
+from collections.abc import Sequence
+
+import torch
+
+from gradcomp.compressors import REGISTRY
+from gradcomp.compressors.registry import WRAPPER_OPTIONS
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return int(args.run(args))
+    except ValueError as error:
+        parser.exit(2, f"gradcomp: error: {error}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gradcomp", description="Gradient compression for PyTorch.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    listing = commands.add_parser("compressors", help="list the registered compressors and their options")
+    listing.set_defaults(run=_list_compressors)
+
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    kernels = bench.add_parser("compressors", help="compress + decompress time against one fp16 cast")
+    kernels.add_argument("--sizes", default="1M,25M", help="comma-separated element counts (K, M, G suffixes)")
+    kernels.add_argument("--specs", default=None, help="semicolon-separated compressor specs (default: all)")
+    kernels.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    kernels.add_argument("--repeats", type=int, default=5, help="timed runs per figure; the median is kept")
+    kernels.add_argument("--seed", type=int, default=0)
+    kernels.add_argument("--device", default="cpu", help="where the tensors live (cpu, cuda)")
+    kernels.add_argument("--json", metavar="FILE", help="also write every figure and the machine to FILE")
+    kernels.set_defaults(run=_bench_compressors)
+    return parser
+
+
+def _list_compressors(args: argparse.Namespace) -> int:
+    for name, cls in sorted(REGISTRY.items()):
+        hints = typing.get_type_hints(cls.Config)
+        options = [f"{f.name}={f.default} ({_type_name(hints[f.name])})" for f in dataclasses.fields(cls.Config)]
+        summary = (cls.__doc__ or "").strip().splitlines()[0]
+        sys.stdout.write(f"{name:10s} {cls.aggregation.value:6s} {summary}\n")
+        for option in options:
+            sys.stdout.write(f"{'':17s} {option}\n")
+    sys.stdout.write(f"\nEvery spec also takes: {', '.join(WRAPPER_OPTIONS)} (error feedback, true/false).\n")
+    return 0
+
+
+def _type_name(hint: object) -> str:
+    if typing.get_origin(hint) is typing.Literal:
+        return " | ".join(map(str, typing.get_args(hint)))
+    return getattr(hint, "__name__", str(hint))
+
+
+def _bench_compressors(args: argparse.Namespace) -> int:
+    from gradcomp.bench import compressors as bench
+    from gradcomp.bench.timing import machine
+
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    sizes = [bench.parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    specs = [s.strip() for s in args.specs.split(";") if s.strip()] if args.specs else list(bench.DEFAULT_SPECS)
+    references, rows = bench.run(sizes, specs, repeats=args.repeats, seed=args.seed, device=args.device)
+    host = machine()
+    sys.stdout.write(f"gradcomp bench compressors: {host['cpu']}, torch {host['torch']}, {host['threads']} thread(s), "
+                     f"median of {args.repeats}\n\n")
+    sys.stdout.write(bench.format_table(references, rows) + "\n")
+    if args.json:
+        report = {
+            "machine": host,
+            "command": " ".join(sys.argv),
+            "references": [dataclasses.asdict(r) for r in references],
+            "rows": [r.as_dict() for r in rows],
+        }
+        with open(args.json, "w") as file:
+            json.dump(report, file, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Test helpers: the wire-cost formulas each compressor documents, and the protocol step by step."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradcomp.compressors import Aggregation, Compressor, Payload
+from gradcomp.compressors.simulate import sum_payloads
+from gradcomp.feedback import ErrorFeedback
+
+
+def index_bytes(n: int) -> int:
+    return 1 if n <= 2**8 else 2 if n <= 2**15 else 4 if n <= 2**31 else 8
+
+
+def expected_wire_bytes(compressor: Compressor, x: Tensor, payloads: list[Payload]) -> int:
+    """The documented wire cost of compressing ``x``, summed over rounds (``payloads``)."""
+    c = compressor.inner if isinstance(compressor, ErrorFeedback) else compressor
+    config: Any = c.config
+    n, size = x.numel(), x.element_size()
+    chunks = math.ceil(n / config.chunk) if hasattr(config, "chunk") else 0
+    name = c.name
+    if name == "none":
+        return n * size
+    if name in ("fp16", "bf16"):
+        return 2 * n
+    if name == "fp8":
+        return n + 4 * chunks
+    if name == "quantize":
+        return math.ceil(n * config.bits / 8) + 8 * chunks
+    if name == "qsgd":
+        return math.ceil(n * config.bits / 8) + 4 * chunks
+    if name == "terngrad":
+        return math.ceil(n * 2 / 8) + 4 * chunks
+    if name == "sign":
+        return math.ceil(n / 8) + 4 * chunks
+    if name in ("topk", "threshold"):
+        sent = payloads[0][0].numel()
+        if name == "topk" and config.method == "exact":
+            assert sent == min(n, max(1 if n else 0, math.ceil(round(config.ratio * n, 6))))
+        return sent * (size + index_bytes(n))
+    if name == "randomk":
+        return min(n, max(1 if n else 0, math.ceil(round(config.ratio * n, 6)))) * size
+    if name == "powersgd":
+        if x.dim() >= 2:
+            rows, cols = x.shape[0], n // x.shape[0] if x.shape[0] else 0
+            r = min(config.rank, rows, cols)
+            if r and r * (rows + cols) < n:
+                return 4 * r * (rows + cols)
+        return n * size
+    raise AssertionError(f"no formula for {name}")
+
+
+def run_rounds(compressors: list[Compressor], tensors: list[Tensor], key: Any = None) -> tuple[list[Any], list[Payload]]:
+    """Compress on every simulated rank through all rounds; return contexts and final local payloads."""
+    states = [c.compress(t, key) for c, t in zip(compressors, tensors, strict=True)]
+    for _ in range(1, compressors[0].rounds):
+        total = sum_payloads([p for p, _ in states])
+        states = [c.next_round(tuple(t.clone() for t in total), ctx) for c, (_, ctx) in zip(compressors, states)]
+    return [ctx for _, ctx in states], [p for p, _ in states]
+
+
+def aggregate(compressors: list[Compressor], contexts: list[Any], finals: list[Payload]) -> list[Tensor]:
+    """Every rank's decompressed aggregate, as the engine will compute it."""
+    if compressors[0].aggregation is Aggregation.SUM:
+        total = sum_payloads(finals)
+        return [c.decompress(tuple(t.clone() for t in total), ctx) for c, ctx in zip(compressors, contexts)]
+    return [c.decompress_sum(finals, ctx) for c, ctx in zip(compressors, contexts)]
+
+
+def relative_error(approx: Tensor, exact: Tensor) -> float:
+    return float((approx.double() - exact.double()).norm() / exact.double().norm().clamp_min(1e-30))

@@ -1,0 +1,90 @@
+"""Spec parsing: the same names and options in Python, on the command line and in sweep configs."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradcomp.compressors import REGISTRY, make_compressor, parse_spec
+from gradcomp.compressors.quantize import QuantizeConfig
+from gradcomp.compressors.topk import TopKConfig
+from gradcomp.feedback import ErrorFeedback
+
+
+def test_string_and_tuple_specs_agree() -> None:
+    a = parse_spec("topk:ratio=0.02,method=sampled")
+    b = parse_spec(("topk", {"ratio": 0.02, "method": "sampled"}))
+    assert a == b
+    assert a.config == TopKConfig(ratio=0.02, method="sampled")
+
+
+def test_spec_string_round_trips() -> None:
+    spec = parse_spec("quantize:bits=2,rounding=nearest,ef=true")
+    assert spec.ef
+    assert parse_spec(str(spec)) == spec
+
+
+def test_defaults_and_whitespace() -> None:
+    assert parse_spec(" quantize ").config == QuantizeConfig()
+    assert parse_spec("quantize: bits = 3 , chunk=16").config == QuantizeConfig(bits=3, chunk=16)
+
+
+def test_unknown_name_lists_valid_names() -> None:
+    with pytest.raises(ValueError, match="unknown compressor 'topq'") as info:
+        parse_spec("topq:ratio=0.1")
+    for name in REGISTRY:
+        assert name in str(info.value)
+
+
+def test_unknown_option_lists_valid_options() -> None:
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['k'\] for 'topk'.*method.*ratio.*ef"):
+        parse_spec("topk:k=10")
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("topk:ratio=0", r"ratio must be in \(0, 1\]"),
+        ("topk:ratio=1.5", r"ratio must be in \(0, 1\]"),
+        ("randomk:ratio=-0.1", r"ratio must be in \(0, 1\]"),
+        ("quantize:bits=0", r"bits must be in 1..8"),
+        ("quantize:bits=9", r"bits must be in 1..8"),
+        ("qsgd:bits=1", r"qsgd bits must be in 2..8"),
+        ("quantize:chunk=0", r"chunk must be >= 1"),
+        ("quantize:rounding=up", r"rounding.*stochastic, nearest"),
+        ("fp8:format=e3m4", r"format.*e4m3, e5m2"),
+        ("powersgd:rank=0", r"rank must be >= 1"),
+        ("threshold:tau=-1", r"tau must be a finite number >= 0"),
+        ("quantize:bits=four", r"'bits' must be an integer"),
+        ("topk:ratio=lots", r"'ratio' must be a number"),
+        ("randomk:scale=maybe", r"'scale' must be true or false"),
+        ("topk:ef=perhaps", r"'ef' must be true or false"),
+        ("topk:ratio", r"not of the form key=value"),
+        ("topk:ratio=0.1,ratio=0.2", r"given twice"),
+    ],
+)
+def test_bad_values_are_refused_clearly(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_spec(spec)
+
+
+def test_typed_values_are_checked_too() -> None:
+    with pytest.raises(ValueError, match="must be an integer"):
+        parse_spec(("quantize", {"bits": 2.5}))
+    with pytest.raises(ValueError, match="must be a number"):
+        parse_spec(("topk", {"ratio": True}))
+    with pytest.raises(TypeError, match="string or a"):
+        parse_spec(42)  # type: ignore[arg-type]
+
+
+def test_make_compressor_wraps_error_feedback() -> None:
+    plain = make_compressor("sign")
+    wrapped = make_compressor("sign:ef=true")
+    assert not isinstance(plain, ErrorFeedback)
+    assert isinstance(wrapped, ErrorFeedback)
+    assert wrapped.aggregation is plain.aggregation
+    assert repr(wrapped).endswith("ef=true")
+
+
+def test_config_type_is_checked() -> None:
+    with pytest.raises(TypeError, match="takes a TopKConfig"):
+        REGISTRY["topk"](QuantizeConfig())
