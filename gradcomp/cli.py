@@ -1,7 +1,7 @@
 """The ``gradcomp`` command.
 
-    gradcomp compressors                       list compressors and their options
-    gradcomp bench compressors [--sizes ...]   time every compressor against the memory floor
+gradcomp compressors                       list compressors and their options
+gradcomp bench compressors [--sizes ...]   time every compressor against the memory floor
 """
 
 from __future__ import annotations
@@ -80,8 +80,10 @@ def _bench_compressors(args: argparse.Namespace) -> int:
     specs = [s.strip() for s in args.specs.split(";") if s.strip()] if args.specs else list(bench.DEFAULT_SPECS)
     references, rows = bench.run(sizes, specs, repeats=args.repeats, seed=args.seed, device=args.device)
     host = machine()
-    sys.stdout.write(f"gradcomp bench compressors: {host['cpu']}, torch {host['torch']}, {host['threads']} thread(s), "
-                     f"median of {args.repeats}\n\n")
+    sys.stdout.write(
+        f"gradcomp bench compressors: {host['cpu']}, torch {host['torch']}, {host['threads']} thread(s), "
+        f"median of {args.repeats}\n\n"
+    )
     sys.stdout.write(bench.format_table(references, rows) + "\n")
     if args.json:
         report = {

@@ -66,12 +66,12 @@ class ErrorFeedback(Compressor):
         """The residual of ``key`` (zeros the first time), checked against the new gradient."""
         residual = self.residuals.get(key)
         if residual is None:
-            residual = torch.zeros_like(like)
+            residual = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
             self.residuals[key] = residual
         elif residual.shape != like.shape or residual.dtype != like.dtype or residual.device != like.device:
             raise ValueError(
-                f"error feedback key {key!r} held a {residual.dtype} residual of {residual.numel()} elements on "
-                f"{residual.device}, now gets {like.dtype} with {like.numel()} on {like.device}: "
+                f"error feedback key {key!r} held a {residual.dtype} residual of shape {tuple(residual.shape)} on "
+                f"{residual.device}, now gets {like.dtype} of shape {tuple(like.shape)} on {like.device}: "
                 "give every tensor its own key"
             )
         return residual
@@ -79,13 +79,13 @@ class ErrorFeedback(Compressor):
     def compress(
         self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
     ) -> tuple[Payload, FeedbackContext]:
-        flat = check_gradient(tensor)
-        residual = self.residual(key, flat)
+        check_gradient(tensor)
+        residual = self.residual(key, tensor)
         compensated = self._compensated.get(key)
-        if compensated is None or compensated.shape != flat.shape:
-            compensated = self._compensated[key] = torch.empty_like(flat)
-        torch.add(flat, residual, out=compensated)
-        payload, inner_ctx = self.inner.compress(compensated.view(tensor.shape), key, shapes)
+        if compensated is None or compensated.shape != residual.shape:
+            compensated = self._compensated[key] = torch.empty_like(residual)
+        torch.add(tensor, residual, out=compensated)
+        payload, inner_ctx = self.inner.compress(compensated, key, shapes)
         ctx = FeedbackContext(key, inner_ctx, compensated)
         if self.rounds == 1:
             self._update(payload, ctx)
@@ -107,9 +107,7 @@ class ErrorFeedback(Compressor):
     def decompress(self, payload: Payload, ctx: FeedbackContext, out: Tensor | None = None) -> Tensor:
         return self.inner.decompress(payload, ctx.inner, out=out)
 
-    def decompress_sum(
-        self, payloads: Sequence[Payload], ctx: FeedbackContext, out: Tensor | None = None
-    ) -> Tensor:
+    def decompress_sum(self, payloads: Sequence[Payload], ctx: FeedbackContext, out: Tensor | None = None) -> Tensor:
         return self.inner.decompress_sum(payloads, ctx.inner, out=out)
 
     def contribution(self, payload: Payload, ctx: FeedbackContext, out: Tensor | None = None) -> Tensor:

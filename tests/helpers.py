@@ -5,11 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from gradcomp.compressors import Aggregation, Compressor, Payload
-from gradcomp.compressors.simulate import sum_payloads
+from gradcomp.compressors import Compressor, Payload
 from gradcomp.feedback import ErrorFeedback
 
 
@@ -53,23 +51,6 @@ def expected_wire_bytes(compressor: Compressor, x: Tensor, payloads: list[Payloa
                 return 4 * r * (rows + cols)
         return n * size
     raise AssertionError(f"no formula for {name}")
-
-
-def run_rounds(compressors: list[Compressor], tensors: list[Tensor], key: Any = None) -> tuple[list[Any], list[Payload]]:
-    """Compress on every simulated rank through all rounds; return contexts and final local payloads."""
-    states = [c.compress(t, key) for c, t in zip(compressors, tensors, strict=True)]
-    for _ in range(1, compressors[0].rounds):
-        total = sum_payloads([p for p, _ in states])
-        states = [c.next_round(tuple(t.clone() for t in total), ctx) for c, (_, ctx) in zip(compressors, states)]
-    return [ctx for _, ctx in states], [p for p, _ in states]
-
-
-def aggregate(compressors: list[Compressor], contexts: list[Any], finals: list[Payload]) -> list[Tensor]:
-    """Every rank's decompressed aggregate, as the engine will compute it."""
-    if compressors[0].aggregation is Aggregation.SUM:
-        total = sum_payloads(finals)
-        return [c.decompress(tuple(t.clone() for t in total), ctx) for c, ctx in zip(compressors, contexts)]
-    return [c.decompress_sum(finals, ctx) for c, ctx in zip(compressors, contexts)]
 
 
 def relative_error(approx: Tensor, exact: Tensor) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -36,9 +37,7 @@ def test_layout_of_known_values() -> None:
 
 
 def test_unpack_refuses_wrong_sizes() -> None:
-    import pytest
-
     with pytest.raises(ValueError, match="cannot hold"):
         unpack(torch.zeros(3, dtype=torch.uint8), 4, 7)
-    with pytest.raises(ValueError, match="bits must be in 1..8"):
+    with pytest.raises(ValueError, match=r"bits must be in 1\.\.8"):
         pack(torch.zeros(8, dtype=torch.uint8), 9)

@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradcomp.compressors import Aggregation, make_compressor, roundtrip
+from gradcomp.compressors.simulate import aggregate, compress_all
 from tests.conftest import SPECS
-from tests.helpers import aggregate, expected_wire_bytes, relative_error, run_rounds
+from tests.helpers import expected_wire_bytes, relative_error
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
@@ -67,7 +68,7 @@ def test_stochastic_compressors_depend_on_the_seed(spec: str) -> None:
 def test_decompress_into_out_matches(spec: str) -> None:
     compressor = make_compressor(spec)
     x = torch.randn(50, 40)
-    contexts, finals = run_rounds([compressor], [x])
+    contexts, finals = compress_all([compressor], [x])
     expected = compressor.decompress(tuple(t.clone() for t in finals[0]), contexts[0]).clone()
     out = torch.full_like(x, float("nan"))
     result = compressor.decompress(tuple(t.clone() for t in finals[0]), contexts[0], out=out)
@@ -82,8 +83,8 @@ def test_decompress_into_out_matches(spec: str) -> None:
 def test_aggregate_is_the_sum_of_contributions_and_identical_on_every_rank(spec: str, ranks: int) -> None:
     tensors = [torch.randn(60, 50, generator=torch.Generator().manual_seed(r)) for r in range(ranks)]
     compressors = [make_compressor(spec, seed=3, rank=r) for r in range(ranks)]
-    contexts, finals = run_rounds(compressors, tensors)
-    contributions = [c.contribution(p, ctx).clone() for c, p, ctx in zip(compressors, finals, contexts)]
+    contexts, finals = compress_all(compressors, tensors)
+    contributions = [c.contribution(p, ctx).clone() for c, p, ctx in zip(compressors, finals, contexts, strict=False)]
     results = aggregate(compressors, contexts, finals)
     expected = torch.stack(contributions).sum(0)
     tolerance = {"fp16": 2.0**-10, "bf16": 2.0**-7}.get(spec, 1e-5)  # sums round in the payload dtype

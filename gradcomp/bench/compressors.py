@@ -87,7 +87,10 @@ class Row:
     def as_dict(self) -> dict[str, Any]:
         fields = dataclasses.asdict(self)
         fields.update(
-            total_ms=self.total_ms, gbps=self.gbps, ratio=self.ratio, vs_floor=self.vs_floor,
+            total_ms=self.total_ms,
+            gbps=self.gbps,
+            ratio=self.ratio,
+            vs_floor=self.vs_floor,
             vs_floor_into=self.vs_floor_into,
         )
         return fields

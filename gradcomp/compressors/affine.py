@@ -29,6 +29,8 @@ from gradcomp.compressors import chunks
 from gradcomp.compressors.workspace import Workspace
 
 NOISE_SCALE = 2.0**-16  # int16 noise r in [-2**15, 2**15) -> r * NOISE_SCALE in [-0.5, 0.5)
+
+
 def _magic(dtype: torch.dtype) -> float:
     """2**mantissa_bits: where the spacing of ``dtype`` is exactly 1 (2**23 for float32)."""
     return 1.0 / torch.finfo(dtype).eps

@@ -65,7 +65,9 @@ class Fp8(Compressor):
         dtype = DTYPES[self.config.format]
         scales = chunks.amax_abs(flat, self.config.chunk).float() / torch.finfo(dtype).max
         inverse = torch.where(scales > 0, 1.0 / torch.where(scales > 0, scales, 1.0), 0.0)
-        scaled = self.workspace.take("scaled", flat.numel(), torch.promote_types(flat.dtype, torch.float32), flat.device)
+        scaled = self.workspace.take(
+            "scaled", flat.numel(), torch.promote_types(flat.dtype, torch.float32), flat.device
+        )
         for (view, rows), (target, _) in zip(
             chunks.parts(flat, self.config.chunk), chunks.parts(scaled, self.config.chunk), strict=True
         ):

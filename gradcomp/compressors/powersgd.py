@@ -65,7 +65,8 @@ class PowerSGD(Compressor):
     two thin factors in two rounds of all-reduce: round one sums P = M Q (n x r), every rank
     orthonormalizes it (QR, safe for zero and rank-deficient columns), round two sums Q = M^T P
     (m x r). Vectors, and matrices that r * (n + m) would not shrink, travel uncompressed in round
-    one. Q is remembered per key for a warm start (the previous step's aggregate).
+    one. Q is remembered per key for a warm start (the previous step's aggregate); a column that
+    came back zero restarts from a random one.
 
     Wire: 4 * r * (n + m) bytes per compressed matrix, the raw bytes of the rest. Biased (a low-rank
     projection): use with error feedback, as the paper does. Pass ``shapes`` when compressing a
@@ -155,11 +156,14 @@ class PowerSGD(Compressor):
 
     def _initial_qs(self, key: Key, segments: list[Segment], device: torch.device) -> list[Tensor]:
         compressed = _compressed(segments)
-        remembered = self.memory.get(key)
-        if remembered is not None and [q.shape for q in remembered] == [(s.cols, s.rank) for s in compressed]:
-            return remembered
         generator = self.shared.on(device)
-        return [torch.randn(s.cols, s.rank, generator=generator, device=device) for s in compressed]
+        fresh = [torch.randn(s.cols, s.rank, generator=generator, device=device) for s in compressed]
+        remembered = self.memory.get(key)
+        if remembered is None or [q.shape for q in remembered] != [q.shape for q in fresh]:
+            return fresh
+        # A zero column (the tensor's gradient was zero last step) would make P rank-deficient for
+        # good: restart it from the random draw. torch.where keeps this free of host syncs.
+        return [torch.where(q.norm(dim=0) > 0, q, f) for q, f in zip(remembered, fresh, strict=True)]
 
     @staticmethod
     def _matrix(flat: Tensor, segment: Segment) -> Tensor:

@@ -53,7 +53,7 @@ class Spec:
         return f"{self.name}:{','.join(options)}" if options else self.name
 
 
-SpecLike = Union[str, tuple[str, Mapping[str, Any]], Spec]
+SpecLike = str | tuple[str, Mapping[str, Any]] | Spec
 
 
 def parse_spec(spec: SpecLike) -> Spec:
@@ -138,8 +138,9 @@ def _convert(key: str, value: Any, hint: Any) -> Any:
             try:
                 return hint(value) if hint is float else int(value, 10)
             except ValueError:
-                raise ValueError(f"option {key!r} must be {'an integer' if hint is int else 'a number'}; "
-                                 f"got {value!r}") from None
+                raise ValueError(
+                    f"option {key!r} must be {'an integer' if hint is int else 'a number'}; got {value!r}"
+                ) from None
         if hint is int and not isinstance(value, int):
             raise ValueError(f"option {key!r} must be an integer; got {value!r}")
         if not isinstance(value, (int, float)):

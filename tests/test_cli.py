@@ -1,0 +1,70 @@
+"""The `gradcomp` command: listing, the compressor benchmark end to end, and clear refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gradcomp.bench.compressors import DEFAULT_SPECS, Row, format_table, parse_size, run
+from gradcomp.cli import main
+from gradcomp.compressors import REGISTRY
+
+
+def test_lists_every_compressor(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compressors"]) == 0
+    out = capsys.readouterr().out
+    for name in REGISTRY:
+        assert name in out
+    assert "ratio=0.01 (float)" in out and "ef" in out
+
+
+def test_bench_compressors_writes_a_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = tmp_path / "bench.json"
+    specs = "fp16;topk:ratio=0.1;powersgd:rank=2"
+    assert (
+        main(["bench", "compressors", "--sizes", "4096,10K", "--repeats", "2", "--specs", specs, "--json", str(report)])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "| `fp16` |" in out and "topk:ratio=0.1" in out
+    data = json.loads(report.read_text())
+    assert data["machine"]["threads"] == 1
+    assert [r["numel"] for r in data["references"]] == [4096, 10_000]
+    rows = data["rows"]
+    assert len(rows) == 6
+    for row in rows:
+        assert row["compress_ms"] > 0 and row["floor_ms"] > 0
+        assert row["vs_floor"] == pytest.approx(row["total_ms"] / row["floor_ms"])
+    fp16 = next(r for r in rows if r["spec"] == "fp16" and r["numel"] == 4096)
+    assert fp16["wire_bytes"] == 2 * 4096 and fp16["ratio"] == 2.0
+    powersgd = next(r for r in rows if r["spec"].startswith("powersgd") and r["numel"] == 4096)
+    assert powersgd["wire_bytes"] == 4 * 2 * (64 + 64)  # 4096 elements are a 64 x 64 matrix
+
+
+def test_default_specs_all_parse_and_run_on_a_small_tensor() -> None:
+    references, rows = run([1000], DEFAULT_SPECS, repeats=1)
+    assert {r.spec.split(":")[0] for r in rows} == set(REGISTRY)
+    assert "| compressor |" in format_table(references, rows)
+    assert all(isinstance(r, Row) and r.wire_bytes > 0 for r in rows)
+
+
+@pytest.mark.parametrize(("text", "value"), [("1M", 10**6), ("25m", 25 * 10**6), ("4096", 4096), ("1.5K", 1500)])
+def test_parse_size(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["lots", "1.5", "-3", "2Q"])
+def test_parse_size_refuses_nonsense(text: str) -> None:
+    with pytest.raises(ValueError, match="size"):
+        parse_size(text)
+
+
+def test_bad_arguments_exit_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "compressors", "--specs", "topq", "--sizes", "10"])
+    assert exit_info.value.code == 2
+    assert "unknown compressor 'topq'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "compressors", "--threads", "0"])

@@ -1,0 +1,110 @@
+"""Error feedback conserves exactly, carries nothing across keys, and checkpoints exactly."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from gradcomp.compressors import make_compressor
+from gradcomp.compressors.simulate import compress_all
+from gradcomp.feedback import ErrorFeedback
+from tests.conftest import SPECS
+
+
+def gradients(steps: int, shape: tuple[int, ...] = (40, 30), seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_conservation_is_exact_each_step(spec: str) -> None:
+    """g + e_old == contribution + e_new, to float rounding, at every step."""
+    ef = make_compressor(f"{spec}{',' if ':' in spec else ':'}ef=true")
+    assert isinstance(ef, ErrorFeedback)
+    for g in gradients(4):
+        e_old = ef.residuals.get("w", torch.zeros_like(g)).clone()
+        contexts, finals = compress_all([ef], [g], key="w")
+        contribution = ef.contribution(finals[0], contexts[0])
+        e_new = ef.residuals["w"]
+        scale = float((g + e_old).abs().max())
+        assert torch.allclose(g + e_old, contribution + e_new, rtol=0, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize(
+    "spec", ["topk:ratio=0.05", "sign:chunk=64", "quantize:bits=2,rounding=nearest", "powersgd:rank=1"]
+)
+def test_nothing_is_lost_only_delayed(spec: str) -> None:
+    """Over T steps, the sum of what was sent plus the last residual is the sum of the gradients."""
+    ef = make_compressor(f"{spec},ef=true")
+    grads = gradients(20)
+    sent = torch.zeros_like(grads[0])
+    for g in grads:
+        contexts, finals = compress_all([ef], [g], key="w")
+        sent += ef.contribution(finals[0], contexts[0])
+    total = torch.stack(grads).sum(0)
+    assert torch.allclose(sent + ef.residuals["w"], total, atol=1e-4)
+    # and the residual stays bounded: a few gradients' worth, not a growing share of the sum
+    assert ef.residuals["w"].norm() < 5 * torch.stack([g.norm() for g in grads]).mean()
+
+
+def test_identity_with_feedback_keeps_a_zero_residual() -> None:
+    ef = make_compressor("none:ef=true")
+    for g in gradients(3):
+        compress_all([ef], [g], key="w")
+        assert torch.equal(ef.residuals["w"], torch.zeros_like(g))
+
+
+def test_keys_are_independent_and_checked() -> None:
+    ef = make_compressor("topk:ratio=0.1,ef=true")
+    a, b = gradients(1, (100,))[0], gradients(1, (100,), seed=1)[0]
+    compress_all([ef], [a], key="a")
+    compress_all([ef], [b], key="b")
+    assert set(ef.residuals) == {"a", "b"}
+    assert not torch.equal(ef.residuals["a"], ef.residuals["b"])
+    with pytest.raises(ValueError, match=r"key 'a' held a torch.float32 residual of shape \(100,\)"):
+        ef.compress(torch.randn(50), key="a")
+    with pytest.raises(ValueError, match="already has error feedback"):
+        ErrorFeedback(ef)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_checkpoint_resumes_exactly(spec: str) -> None:
+    """N steps, save, load into a fresh compressor, M more steps == N + M uninterrupted."""
+    grads = gradients(6)
+    reference = make_compressor(f"{spec}{',' if ':' in spec else ':'}ef=true", seed=4)
+    first = make_compressor(f"{spec}{',' if ':' in spec else ':'}ef=true", seed=4)
+    for g in grads[:3]:
+        compress_all([reference], [g], key=("layer", 0))
+        compress_all([first], [g], key=("layer", 0))
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    resumed = make_compressor(f"{spec}{',' if ':' in spec else ':'}ef=true", seed=4)
+    resumed.load_state_dict(state)
+    for g in grads[3:]:
+        ctx_a, final_a = compress_all([reference], [g], key=("layer", 0))
+        ctx_b, final_b = compress_all([resumed], [g], key=("layer", 0))
+        for ta, tb in zip(final_a[0], final_b[0], strict=True):
+            assert torch.equal(ta, tb)
+        assert torch.equal(reference.decompress(final_a[0], ctx_a[0]), resumed.decompress(final_b[0], ctx_b[0]))
+    assert torch.equal(reference.residuals[("layer", 0)], resumed.residuals[("layer", 0)])
+
+
+def test_generator_state_refuses_another_seed() -> None:
+    a, b = make_compressor("randomk", seed=1), make_compressor("randomk", seed=2)
+    compress_all([a], [torch.randn(100)])
+    with pytest.raises(ValueError, match="saved with seed 1"):
+        b.load_state_dict(a.state_dict())
+
+
+def test_a_non_contractive_compressor_makes_the_residual_grow() -> None:
+    """Why the docs pair error feedback with contractive (biased) compressors: stochastic 1-bit
+    min-max quantization can err by more than the value itself, and the residual then explodes."""
+    ef = make_compressor("quantize:bits=1,ef=true")
+    grads = gradients(20)
+    for g in grads:
+        compress_all([ef], [g], key="w")
+    assert ef.residuals["w"].norm() > 100 * torch.stack(grads).sum(0).norm()

@@ -1,0 +1,100 @@
+"""PowerSGD: exact on low-rank inputs, layout of flat buckets, warm start from the aggregate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradcomp.compressors import make_compressor, roundtrip, simulate
+from gradcomp.compressors.powersgd import PowerSGD
+from gradcomp.compressors.simulate import compress_all
+from tests.helpers import relative_error
+
+
+def low_rank(rows: int, cols: int, rank: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, rank, generator=generator) @ torch.randn(rank, cols, generator=generator)
+
+
+@pytest.mark.parametrize("rank", [1, 2, 4])
+def test_reconstructs_matrices_of_rank_at_most_r(rank: int) -> None:
+    m = low_rank(64, 48, rank)
+    assert relative_error(roundtrip(make_compressor(f"powersgd:rank={rank}"), m), m) < 1e-5
+
+
+def test_aggregate_of_ranks_is_exact_when_the_sum_is_low_rank() -> None:
+    left = torch.randn(64, 2)
+    parts = [left @ torch.randn(2, 48, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    results = simulate([make_compressor("powersgd:rank=2", seed=9, rank=r) for r in range(3)], parts)
+    assert relative_error(results[0], sum(parts)) < 1e-5
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
+def test_flat_bucket_is_split_by_shapes() -> None:
+    weight, bias, conv = low_rank(32, 20, 1), torch.randn(32), low_rank(8, 27, 1).view(8, 3, 3, 3)
+    flat = torch.cat([weight.view(-1), bias, conv.view(-1)])
+    compressor = PowerSGD(PowerSGD.Config(rank=1))
+    shapes = [weight.shape, bias.shape, conv.shape]
+    payload, _ctx = compressor.compress(flat, shapes=shapes)
+    segments = compressor.layout(flat.numel(), flat.shape, shapes)
+    assert [s.rank for s in segments] == [1, 0, 1]  # the vector travels uncompressed
+    assert payload[0].numel() == 32 + 8 and torch.equal(payload[1], bias)
+    result = roundtrip(compressor, flat, shapes=shapes)
+    assert relative_error(result, flat) < 1e-5
+    assert torch.equal(result[640:672], bias)  # uncompressed part is exact
+    # without the shapes, a flat bucket is one vector: sent whole
+    assert torch.equal(roundtrip(make_compressor("powersgd"), flat), flat)
+
+
+def test_matrices_that_would_not_shrink_travel_uncompressed() -> None:
+    m = torch.randn(3, 4)  # rank 2: 2 * (3 + 4) = 14 > 12 elements
+    compressor = make_compressor("powersgd:rank=2")
+    (p, raw), _ = compressor.compress(m)
+    assert p.numel() == 0 and torch.equal(raw, m.view(-1))
+    assert torch.equal(roundtrip(compressor, m), m)
+
+
+def test_shapes_must_cover_the_tensor() -> None:
+    with pytest.raises(ValueError, match="hold 12 elements, the tensor has 13"):
+        make_compressor("powersgd").compress(torch.randn(13), shapes=[torch.Size([3, 4])])
+
+
+def test_zero_and_rank_deficient_inputs_stay_finite() -> None:
+    compressor = make_compressor("powersgd:rank=4")
+    assert torch.equal(roundtrip(compressor, torch.zeros(20, 30)), torch.zeros(20, 30))
+    m = low_rank(20, 30, 1)
+    assert relative_error(roundtrip(compressor, m), m) < 1e-5
+
+
+def test_warm_start_remembers_the_aggregate_not_the_local_factor() -> None:
+    parts = [torch.randn(40, 30, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    compressors = [make_compressor("powersgd:rank=2", seed=1, rank=r) for r in range(2)]
+    contexts, finals = compress_all(compressors, parts, key="w")
+    for c, ctx in zip(compressors, contexts, strict=True):
+        c.contribution(finals[0], ctx)  # error feedback's local view must not touch the memory
+        assert "w" not in c.memory  # type: ignore[attr-defined]
+    q_sum = finals[0][0] + finals[1][0]
+    for c, ctx in zip(compressors, contexts, strict=True):
+        c.decompress((q_sum.clone(),), ctx)
+        assert torch.equal(torch.cat([q.view(-1) for q in c.memory["w"]]), q_sum)  # type: ignore[attr-defined]
+
+
+def test_warm_start_converges_to_the_best_rank_r_approximation() -> None:
+    """Repeated power iterations on a fixed matrix approach its truncated SVD."""
+    m = torch.randn(50, 40) + 3 * low_rank(50, 40, 1)
+    compressor = make_compressor("powersgd:rank=1")
+    for _ in range(30):
+        approx = roundtrip(compressor, m, key="w")
+    u, s, vh = torch.linalg.svd(m)
+    best = s[0] * torch.outer(u[:, 0], vh[0])
+    assert relative_error(approx, best) < 1e-3
+    cold = make_compressor("powersgd:rank=1,warm_start=false")
+    errors = [relative_error(roundtrip(cold, m, key="w"), best) for _ in range(5)]
+    assert min(errors) > relative_error(approx, best)
+
+
+def test_decompress_before_the_second_round_is_an_error() -> None:
+    compressor = make_compressor("powersgd")
+    payload, ctx = compressor.compress(torch.randn(20, 30))
+    with pytest.raises(RuntimeError, match="needs two rounds"):
+        compressor.decompress(payload, ctx)
