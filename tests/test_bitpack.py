@@ -28,8 +28,8 @@ def test_strided_codes_pack_like_contiguous_ones(bits: int, n: int) -> None:
 
 
 def test_layout_of_known_values() -> None:
-    # 4-bit: two codes per byte, first in the low nibble.
-    assert pack(torch.tensor([1, 2, 3, 4, 5, 6, 7, 8], dtype=torch.uint8), 4).tolist() == [0x21, 0x43, 0x65, 0x87]
+    # 4-bit, planar: byte j holds codes j (low nibble) and j + n/2 (high nibble).
+    assert pack(torch.tensor([1, 2, 3, 4, 5, 6, 7, 8], dtype=torch.uint8), 4).tolist() == [0x51, 0x62, 0x73, 0x84]
     # 1-bit: first code in the lowest bit.
     assert pack(torch.tensor([1, 0, 0, 0, 0, 0, 0, 1], dtype=torch.uint8), 1).tolist() == [0x81]
     # a short tail is one little-endian bit string: 3-bit codes 5, 6 -> 0b110_101

@@ -10,11 +10,11 @@ Stochastic rounding rounds up with probability equal to the fractional part, so 
 real code and the quantizer is unbiased. The noise has 16 random bits per element, which leaves a
 bias below 2**-16 of a step, under float32's own resolution of codes near 255.
 
-Rounding uses the float32 "magic number": adding 2**23 to y in [0, 2**23) leaves round(y) (to
-nearest, ties to even) in the low mantissa bits, so the uint8 code is the low byte of each float,
-read in place by the bit-packer. That replaces a float -> uint8 conversion pass (3x dearer than
-the add). Cost per element: the map (two passes), the rounding add, and for stochastic rounding 2
-random bytes, their conversion, an add and a clamp; temporaries live in the compressor's workspace.
+Rounding uses the float32 "magic number": adding 2**23 + 256 to y in [-256, 2**23) leaves round(y)
+(to nearest, ties to even) plus 256 in the mantissa, so the uint8 code is the low byte of each float,
+copied out with one strided read. That replaces a float -> uint8 conversion (8x dearer than the
+add). Cost per element: the map (two passes), the rounding add, the byte copy, and for stochastic
+rounding 2 random bytes, their conversion and an add; temporaries live in the compressor's workspace.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Affine:
 def encode(flat: Tensor, affine: Affine, chunk: int, generator: torch.Generator | None, workspace: Workspace) -> Tensor:
     """Codes in ``0..levels``, stochastic when ``generator`` is given.
 
-    Returns a strided uint8 view into a workspace buffer: valid until the next call.
+    Returns a contiguous uint8 workspace buffer: valid until the next call.
     """
     n = flat.numel()
     # float32 arithmetic for every narrower input; float64 stays float64
@@ -69,18 +69,28 @@ def encode(flat: Tensor, affine: Affine, chunk: int, generator: torch.Generator 
         else:
             torch.sub(view, affine.base[rows, None], out=y_view)
             y_view.mul_(inverse[rows, None])
-    # y + zero is in [0, levels] up to rounding. Nearest rounding needs no clamp: round() cannot
-    # leave [0, levels]. Stochastic rounding is round(y + r) with r uniform in [-0.5, 0.5), i.e.
-    # floor(y + u) with u uniform in [0, 1), and is clamped because y's rounding error could
-    # otherwise reach levels + 1 (which the low byte would wrap to 0).
+    # y + zero is in [0, levels] up to float rounding. Stochastic rounding is round(y + r) with r
+    # uniform in [-0.5, 0.5): that is floor(y + u) with u uniform in [0, 1).
     if generator is not None:
         words = workspace.take("affine.random", -(-n // 4), torch.int64, flat.device)
         words.random_(-(2**63), None, generator=generator)  # all 64 bits; the default leaves the top one 0
         noise = workspace.take("affine.noise", n, y.dtype, flat.device)
         noise.copy_(words.view(torch.int16)[:n])
-        y.add_(noise, alpha=NOISE_SCALE).clamp_(-affine.zero, affine.levels - affine.zero)
-    y.add_(_magic(y.dtype) + affine.zero)
-    return _low_bytes(y)
+        y.add_(noise, alpha=NOISE_SCALE)
+        if affine.levels >= 255:
+            # y's rounding error can lift y + r to levels + 0.5, i.e. code 256, whose low byte is 0
+            y.clamp_(max=affine.levels - affine.zero)
+    # + 256: y + r can be as low as -0.5, and below the magic number the spacing is 0.5, not 1.
+    # A multiple of 256 keeps the low byte equal to the code.
+    y.add_(_magic(y.dtype) + 256 + affine.zero)
+    codes = workspace.take("affine.codes", n, torch.uint8, flat.device)
+    codes.copy_(_low_bytes(y))  # one strided read; everything after works on contiguous bytes
+    if generator is not None and affine.levels < 255:
+        # Below 255 an overshoot to levels + 1 still fits in the byte; y + r >= -0.5 never rounds
+        # below 0 (the tie goes to the even 256), so only the top needs clamping. Nearest rounding
+        # needs neither: y is in [0, levels (1 + 2**-22)].
+        codes.clamp_max_(affine.levels)
+    return codes
 
 
 def decode(codes: Tensor, affine: Affine, chunk: int, out: Tensor, workspace: Workspace) -> Tensor:
