@@ -7,14 +7,16 @@ zero = s, so that the zero level decodes to exactly 0; ``terngrad``: the same wi
 what they send for them.
 
 Stochastic rounding rounds up with probability equal to the fractional part, so E[q] equals the
-real code and the quantizer is unbiased. The noise has 16 random bits per element, which leaves a
-bias below 2**-16 of a step, under float32's own resolution of codes near 255.
+real code and the quantizer is unbiased. The uniform noise is 8 random bits per element plus one
+continuous offset per chunk: exactly uniform for every element, and only 1 byte of random data per
+element (random bits cost more than all the arithmetic here). Rounding decisions within a chunk
+share the offset, which correlates them by at most 1/256.
 
 Rounding uses the float32 "magic number": adding 2**23 + 256 to y in [-256, 2**23) leaves round(y)
 (to nearest, ties to even) plus 256 in the mantissa, so the uint8 code is the low byte of each float,
 copied out with one strided read. That replaces a float -> uint8 conversion (8x dearer than the
 add). Cost per element: the map (two passes), the rounding add, the byte copy, and for stochastic
-rounding 2 random bytes, their conversion and an add; temporaries live in the compressor's workspace.
+rounding 1 random byte, its conversion and an add; temporaries live in the compressor's workspace.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from torch import Tensor
 from gradcomp.compressors import chunks
 from gradcomp.compressors.workspace import Workspace
 
-NOISE_SCALE = 2.0**-16  # int16 noise r in [-2**15, 2**15) -> r * NOISE_SCALE in [-0.5, 0.5)
 
 
 def _magic(dtype: torch.dtype) -> float:
@@ -63,30 +64,37 @@ def encode(flat: Tensor, affine: Affine, chunk: int, generator: torch.Generator 
     step = affine.step
     positive = step > 0
     inverse = torch.where(positive, 1.0 / torch.where(positive, step, 1.0), 0.0)
+    base = affine.base
+    if generator is not None:
+        # Stochastic rounding is floor(y + u), u uniform in [0, 1), computed as round(y + u - 0.5).
+        # u = (r + v) / 256: r, 8 random bits per element, and v, uniform in [0, 1) per chunk.
+        # Their sum is exactly uniform, so each code is exactly unbiased, at a quarter of the random
+        # bits that 32-bit noise would cost; (v / 256 - 0.5) steps are folded into the chunk's base.
+        v = torch.rand(step.numel(), generator=generator, device=flat.device, dtype=torch.float64)
+        shift = (v / 256 - 0.5) * torch.where(positive, step, 0.0).double()
+        base = (-shift if base is None else base.double() - shift).to(step.dtype)
     for (view, rows), (y_view, _) in zip(chunks.parts(flat, chunk), chunks.parts(y, chunk), strict=True):
-        if affine.base is None:
+        if base is None:
             torch.mul(view, inverse[rows, None], out=y_view)
         else:
-            torch.sub(view, affine.base[rows, None], out=y_view)
+            torch.sub(view, base[rows, None], out=y_view)
             y_view.mul_(inverse[rows, None])
-    # y + zero is in [0, levels] up to float rounding. Stochastic rounding is round(y + r) with r
-    # uniform in [-0.5, 0.5): that is floor(y + u) with u uniform in [0, 1).
     if generator is not None:
-        words = workspace.take("affine.random", -(-n // 4), torch.int64, flat.device)
+        words = workspace.take("affine.random", -(-n // 8), torch.int64, flat.device)
         words.random_(-(2**63), None, generator=generator)  # all 64 bits; the default leaves the top one 0
         noise = workspace.take("affine.noise", n, y.dtype, flat.device)
-        noise.copy_(words.view(torch.int16)[:n])
-        y.add_(noise, alpha=NOISE_SCALE)
+        noise.copy_(words.view(torch.uint8)[:n])
+        y.add_(noise, alpha=1 / 256)
         if affine.levels >= 255:
-            # y's rounding error can lift y + r to levels + 0.5, i.e. code 256, whose low byte is 0
+            # y's rounding error can lift y + u - 0.5 to levels + 0.5, i.e. code 256, whose low byte is 0
             y.clamp_(max=affine.levels - affine.zero)
-    # + 256: y + r can be as low as -0.5, and below the magic number the spacing is 0.5, not 1.
+    # + 256: y can be as low as -0.5, and below the magic number the spacing is 0.5, not 1.
     # A multiple of 256 keeps the low byte equal to the code.
     y.add_(_magic(y.dtype) + 256 + affine.zero)
     codes = workspace.take("affine.codes", n, torch.uint8, flat.device)
     codes.copy_(_low_bytes(y))  # one strided read; everything after works on contiguous bytes
     if generator is not None and affine.levels < 255:
-        # Below 255 an overshoot to levels + 1 still fits in the byte; y + r >= -0.5 never rounds
+        # Below 255 an overshoot to levels + 1 still fits in the byte; y >= -0.5 never rounds
         # below 0 (the tie goes to the even 256), so only the top needs clamping. Nearest rounding
         # needs neither: y is in [0, levels (1 + 2**-22)].
         codes.clamp_max_(affine.levels)

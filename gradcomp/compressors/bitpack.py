@@ -38,10 +38,11 @@ def _check_bits(bits: int) -> None:
         raise ValueError(f"bits must be in 1..8, got {bits}")
 
 
-def pack(codes: Tensor, bits: int) -> Tensor:
+def pack(codes: Tensor, bits: int, scratch: Tensor | None = None) -> Tensor:
     """Pack a 1-D uint8 tensor of codes below 2**bits into ``packed_size(n, bits)`` bytes.
 
-    The result is always a new tensor: it travels while the caller reuses ``codes``.
+    The result is always a new tensor: it travels while the caller reuses ``codes``. ``scratch``
+    (n contiguous bytes) spares an allocation when codes have several parts (3, 5, 6, 7 bits).
     """
     _check_bits(bits)
     n = codes.numel()
@@ -52,16 +53,20 @@ def pack(codes: Tensor, bits: int) -> Tensor:
         per_byte = 8 // width
         length = body // per_byte
         plane = out[start : start + length]
-        for i in range(per_byte):
-            part = codes[i * length : (i + 1) * length]
-            if shift:
-                part = part >> shift
-            if shift + width < bits:
-                part = part & ((1 << width) - 1)
-            if i == 0:
-                plane.copy_(part)
+        part = codes[:body]
+        if width < bits:  # isolate this part's bits once, contiguously
+            isolated = torch.empty_like(part) if scratch is None else scratch[:body]
+            if shift == 0:
+                torch.bitwise_and(part, (1 << width) - 1, out=isolated)
             else:
-                plane.bitwise_or_(part << (i * width))
+                torch.bitwise_right_shift(part, shift, out=isolated)
+                if shift + width < bits:
+                    isolated.bitwise_and_((1 << width) - 1)
+            part = isolated
+        # Horner's scheme, in place: ((p[k-1] << w | p[k-2]) << w | ...) | p[0]
+        plane.copy_(part[(per_byte - 1) * length :])
+        for i in range(per_byte - 2, -1, -1):
+            plane.bitwise_left_shift_(width).bitwise_or_(part[i * length : (i + 1) * length])
         start += length
         shift += width
     if n > body:
@@ -69,8 +74,13 @@ def pack(codes: Tensor, bits: int) -> Tensor:
     return out
 
 
-def unpack(packed: Tensor, bits: int, numel: int, out: Tensor | None = None) -> Tensor:
-    """Inverse of :func:`pack`: ``numel`` uint8 codes, written into ``out`` (contiguous) when given."""
+def unpack(
+    packed: Tensor, bits: int, numel: int, out: Tensor | None = None, scratch: Tensor | None = None
+) -> Tensor:
+    """Inverse of :func:`pack`: ``numel`` uint8 codes, written into ``out`` (contiguous) when given.
+
+    ``scratch`` (at least numel / 2 bytes) spares allocations when codes have several parts.
+    """
     _check_bits(bits)
     if packed.numel() != packed_size(numel, bits):
         raise ValueError(f"{packed.numel()} bytes cannot hold {numel} codes of {bits} bits")
@@ -89,7 +99,9 @@ def unpack(packed: Tensor, bits: int, numel: int, out: Tensor | None = None) -> 
                 if width < 8:
                     target.bitwise_and_(mask)
             else:
-                target.bitwise_or_(((plane >> (i * width)) & mask) << shift)
+                piece = torch.empty_like(plane) if scratch is None else scratch[:length]
+                torch.bitwise_right_shift(plane, i * width, out=piece)
+                target.bitwise_or_(piece.bitwise_and_(mask).bitwise_left_shift_(shift))
         start += length
         shift += width
     if numel > body:

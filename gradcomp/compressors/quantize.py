@@ -89,13 +89,15 @@ class AffineQuantizer(Compressor):
         flat = check_gradient(tensor)
         scales = self.scales(flat)
         codes = self.encode(flat, self.affine(scales))
-        return (bitpack.pack(codes, self.bits), scales), Meta.of(tensor)
+        scratch = self.workspace.take("pack", flat.numel(), torch.uint8, flat.device)
+        return (bitpack.pack(codes, self.bits, scratch), scales), Meta.of(tensor)
 
     def decompress(self, payload: Payload, ctx: Meta, out: Tensor | None = None) -> Tensor:
         packed, scales = payload
         result = flat_out(out, ctx, packed.device)
         codes = self.workspace.take("codes", ctx.numel, torch.uint8, packed.device)
-        bitpack.unpack(packed, self.bits, ctx.numel, out=codes)
+        scratch = self.workspace.take("unpack", ctx.numel // 2, torch.uint8, packed.device)
+        bitpack.unpack(packed, self.bits, ctx.numel, out=codes, scratch=scratch)
         affine.decode(codes, self.affine(scales), self.chunk, result, self.workspace)
         return result.view(ctx.shape)
 
