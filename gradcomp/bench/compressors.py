@@ -31,6 +31,7 @@ DEFAULT_SPECS = (
     "quantize:bits=8",
     "quantize:bits=4",
     "quantize:bits=4,rounding=nearest",
+    "quantize:bits=3",
     "quantize:bits=2",
     "qsgd:bits=4",
     "terngrad",
