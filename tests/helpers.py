@@ -10,6 +10,29 @@ from torch import Tensor
 from gradcomp.compressors import Compressor, Payload
 from gradcomp.feedback import ErrorFeedback
 
+# One spec per compressor family and variant: every property test runs over all of them.
+SPECS = [
+    "none",
+    "fp16",
+    "bf16",
+    "fp8:format=e4m3,chunk=64",
+    "fp8:format=e5m2",
+    "quantize:bits=1,chunk=100",
+    "quantize:bits=3,rounding=nearest",
+    "quantize:bits=4",
+    "quantize:bits=8,chunk=7",
+    "qsgd:bits=2",
+    "qsgd:bits=5,chunk=33",
+    "terngrad:chunk=50",
+    "sign:chunk=64",
+    "topk:ratio=0.05",
+    "topk:ratio=0.01,method=sampled",
+    "randomk:ratio=0.1",
+    "randomk:ratio=0.3,scale=false",
+    "threshold:tau=0.5",
+    "powersgd:rank=2",
+]
+
 
 def index_bytes(n: int) -> int:
     return 1 if n <= 2**8 else 2 if n <= 2**15 else 4 if n <= 2**31 else 8

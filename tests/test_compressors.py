@@ -9,8 +9,7 @@ from hypothesis import strategies as st
 
 from gradcomp.compressors import Aggregation, make_compressor, roundtrip
 from gradcomp.compressors.simulate import aggregate, compress_all
-from tests.conftest import SPECS
-from tests.helpers import expected_wire_bytes, relative_error
+from tests.helpers import SPECS, expected_wire_bytes, relative_error
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
@@ -198,3 +197,16 @@ def test_randomk_picks_one_element_per_block_identically_on_all_ranks() -> None:
 def test_aggregation_kinds_are_declared() -> None:
     kinds = {spec.split(":")[0]: make_compressor(spec).aggregation for spec in SPECS}
     assert {n for n, k in kinds.items() if k is Aggregation.SUM} == {"none", "fp16", "bf16", "randomk", "powersgd"}
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decompress_sum_leaves_the_payloads_alone(spec: str, dtype: torch.dtype) -> None:
+    compressor = make_compressor(spec)
+    payloads = [compressor.compress(torch.randn(30, 20).to(dtype))[0] for _ in range(3)]
+    before = [tuple(t.clone() for t in p) for p in payloads]
+    if compressor.rounds == 1:
+        ctx = compressor.compress(torch.randn(30, 20).to(dtype))[1]
+        compressor.decompress_sum(payloads, ctx)
+    for p, b in zip(payloads, before, strict=True):
+        assert all(torch.equal(t, u) for t, u in zip(p, b, strict=True))

@@ -10,7 +10,7 @@ import torch
 from gradcomp.compressors import make_compressor
 from gradcomp.compressors.simulate import compress_all
 from gradcomp.feedback import ErrorFeedback
-from tests.conftest import SPECS
+from tests.helpers import SPECS
 
 
 def gradients(steps: int, shape: tuple[int, ...] = (40, 30), seed: int = 0) -> list[torch.Tensor]:

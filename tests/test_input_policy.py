@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gradcomp.compressors import make_compressor, roundtrip
-from tests.conftest import SPECS
+from tests.helpers import SPECS
 
 
 @pytest.mark.parametrize("spec", SPECS)

@@ -8,6 +8,7 @@ from gradcomp.compressors import REGISTRY, make_compressor, parse_spec
 from gradcomp.compressors.quantize import QuantizeConfig
 from gradcomp.compressors.topk import TopKConfig
 from gradcomp.feedback import ErrorFeedback
+from tests.helpers import SPECS
 
 
 def test_string_and_tuple_specs_agree() -> None:
@@ -88,3 +89,7 @@ def test_make_compressor_wraps_error_feedback() -> None:
 def test_config_type_is_checked() -> None:
     with pytest.raises(TypeError, match="takes a TopKConfig"):
         REGISTRY["topk"](QuantizeConfig())
+
+
+def test_the_shared_spec_list_covers_every_registered_compressor() -> None:
+    assert {spec.split(":")[0] for spec in SPECS} == set(REGISTRY)

@@ -31,7 +31,6 @@ from gradcomp.compressors import chunks
 from gradcomp.compressors.workspace import Workspace
 
 
-
 def _magic(dtype: torch.dtype) -> float:
     """2**mantissa_bits: where the spacing of ``dtype`` is exactly 1 (2**23 for float32)."""
     return 1.0 / torch.finfo(dtype).eps

@@ -163,6 +163,8 @@ class Compressor(ABC):
         result = self.decompress(payloads[0], ctx, out=out)
         if len(payloads) == 1:
             return result
+        if out is None and _shares_memory(result, payloads[0]):
+            result = result.clone()  # the sum must not be written into rank 0's payload
         if result.dtype in (torch.float16, torch.bfloat16):
             acc = result.float()
             for payload in payloads[1:]:
@@ -226,6 +228,11 @@ def flat_out(out: Tensor | None, meta: Meta, device: torch.device) -> Tensor:
             f"got {out.dtype} with {out.numel()} elements (contiguous={out.is_contiguous()})"
         )
     return out.view(-1)
+
+
+def _shares_memory(tensor: Tensor, payload: Payload) -> bool:
+    storage = tensor.untyped_storage().data_ptr()
+    return any(t.untyped_storage().data_ptr() == storage for t in payload)
 
 
 def check_gradient(tensor: Tensor) -> Tensor:

@@ -74,9 +74,7 @@ def pack(codes: Tensor, bits: int, scratch: Tensor | None = None) -> Tensor:
     return out
 
 
-def unpack(
-    packed: Tensor, bits: int, numel: int, out: Tensor | None = None, scratch: Tensor | None = None
-) -> Tensor:
+def unpack(packed: Tensor, bits: int, numel: int, out: Tensor | None = None, scratch: Tensor | None = None) -> Tensor:
     """Inverse of :func:`pack`: ``numel`` uint8 codes, written into ``out`` (contiguous) when given.
 
     ``scratch`` (at least numel / 2 bytes) spares allocations when codes have several parts.
