@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from gradcomp.compressors import REGISTRY
+from gradcomp.compressors.base import format_value
 from gradcomp.compressors.registry import WRAPPER_OPTIONS
 
 
@@ -28,6 +29,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args))
     except ValueError as error:
         parser.exit(2, f"gradcomp: error: {error}\n")
+    except BrokenPipeError:  # the reader left (`gradcomp compressors | head`): not an error
+        sys.stderr.close()
+        return 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,7 +58,9 @@ def _parser() -> argparse.ArgumentParser:
 def _list_compressors(args: argparse.Namespace) -> int:
     for name, cls in sorted(REGISTRY.items()):
         hints = typing.get_type_hints(cls.Config)
-        options = [f"{f.name}={f.default} ({_type_name(hints[f.name])})" for f in dataclasses.fields(cls.Config)]
+        options = [
+            f"{f.name}={format_value(f.default)} ({_type_name(hints[f.name])})" for f in dataclasses.fields(cls.Config)
+        ]
         summary = (cls.__doc__ or "").strip().splitlines()[0]
         sys.stdout.write(f"{name:10s} {cls.aggregation.value:6s} {summary}\n")
         for option in options:

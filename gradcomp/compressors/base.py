@@ -81,6 +81,31 @@ class CompressorConfig:
     """
 
 
+@dataclasses.dataclass(frozen=True)
+class ChunkedConfig(CompressorConfig):
+    """Configs of compressors that send a scale per chunk of consecutive elements."""
+
+    chunk: int = 1024
+    """Elements per scale: smaller chunks follow the gradient's magnitudes more closely and send
+    more scales."""
+
+    def __post_init__(self) -> None:
+        if self.chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {self.chunk}")
+
+
+def format_value(value: Any) -> str:
+    """A config value as a spec writes it (booleans as true/false)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def spec_text(name: str, config: CompressorConfig, extra: Sequence[str] = ()) -> str:
+    """``name:key=value,...``: the spec string of a compressor and its config."""
+    options = [f"{f.name}={format_value(getattr(config, f.name))}" for f in dataclasses.fields(config)]
+    options += extra
+    return f"{name}:{','.join(options)}" if options else name
+
+
 class Compressor(ABC):
     """Base class: subclasses set ``name``, ``aggregation``, ``Config`` and implement the codec.
 
@@ -111,8 +136,8 @@ class Compressor(ABC):
         self.workspace = Workspace()
 
     def __repr__(self) -> str:
-        options = ",".join(f"{f.name}={getattr(self.config, f.name)}" for f in dataclasses.fields(self.config))
-        return f"{self.name}:{options}" if options else self.name
+        """The spec that builds this compressor."""
+        return spec_text(self.name, self.config)
 
     @property
     def unbiased(self) -> bool:

@@ -29,7 +29,7 @@ class NoOptions(CompressorConfig):
 
 @register
 class Identity(Compressor):
-    """``none``: the gradient itself travels. Exact; the reference every other compressor is held to.
+    """The gradient itself travels. Exact: the reference every other compressor is held to.
 
     Wire: the input's bytes (4 per float32 element). The payload aliases the input (no copy).
     """
@@ -78,7 +78,7 @@ class Cast(Compressor):
 
 @register
 class Fp16(Cast):
-    """``fp16``: IEEE half precision, as torch's ``fp16_compress_hook``.
+    """IEEE half precision, summed in half precision, as torch's ``fp16_compress_hook``.
 
     Wire: 2 bytes per element. Error: relative 2**-11 for |x| in [6.1e-5, 65504]; smaller values
     lose precision (subnormals) and larger ones overflow to Inf, so the engine divides by the world
@@ -92,7 +92,7 @@ class Fp16(Cast):
 
 @register
 class Bf16(Cast):
-    """``bf16``: bfloat16, float32's exponent range with 8 bits of mantissa.
+    """bfloat16: float32's exponent range with 8 bits of mantissa; also on CPU/gloo.
 
     Wire: 2 bytes per element. Error: relative 2**-8; no overflow for any float32 value, so sums of
     many ranks are safe. Works on CPU/gloo, where torch's ``bf16_compress_hook`` refuses.

@@ -12,8 +12,8 @@ from torch import Tensor
 from gradcomp.compressors import chunks
 from gradcomp.compressors.base import (
     Aggregation,
+    ChunkedConfig,
     Compressor,
-    CompressorConfig,
     Key,
     Meta,
     Payload,
@@ -28,17 +28,16 @@ DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.flo
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8Config(CompressorConfig):
+class Fp8Config(ChunkedConfig):
+    """``chunk``: elements per float32 scale."""
+
     format: Format = "e4m3"
     """``e4m3`` (3 mantissa bits, more precise) or ``e5m2`` (2 mantissa bits, wider range)."""
-    chunk: int = 1024
-    """Elements per float32 scale."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.format not in DTYPES:
             raise ValueError(f"format must be one of {', '.join(DTYPES)}, got {self.format!r}")
-        if self.chunk < 1:
-            raise ValueError(f"chunk must be >= 1, got {self.chunk}")
 
 
 @register

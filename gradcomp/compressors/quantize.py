@@ -19,6 +19,7 @@ from gradcomp.compressors import affine, bitpack, chunks
 from gradcomp.compressors.affine import Affine
 from gradcomp.compressors.base import (
     Aggregation,
+    ChunkedConfig,
     Compressor,
     CompressorConfig,
     Key,
@@ -33,11 +34,6 @@ from gradcomp.compressors.registry import register
 Rounding = Literal["stochastic", "nearest"]
 
 
-def _check_chunk(chunk: int) -> None:
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
-
-
 class AffineQuantizer(Compressor):
     """Base of the quantizers: codes = round((x - offset) / step) per chunk, bit-packed.
 
@@ -46,6 +42,7 @@ class AffineQuantizer(Compressor):
     """
 
     aggregation = Aggregation.GATHER
+    config: ChunkedConfig
 
     def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
         super().__init__(config, seed=seed, rank=rank)
@@ -58,9 +55,9 @@ class AffineQuantizer(Compressor):
         """Bits per code on the wire."""
 
     @property
-    @abstractmethod
     def chunk(self) -> int:
         """Elements per scale."""
+        return self.config.chunk
 
     @property
     def stochastic(self) -> bool:
@@ -115,18 +112,18 @@ def _finite_float32(values: Tensor) -> Tensor:
 
 
 @dataclasses.dataclass(frozen=True)
-class QuantizeConfig(CompressorConfig):
+class QuantizeConfig(ChunkedConfig):
+    """``chunk``: elements per (min, step) pair, 8 bytes each."""
+
     bits: int = 4
     """Bits per element, 1..8."""
-    chunk: int = 1024
-    """Elements per (min, step) pair; smaller chunks are more accurate and cost 8 bytes each."""
     rounding: Rounding = "stochastic"
     """``stochastic`` (unbiased) or ``nearest`` (biased, lower variance)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 1 <= self.bits <= 8:
             raise ValueError(f"bits must be in 1..8, got {self.bits}")
-        _check_chunk(self.chunk)
         if self.rounding not in ("stochastic", "nearest"):
             raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {self.rounding!r}")
 
@@ -150,10 +147,6 @@ class Quantize(AffineQuantizer):
     @property
     def bits(self) -> int:
         return self.config.bits
-
-    @property
-    def chunk(self) -> int:
-        return self.config.chunk
 
     @property
     def stochastic(self) -> bool:
@@ -187,16 +180,16 @@ class SymmetricQuantizer(AffineQuantizer):
 
 
 @dataclasses.dataclass(frozen=True)
-class QSGDConfig(CompressorConfig):
-    bits: int = 4
-    """Bits per element, 2..8: one for the sign, the rest for s = 2**(bits-1) - 1 levels."""
+class QSGDConfig(ChunkedConfig):
     chunk: int = 512
     """Elements per norm (QSGD's bucket size d); variance grows with sqrt(chunk) / s."""
+    bits: int = 4
+    """Bits per element, 2..8: one for the sign, the rest for s = 2**(bits-1) - 1 levels."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 2 <= self.bits <= 8:
             raise ValueError(f"qsgd bits must be in 2..8 (one is the sign), got {self.bits}")
-        _check_chunk(self.chunk)
 
 
 @register
@@ -219,10 +212,6 @@ class QSGD(SymmetricQuantizer):
         return self.config.bits
 
     @property
-    def chunk(self) -> int:
-        return self.config.chunk
-
-    @property
     def half_levels(self) -> int:
         return 2 ** (self.bits - 1) - 1
 
@@ -237,12 +226,8 @@ class QSGD(SymmetricQuantizer):
 
 
 @dataclasses.dataclass(frozen=True)
-class TernGradConfig(CompressorConfig):
-    chunk: int = 1024
-    """Elements per max-abs scale (TernGrad scales per layer; per chunk bounds the variance better)."""
-
-    def __post_init__(self) -> None:
-        _check_chunk(self.chunk)
+class TernGradConfig(ChunkedConfig):
+    """``chunk``: elements per max-abs scale (TernGrad scales per layer; per chunk bounds the variance)."""
 
 
 @register
@@ -262,10 +247,6 @@ class TernGrad(SymmetricQuantizer):
     @property
     def bits(self) -> int:
         return 2
-
-    @property
-    def chunk(self) -> int:
-        return self.config.chunk
 
     @property
     def half_levels(self) -> int:

@@ -19,7 +19,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, Union
 
-from gradcomp.compressors.base import Compressor, CompressorConfig
+from gradcomp.compressors.base import Compressor, CompressorConfig, spec_text
 
 REGISTRY: dict[str, type[Compressor]] = {}
 """Every registered compressor, by name."""
@@ -47,10 +47,7 @@ class Spec:
     ef: bool = False
 
     def __str__(self) -> str:
-        options = [f"{f.name}={_format(getattr(self.config, f.name))}" for f in dataclasses.fields(self.config)]
-        if self.ef:
-            options.append("ef=true")
-        return f"{self.name}:{','.join(options)}" if options else self.name
+        return spec_text(self.name, self.config, ["ef=true"] if self.ef else [])
 
 
 SpecLike = str | tuple[str, Mapping[str, Any]] | Spec
@@ -149,7 +146,3 @@ def _convert(key: str, value: Any, hint: Any) -> Any:
     if hint is str:
         return str(value)
     raise TypeError(f"option {key!r} has an unsupported type {hint!r}")
-
-
-def _format(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)

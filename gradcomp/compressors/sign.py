@@ -9,19 +9,14 @@ from torch import Tensor
 
 from gradcomp.compressors import chunks
 from gradcomp.compressors.affine import Affine
-from gradcomp.compressors.base import CompressorConfig
+from gradcomp.compressors.base import ChunkedConfig
 from gradcomp.compressors.quantize import AffineQuantizer
 from gradcomp.compressors.registry import register
 
 
 @dataclasses.dataclass(frozen=True)
-class SignConfig(CompressorConfig):
-    chunk: int = 1024
-    """Elements per scale. EF-signSGD uses one scale per tensor; chunks track magnitudes locally."""
-
-    def __post_init__(self) -> None:
-        if self.chunk < 1:
-            raise ValueError(f"chunk must be >= 1, got {self.chunk}")
+class SignConfig(ChunkedConfig):
+    """``chunk``: elements per scale. EF-signSGD uses one scale per tensor; chunks track magnitudes locally."""
 
 
 @register
@@ -41,10 +36,6 @@ class Sign(AffineQuantizer):
     @property
     def bits(self) -> int:
         return 1
-
-    @property
-    def chunk(self) -> int:
-        return self.config.chunk
 
     @property
     def stochastic(self) -> bool:
