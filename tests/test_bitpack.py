@@ -20,6 +20,7 @@ def test_round_trip_is_lossless_and_exactly_sized(bits: int, n: int, seed: int) 
     assert torch.equal(unpack(packed, bits, n), codes)
 
 
+@settings(deadline=None)
 @given(bits=st.integers(1, 8), n=st.integers(0, 100))
 def test_strided_codes_pack_like_contiguous_ones(bits: int, n: int) -> None:
     codes = torch.randint(0, 2**bits, (n * 4,), dtype=torch.uint8)
