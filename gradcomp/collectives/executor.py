@@ -1,0 +1,85 @@
+"""One ordered path for all of gradcomp's communication in a process (design rule 3).
+
+Every collective, synchronous or not, runs on a single worker thread in submission order. Since
+every rank submits the same collectives in the same order, every rank runs them in the same order,
+and no collective is ever issued from a backend's callback thread (what makes torch's own
+``powerSGD_hook`` abort on gloo with several buckets). Asynchronous calls return a :class:`Handle`
+at once; synchronous calls are a submit and a wait.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Generic, TypeVar
+
+from gradcomp.collectives.link import Traffic
+
+T = TypeVar("T")
+
+
+class Handle(Generic[T]):
+    """An operation in flight. ``wait()`` returns its result, or raises what it raised."""
+
+    def __init__(self, future: Future[tuple[T, Traffic | None]]) -> None:
+        self._future = future
+
+    def wait(self, timeout: float | None = None) -> T:
+        """Block until the operation finished (or ``timeout`` seconds passed: TimeoutError)."""
+        return self._future.result(timeout)[0]
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    @property
+    def traffic(self) -> Traffic | None:
+        """Bytes this rank sent and received; None for the backend's native collectives, whose
+        internal traffic is not observable. Available once the operation completed."""
+        self.wait()
+        return self._future.result()[1]
+
+
+class Executor:
+    """A daemon worker thread running submitted operations one at a time, in order."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[[], tuple[object, Traffic | None]], Future]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="gradcomp-collectives", daemon=True)
+        self._thread.start()
+
+    def submit(self, operation: Callable[[], tuple[T, Traffic | None]]) -> Handle[T]:
+        future: Future[tuple[T, Traffic | None]] = Future()
+        if threading.current_thread() is self._thread:
+            # Called from inside an operation: run in place (queueing would wait on itself).
+            _run_into(operation, future)
+        else:
+            self._queue.put((operation, future))
+        return Handle(future)
+
+    def _run(self) -> None:
+        while True:
+            operation, future = self._queue.get()
+            if future.set_running_or_notify_cancel():
+                _run_into(operation, future)
+
+
+def _run_into(operation: Callable[[], tuple[T, Traffic | None]], future: Future[tuple[T, Traffic | None]]) -> None:
+    try:
+        future.set_result(operation())
+    except BaseException as error:  # the waiter re-raises it
+        future.set_exception(error)
+
+
+_executor: Executor | None = None
+_lock = threading.Lock()
+
+
+def executor() -> Executor:
+    """The process's executor, started on first use."""
+    global _executor
+    with _lock:
+        if _executor is None:
+            _executor = Executor()
+        return _executor
