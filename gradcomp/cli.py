@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from gradcomp.bench.collectives import DEFAULT_ALGOS
 from gradcomp.compressors import REGISTRY
 from gradcomp.compressors.base import format_value
 from gradcomp.compressors.registry import WRAPPER_OPTIONS
@@ -52,6 +53,15 @@ def _parser() -> argparse.ArgumentParser:
     kernels.add_argument("--device", default="cpu", help="where the tensors live (cpu, cuda)")
     kernels.add_argument("--json", metavar="FILE", help="also write every figure and the machine to FILE")
     kernels.set_defaults(run=_bench_compressors)
+
+    links = bench.add_parser("collectives", help="all-reduce bus bandwidth per algorithm, beside the backend's")
+    links.add_argument("--ranks", type=int, default=2, help="processes to start on this machine (default 2)")
+    links.add_argument("--sizes", default="4KiB,64KiB,1MiB,4MiB,16MiB", help="comma-separated bytes (K/M/G binary)")
+    links.add_argument("--algos", default=",".join(DEFAULT_ALGOS), help="comma-separated all-reduce algorithms")
+    links.add_argument("--local-size", type=int, default=None, help="ranks per group for hierarchical (default 2)")
+    links.add_argument("--repeats", type=int, default=10, help="timed runs per figure; the median is kept")
+    links.add_argument("--json", metavar="FILE", help="also write every figure and the machine to FILE")
+    links.set_defaults(run=_bench_collectives)
     return parser
 
 
@@ -96,6 +106,35 @@ def _bench_compressors(args: argparse.Namespace) -> int:
             "machine": host,
             "command": " ".join(sys.argv),
             "references": [dataclasses.asdict(r) for r in references],
+            "rows": [r.as_dict() for r in rows],
+        }
+        with open(args.json, "w") as file:
+            json.dump(report, file, indent=2)
+    return 0
+
+
+def _bench_collectives(args: argparse.Namespace) -> int:
+    from gradcomp.bench import collectives as bench
+    from gradcomp.bench.timing import machine
+
+    if args.ranks < 1:
+        raise ValueError(f"--ranks must be >= 1, got {args.ranks}")
+    sizes = [bench.parse_bytes(s) for s in args.sizes.split(",") if s.strip()]
+    algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+    rows = bench.run(args.ranks, sizes, algos, repeats=args.repeats, local_size=args.local_size)
+    local_size = args.local_size or (2 if args.ranks % 2 == 0 else 1)
+    host = machine()
+    sys.stdout.write(
+        f"gradcomp bench collectives: {args.ranks} ranks on loopback (gloo), {host['cpu']}, torch {host['torch']}, "
+        f"median of {args.repeats}\n\n"
+    )
+    sys.stdout.write(bench.format_table(rows, local_size if "hierarchical" in algos else None) + "\n")
+    if args.json:
+        report = {
+            "machine": host,
+            "command": " ".join(sys.argv),
+            "ranks": args.ranks,
+            "network": "loopback",
             "rows": [r.as_dict() for r in rows],
         }
         with open(args.json, "w") as file:

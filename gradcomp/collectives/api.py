@@ -67,7 +67,8 @@ def all_reduce(
             dividing the world size) and all-reduces across groups with ``inter`` (ring,
             halving_doubling or tree).
         async_op: return at once; otherwise the returned handle has completed.
-        segment_bytes: ring's pipelining granularity.
+        segment_bytes: message size of ring and halving-doubling (large tensors travel in segments,
+            so that reductions overlap transfers).
     """
     _check_tensor(tensor)
     reduce_op = ReduceOp.parse(op)
@@ -98,7 +99,7 @@ def all_reduce(
             elif algo == "tree":
                 tree.all_reduce(link, flat, reduce_op)
             elif algo == "halving_doubling":
-                halving_doubling.all_reduce(link, flat, reduce_op)
+                halving_doubling.all_reduce(link, flat, reduce_op, segment_bytes)
             else:
                 assert local_size is not None
                 hierarchical.all_reduce(link, flat, reduce_op, local_size, _INTER[inter], segment_bytes)

@@ -16,14 +16,17 @@ from torch import Tensor
 
 from gradcomp.collectives.link import Link
 from gradcomp.collectives.ops import ReduceOp
-from gradcomp.collectives.ring import chunk_bounds
+from gradcomp.collectives.ring import SEGMENT_BYTES, chunk_bounds
 from gradcomp.compressors.workspace import Workspace
 
 _scratch = Workspace()
 
 
-def all_reduce(link: Link, flat: Tensor, op: ReduceOp) -> None:
-    """In place all-reduce of a contiguous flat tensor, for any number of ranks."""
+def all_reduce(link: Link, flat: Tensor, op: ReduceOp, segment_bytes: int = SEGMENT_BYTES) -> None:
+    """In place all-reduce of a contiguous flat tensor, for any number of ranks.
+
+    Each exchange is segmented, so that reducing one segment overlaps receiving the next.
+    """
     p, rank = link.size, link.rank
     if p == 1:
         return
@@ -55,9 +58,12 @@ def all_reduce(link: Link, flat: Tensor, op: ReduceOp) -> None:
         keep, give = ((low, middle), (middle, high)) if virtual & mask == 0 else ((middle, high), (low, middle))
         keep_start, keep_stop = blocks[keep[0]][0], blocks[keep[1] - 1][1]
         give_start, give_stop = blocks[give[0]][0], blocks[give[1] - 1][1]
-        received = incoming[: keep_stop - keep_start]
-        link.exchange(send=flat[give_start:give_stop], to=partner, receive=received, source=partner)
-        op.combine(flat[keep_start:keep_stop], received)
+        received, kept = incoming[: keep_stop - keep_start], flat[keep_start:keep_stop]
+
+        def reduce_segment(a: int, b: int, kept: Tensor = kept, received: Tensor = received) -> None:
+            op.combine(kept[a:b], received[a:b])
+
+        link.exchange_segmented(flat[give_start:give_stop], partner, received, partner, segment_bytes, reduce_segment)
         steps.append((partner, (keep_start, keep_stop), (give_start, give_stop)))
         low, high = keep
         mask >>= 1

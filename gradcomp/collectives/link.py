@@ -9,6 +9,7 @@ rank derives the same sizes.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch.distributed as dist
 from torch import Tensor
@@ -72,7 +73,36 @@ class Link:
             self.traffic.sent += send.numel() * send.element_size()
         return [w for w in works if w is not None]
 
+    def exchange_segmented(
+        self,
+        send: Tensor,
+        to: int,
+        receive: Tensor,
+        source: int,
+        segment_bytes: int,
+        arrived: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """:meth:`exchange` in segments of ``segment_bytes``; ``arrived(start, stop)`` runs on each
+        received segment as soon as it is in, while later segments are still in transit."""
+        receive_segments = segments(receive.numel(), receive.element_size(), segment_bytes)
+        receives = [self.start(receive=receive[a:b], source=source) for a, b in receive_segments]
+        sends = [
+            self.start(send=send[a:b], to=to) for a, b in segments(send.numel(), send.element_size(), segment_bytes)
+        ]
+        for (a, b), works in zip(receive_segments, receives, strict=True):
+            self.wait(works)
+            if arrived is not None:
+                arrived(a, b)
+        for works in sends:
+            self.wait(works)
+
     @staticmethod
     def wait(works: list[dist.Work]) -> None:
         for work in works:
             work.wait()
+
+
+def segments(numel: int, element_size: int, segment_bytes: int) -> list[tuple[int, int]]:
+    """[start, stop) of consecutive pieces of at most ``segment_bytes`` (at least one element)."""
+    per_segment = max(1, segment_bytes // element_size)
+    return [(s, min(s + per_segment, numel)) for s in range(0, numel, per_segment)]

@@ -1,0 +1,145 @@
+"""``gradcomp bench collectives``: all-reduce bus bandwidth of every algorithm, beside gloo's own.
+
+Ranks are started on this machine (``gradcomp.launch``; emulated networks plug in as another
+launcher). For each size, every repeat runs each algorithm once, in turn, after a barrier; a
+repeat's time is the slowest rank's, and each figure is the median over repeats. Definitions as in
+nccl-tests: algbw = bytes / time, busbw = algbw * 2 (p - 1) / p (the per-rank link traffic of an
+optimal all-reduce, so that busbw compares across world sizes and algorithms).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradcomp import collectives
+from gradcomp.launch import spawn
+
+DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
+DEFAULT_ALGOS = ("native", "ring", "tree", "halving_doubling", "hierarchical")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One algorithm at one size."""
+
+    algo: str
+    size_bytes: int
+    ranks: int
+    time_ms: float
+    native_time_ms: float
+
+    @property
+    def algbw(self) -> float:
+        """GB/s of tensor per unit time."""
+        return self.size_bytes / (self.time_ms * 1e-3) / 1e9
+
+    @property
+    def busbw(self) -> float:
+        """GB/s per rank on the wire for an optimal algorithm: algbw * 2 (p - 1) / p."""
+        return self.algbw * 2 * (self.ranks - 1) / self.ranks if self.ranks > 1 else 0.0
+
+    @property
+    def vs_native(self) -> float:
+        """This algorithm's busbw over the native all-reduce's, at the same size in the same run."""
+        return self.native_time_ms / self.time_ms
+
+    def as_dict(self) -> dict[str, Any]:
+        fields = dataclasses.asdict(self)
+        fields.update(algbw=self.algbw, busbw=self.busbw, vs_native=self.vs_native)
+        return fields
+
+
+def _options(algo: str, world: int, local_size: int | None) -> dict[str, Any]:
+    return {"local_size": local_size} if algo == "hierarchical" else {}
+
+
+def measure(
+    rank: int, world: int, sizes: Sequence[int], algos: Sequence[str], repeats: int, local_size: int | None
+) -> list[dict[str, Any]]:
+    """Inside every rank: the median of the slowest rank's time, per (size, algorithm)."""
+    rows = []
+    for size in sizes:
+        tensor = torch.randn(max(1, size // 4), generator=torch.Generator().manual_seed(rank))
+        times: dict[str, list[float]] = {algo: [] for algo in algos}
+        for repeat in range(repeats + 1):  # the first round warms up
+            for algo in algos:
+                dist.barrier()
+                start = time.perf_counter()
+                collectives.all_reduce(tensor, "sum", algo=algo, **_options(algo, world, local_size))
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if repeat:
+                    times[algo].append(float(elapsed))
+                tensor.div_(world)  # keep the values bounded across repeats
+        for algo in algos:
+            rows.append({"algo": algo, "size_bytes": tensor.numel() * 4, "time_s": statistics.median(times[algo])})
+    return rows
+
+
+def run(
+    ranks: int,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    algos: Sequence[str] = DEFAULT_ALGOS,
+    repeats: int = 10,
+    local_size: int | None = None,
+    launch: Callable[..., list[Any]] = spawn,
+) -> list[Row]:
+    """Measure on ``ranks`` ranks; ``native`` is always measured, as the anchor."""
+    unknown = sorted(set(algos) - set(collectives.ALGORITHMS))
+    if unknown:
+        raise ValueError(f"unknown algorithm(s) {unknown}; valid: {', '.join(collectives.ALGORITHMS)}")
+    if "hierarchical" in algos:
+        local_size = local_size or (2 if ranks % 2 == 0 else 1)
+        if ranks % local_size:
+            raise ValueError(f"--local-size {local_size} does not divide --ranks {ranks}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    ordered = ["native", *[a for a in algos if a != "native"]]
+    measured = launch(ranks, measure, (list(sizes), ordered, repeats, local_size), timeout=3600)[0]
+    native = {r["size_bytes"]: r["time_s"] for r in measured if r["algo"] == "native"}
+    return [Row(r["algo"], r["size_bytes"], ranks, r["time_s"] * 1e3, native[r["size_bytes"]] * 1e3) for r in measured]
+
+
+def format_table(rows: Sequence[Row], local_size: int | None = None) -> str:
+    """A Markdown table: one line per size and algorithm."""
+    lines = [
+        "| size | algorithm | time ms | algbw GB/s | busbw GB/s | x native busbw |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        name = f"hierarchical (local_size={local_size})" if row.algo == "hierarchical" and local_size else row.algo
+        lines.append(
+            f"| {format_bytes(row.size_bytes)} | {name} | {row.time_ms:.3f} | {row.algbw:.3f} | {row.busbw:.3f} "
+            f"| {row.vs_native:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GIB": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """``"4MiB"`` or ``"4M"`` -> 4194304 (binary units); a bare number is bytes. Multiples of 4."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else ""
+    if not match or unit not in _UNITS:
+        raise ValueError(f"size {text!r} is not a number of bytes with an optional K, KiB, M, MiB, G or GiB")
+    value = float(match.group(1)) * _UNITS[unit]
+    if value < 4 or value != int(value):
+        raise ValueError(f"size {text!r} must be a whole number of bytes, at least 4 (one float32)")
+    return int(value)
+
+
+def format_bytes(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale} {unit}"
+    return f"{size} B"
