@@ -68,3 +68,38 @@ def test_bad_arguments_exit_with_a_message(capsys: pytest.CaptureFixture[str]) -
     assert "unknown compressor 'topq'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "compressors", "--threads", "0"])
+
+
+def test_bench_collectives_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = tmp_path / "collectives.json"
+    argv = ["bench", "collectives", "--ranks", "2", "--sizes", "4KiB,256K", "--algos", "ring,tree"]
+    assert main([*argv, "--repeats", "2", "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "| 256 KiB | native |" in out and "| 4 KiB | tree |" in out
+    data = json.loads(report.read_text())
+    assert data["ranks"] == 2 and data["network"] == "loopback"
+    rows = data["rows"]
+    assert {(r["algo"], r["size_bytes"]) for r in rows} == {
+        (a, s) for a in ("native", "ring", "tree") for s in (4096, 256 * 1024)
+    }
+    for row in rows:
+        assert row["time_ms"] > 0
+        assert row["busbw"] == pytest.approx(row["algbw"])  # 2 (p - 1) / p = 1 at two ranks
+        assert row["vs_native"] == pytest.approx(row["native_time_ms"] / row["time_ms"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--algos", "butterfly"], "unknown algorithm"),
+        (["--sizes", "3"], "at least 4"),
+        (["--sizes", "4XB"], "not a number of bytes"),
+        (["--ranks", "3", "--algos", "hierarchical", "--local-size", "2"], "does not divide"),
+    ],
+)
+def test_bench_collectives_refuses_bad_arguments(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "collectives", *argv])
+    assert message in capsys.readouterr().err

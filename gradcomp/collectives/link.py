@@ -81,9 +81,14 @@ class Link:
         source: int,
         segment_bytes: int,
         arrived: Callable[[int, int], None] | None = None,
+        pending_sends: list[list[dist.Work]] | None = None,
     ) -> None:
         """:meth:`exchange` in segments of ``segment_bytes``; ``arrived(start, stop)`` runs on each
-        received segment as soon as it is in, while later segments are still in transit."""
+        received segment as soon as it is in, while later segments are still in transit.
+
+        With ``pending_sends``, the sends are not waited for but appended there: the caller waits
+        before it overwrites what was sent (each wait costs a wake-up of the backend's thread).
+        """
         receive_segments = segments(receive.numel(), receive.element_size(), segment_bytes)
         receives = [self.start(receive=receive[a:b], source=source) for a, b in receive_segments]
         sends = [
@@ -93,6 +98,9 @@ class Link:
             self.wait(works)
             if arrived is not None:
                 arrived(a, b)
+        if pending_sends is not None:
+            pending_sends.extend(sends)
+            return
         for works in sends:
             self.wait(works)
 
