@@ -90,8 +90,9 @@ def spawn(
         results.close()
     failed = {r: v for r, (s, v) in outcomes.items() if s == "error"}
     if failed:
-        rank = min(failed)
-        raise RankError(f"rank {rank} of {world_size} failed:\n{failed[rank]}")
+        # The first failure is often a consequence (a peer's connection closed): show them all.
+        reports = "\n".join(f"rank {r} of {world_size} failed:\n{failed[r]}" for r in sorted(failed))
+        raise RankError(reports)
     return [outcomes[r][1] for r in range(world_size)]
 
 

@@ -6,8 +6,6 @@ seconds); each rank returns its failures and byte counts, and the assertions run
 
 from __future__ import annotations
 
-import os
-import time
 from typing import Any
 
 import pytest
@@ -15,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import collectives
-from gradcomp.launch import RankError, spawn
+from gradcomp.launch import spawn
 
 OPS = ["sum", "avg", "min", "max", "product"]
 SIZES = [0, 1, "p-1", 1001, 4099, 20011]  # 20011 int64/float32: past halving-doubling's short path

@@ -3,7 +3,6 @@ collectives, bad arguments and dead peers: on real gloo ranks."""
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 

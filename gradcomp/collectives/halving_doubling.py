@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch import Tensor
 
-from gradcomp.collectives.link import Link
+from gradcomp.collectives.link import Link, segments
 from gradcomp.collectives.ops import ReduceOp
 from gradcomp.collectives.ring import SEGMENT_BYTES, chunk_bounds
 from gradcomp.compressors.workspace import Workspace
@@ -46,7 +46,10 @@ def all_reduce(
         return
     power = 1 << (p.bit_length() - 1)
     extra = p - power
-    incoming = _scratch.take("hd.incoming", flat.numel(), flat.dtype, flat.device)
+    short = flat.numel() * flat.element_size() <= short_bytes or flat.numel() < power
+    # recursive doubling receives every step's message at once; halving needs less than n in all
+    rounds = power.bit_length() - 1
+    incoming = _scratch.take("hd.incoming", flat.numel() * (max(rounds, 1) if short else 1), flat.dtype, flat.device)
 
     def real(virtual: int) -> int:
         """The rank that plays virtual rank ``virtual`` among the power-of-two participants."""
@@ -58,11 +61,12 @@ def all_reduce(
             link.exchange(send=flat, to=rank + 1)
             link.exchange(receive=flat, source=rank + 1)
             return
-        link.exchange(receive=incoming, source=rank - 1)
-        op.combine(flat, incoming)
+        folded = incoming[: flat.numel()]
+        link.exchange(receive=folded, source=rank - 1)
+        op.combine(flat, folded)
     virtual = rank // 2 if rank < 2 * extra else rank - extra
 
-    if flat.numel() * flat.element_size() <= short_bytes or flat.numel() < power:
+    if short:
         _recursive_doubling(link, flat, op, power, virtual, real, incoming)
     else:
         _halving_doubling(link, flat, op, power, virtual, real, incoming, segment_bytes)
@@ -76,13 +80,19 @@ def _recursive_doubling(
 ) -> None:
     """lg p' exchanges of the whole tensor with partners at distance 1, 2, 4, ...: the fewest
     sequential messages, for short tensors. Every rank combines the same two halves of the world
-    at each step (a + b on one side, b + a on the other: equal bits), so results stay identical."""
-    mask = 1
-    while mask < power:
-        partner = real(virtual ^ mask)
-        link.exchange(send=flat, to=partner, receive=incoming, source=partner)
-        op.combine(flat, incoming)
-        mask <<= 1
+    at each step (a + b on one side, b + a on the other: equal bits), so results stay identical.
+    All receives are posted first, into separate buffers, so that no message waits for its receive."""
+    partners = [real(virtual ^ (1 << k)) for k in range(power.bit_length() - 1)]
+    n = flat.numel()
+    receives = [link.start(receive=incoming[k * n : (k + 1) * n], source=q) for k, q in enumerate(partners)]
+    sends: list[list[dist.Work]] = []
+    for k, partner in enumerate(partners):
+        sends.append(link.start(send=flat, to=partner))
+        link.wait(receives[k])
+        for works in sends:  # flat is about to change: what was sent from it must be out
+            link.wait(works)
+        sends.clear()
+        op.combine(flat, incoming[k * n : (k + 1) * n])
 
 
 def _halving_doubling(
@@ -95,35 +105,66 @@ def _halving_doubling(
     incoming: Tensor,
     segment_bytes: int,
 ) -> None:
-    """Reduce-scatter by recursive halving, then all-gather by recursive doubling."""
+    """Reduce-scatter by recursive halving, then all-gather by recursive doubling.
+
+    Every receive of a phase is posted before its first send (the halving's into separate parts of
+    ``incoming``, the doubling's straight into place), so no message waits for its receive; each
+    transfer is segmented so that reductions overlap the segments still arriving.
+    """
     blocks = chunk_bounds(flat.numel(), power)
-    low, high = 0, power  # the block range this rank is still responsible for
-    steps: list[tuple[int, tuple[int, int], tuple[int, int]]] = []
-    sends: list[list[dist.Work]] = []  # waited for only before their data is overwritten
-    mask = power >> 1
+    plans: list[tuple[int, tuple[int, int], tuple[int, int]]] = []  # (partner, kept range, given range)
+    low, high, mask = 0, power, power >> 1
     while mask:
-        partner = real(virtual ^ mask)
         middle = (low + high) // 2
         keep, give = ((low, middle), (middle, high)) if virtual & mask == 0 else ((middle, high), (low, middle))
-        keep_start, keep_stop = blocks[keep[0]][0], blocks[keep[1] - 1][1]
-        give_start, give_stop = blocks[give[0]][0], blocks[give[1] - 1][1]
-        received, kept = incoming[: keep_stop - keep_start], flat[keep_start:keep_stop]
-
-        def reduce_segment(a: int, b: int, kept: Tensor = kept, received: Tensor = received) -> None:
-            op.combine(kept[a:b], received[a:b])
-
-        link.exchange_segmented(
-            flat[give_start:give_stop], partner, received, partner, segment_bytes, reduce_segment, sends
+        plans.append(
+            (
+                real(virtual ^ mask),
+                (blocks[keep[0]][0], blocks[keep[1] - 1][1]),
+                (blocks[give[0]][0], blocks[give[1] - 1][1]),
+            )
         )
-        steps.append((partner, (keep_start, keep_stop), (give_start, give_stop)))
         low, high = keep
         mask >>= 1
+
+    def pieces(size: int) -> list[tuple[int, int]]:
+        return segments(size, flat.element_size(), segment_bytes)
+
+    # Halving: receive the partner's half of what we keep, reduce it in, segment by segment.
+    parts, offset = [], 0
+    for _, (keep_start, keep_stop), _ in plans:
+        parts.append(incoming[offset : offset + keep_stop - keep_start])
+        offset += keep_stop - keep_start
+    receives = [
+        [link.start(receive=part[a:b], source=partner) for a, b in pieces(part.numel())]
+        for (partner, _, _), part in zip(plans, parts, strict=True)
+    ]
+    sends: list[list[dist.Work]] = []
+    for (partner, (keep_start, keep_stop), (give_start, give_stop)), part, waiting in zip(
+        plans, parts, receives, strict=True
+    ):
+        given = flat[give_start:give_stop]
+        sends += [link.start(send=given[a:b], to=partner) for a, b in pieces(given.numel())]
+        kept = flat[keep_start:keep_stop]
+        for (a, b), works in zip(pieces(part.numel()), waiting, strict=True):
+            link.wait(works)
+            op.combine(kept[a:b], part[a:b])
     for works in sends:  # the doubling receives into the ranges the halving sent from
         link.wait(works)
     sends.clear()
-    for partner, (keep_start, keep_stop), (give_start, give_stop) in reversed(steps):
-        link.exchange_segmented(
-            flat[keep_start:keep_stop], partner, flat[give_start:give_stop], partner, segment_bytes, None, sends
-        )
+
+    # Doubling: the same exchanges backwards, whole results this time, straight into place.
+    receives = [
+        [
+            link.start(receive=flat[give_start + a : give_start + b], source=partner)
+            for a, b in pieces(give_stop - give_start)
+        ]
+        for partner, _, (give_start, give_stop) in reversed(plans)
+    ]
+    for (partner, (keep_start, keep_stop), _), waiting in zip(reversed(plans), receives, strict=True):
+        kept = flat[keep_start:keep_stop]
+        sends += [link.start(send=kept[a:b], to=partner) for a, b in pieces(kept.numel())]
+        for works in waiting:
+            link.wait(works)
     for works in sends:
         link.wait(works)

@@ -1,0 +1,102 @@
+"""The alpha-beta-gamma cost model of the all-reduce algorithms (Thakur, Rabenseifner & Gropp 2005).
+
+A message of n bytes costs alpha + n beta (latency plus inverse bandwidth); reducing n bytes costs
+n gamma. With p ranks (p' the largest power of two not above p, lg = log2):
+
+=================  ===========================================================================
+ring               2 (p-1) alpha + 2 (p-1)/p n beta + (p-1)/p n gamma
+tree               2 ceil(lg p) (alpha + n beta) + ceil(lg p) n gamma
+halving_doubling   long: 2 lg p' alpha + 2 (p'-1)/p' n beta + (p'-1)/p' n gamma;
+                   short (n <= SHORT_BYTES): lg p' (alpha + n beta + n gamma);
+                   plus, when p != p', 2 (alpha + n beta) + n gamma to fold the extra ranks
+hierarchical       ring inside groups of L (reduce-scatter and all-gather) around a ring
+                   all-reduce of n / L bytes across the p / L groups, each on its own link
+=================  ===========================================================================
+
+Use it to choose: latency terms dominate small tensors (tree, then halving-doubling), bandwidth
+terms large ones (ring and halving-doubling tie; tree sends lg p times more). ``bytes_sent`` gives
+the exact per-rank traffic that ``gradcomp.collectives`` counts, for tensors that split evenly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from gradcomp.collectives.halving_doubling import SHORT_BYTES
+
+ALGORITHMS = ("ring", "tree", "halving_doubling", "hierarchical")
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """alpha: seconds per message; beta: seconds per byte sent; gamma: seconds per byte reduced."""
+
+    alpha: float
+    beta: float
+    gamma: float = 0.0
+
+    def __post_init__(self) -> None:
+        if min(self.alpha, self.beta, self.gamma) < 0:
+            raise ValueError(f"alpha, beta and gamma must be >= 0, got {self}")
+
+
+def _power_below(p: int) -> int:
+    return 1 << (p.bit_length() - 1)
+
+
+def all_reduce_seconds(
+    algo: str,
+    n_bytes: float,
+    p: int,
+    network: Network,
+    local_size: int | None = None,
+    across: Network | None = None,
+) -> float:
+    """Predicted time of one all-reduce of ``n_bytes`` on ``p`` ranks.
+
+    ``hierarchical`` needs ``local_size``; ``across`` is the network between groups (default: the same).
+    """
+    if p < 1 or n_bytes < 0:
+        raise ValueError(f"need p >= 1 and n_bytes >= 0, got p={p}, n_bytes={n_bytes}")
+    if p == 1:
+        return 0.0
+    a, b, g = network.alpha, network.beta, network.gamma
+    if algo == "ring":
+        return 2 * (p - 1) * a + 2 * (p - 1) / p * n_bytes * b + (p - 1) / p * n_bytes * g
+    if algo == "tree":
+        rounds = math.ceil(math.log2(p))
+        return 2 * rounds * (a + n_bytes * b) + rounds * n_bytes * g
+    if algo == "halving_doubling":
+        power = _power_below(p)
+        rounds = int(math.log2(power))
+        fold = 0.0 if power == p else 2 * (a + n_bytes * b) + n_bytes * g
+        if n_bytes <= SHORT_BYTES:
+            return rounds * (a + n_bytes * b + n_bytes * g) + fold
+        return 2 * rounds * a + 2 * (power - 1) / power * n_bytes * b + (power - 1) / power * n_bytes * g + fold
+    if algo == "hierarchical":
+        if local_size is None or local_size < 1 or p % local_size:
+            raise ValueError(f"hierarchical needs a local_size dividing p={p}, got {local_size}")
+        inside = all_reduce_seconds("ring", n_bytes, local_size, network) if local_size > 1 else 0.0
+        return inside + all_reduce_seconds("ring", n_bytes / local_size, p // local_size, across or network)
+    raise ValueError(f"unknown algorithm {algo!r}; valid: {', '.join(ALGORITHMS)}")
+
+
+def bytes_sent(algo: str, n_bytes: int, p: int) -> float:
+    """Bytes one rank sends in one all-reduce (ring, halving-doubling for powers of two), or all
+    ranks together (tree, whose ranks send different amounts)."""
+    if algo == "ring" or (algo == "halving_doubling" and n_bytes > SHORT_BYTES and p == _power_below(p)):
+        return 2 * (p - 1) / p * n_bytes
+    if algo == "tree":
+        return 2 * (p - 1) * n_bytes
+    raise ValueError(f"no closed form for {algo!r} here")
+
+
+def busbw(n_bytes: float, p: int, seconds: float) -> float:
+    """Bus bandwidth as nccl-tests reports it: (n / t) * 2 (p - 1) / p, bytes per second."""
+    return n_bytes / seconds * 2 * (p - 1) / p
+
+
+def fastest(n_bytes: float, p: int, network: Network) -> str:
+    """The flat algorithm (ring, tree or halving-doubling) the model predicts fastest."""
+    return min(("ring", "tree", "halving_doubling"), key=lambda a: all_reduce_seconds(a, n_bytes, p, network))
