@@ -28,10 +28,7 @@ Group = dist.ProcessGroup | None
 
 
 def _run(operation: Callable[[], tuple[T, Traffic | None]], async_op: bool) -> Handle[T]:
-    handle = executor().submit(operation)
-    if not async_op:
-        handle.wait()
-    return handle
+    return executor().submit(operation, wait=not async_op)
 
 
 def _check_tensor(tensor: object, name: str = "tensor") -> Tensor:

@@ -42,27 +42,53 @@ class Handle(Generic[T]):
 
 
 class Executor:
-    """A daemon worker thread running submitted operations one at a time, in order."""
+    """A daemon worker thread running submitted operations one at a time, in submission order.
+
+    A synchronous operation submitted while nothing is queued or running runs right away in the
+    caller's thread (two thread hand-offs fewer per call, which is most of a small all-reduce's
+    latency on a busy machine); it holds the same turn the worker takes, so order is unchanged.
+    """
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[tuple[Callable[[], tuple[object, Traffic | None]], Future]] = queue.SimpleQueue()
+        self._turn = threading.Lock()  # held by whoever runs an operation
+        self._state = threading.Lock()  # guards _pending
+        self._pending = 0  # submitted, not finished
         self._thread = threading.Thread(target=self._run, name="gradcomp-collectives", daemon=True)
         self._thread.start()
 
-    def submit(self, operation: Callable[[], tuple[T, Traffic | None]]) -> Handle[T]:
+    def submit(self, operation: Callable[[], tuple[T, Traffic | None]], wait: bool = False) -> Handle[T]:
+        """Queue ``operation``; with ``wait``, also wait for it (running it in place when idle)."""
         future: Future[tuple[T, Traffic | None]] = Future()
         if threading.current_thread() is self._thread:
             # Called from inside an operation: run in place (queueing would wait on itself).
             _run_into(operation, future)
-        else:
-            self._queue.put((operation, future))
-        return Handle(future)
+            return Handle(future)
+        with self._state:
+            inline = wait and self._pending == 0
+            self._pending += 1
+            if not inline:
+                self._queue.put((operation, future))
+        if inline:
+            with self._turn:
+                _run_into(operation, future)
+            self._finished()
+        handle = Handle(future)
+        if wait:
+            handle.wait()
+        return handle
+
+    def _finished(self) -> None:
+        with self._state:
+            self._pending -= 1
 
     def _run(self) -> None:
         while True:
             operation, future = self._queue.get()
             if future.set_running_or_notify_cancel():
-                _run_into(operation, future)
+                with self._turn:
+                    _run_into(operation, future)
+            self._finished()
 
 
 def _run_into(operation: Callable[[], tuple[T, Traffic | None]], future: Future[tuple[T, Traffic | None]]) -> None:

@@ -1,0 +1,62 @@
+"""The ordered executor: submission order, errors through wait(), synchronous calls in place."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from gradcomp.collectives.executor import Executor
+from gradcomp.collectives.link import Traffic
+
+
+def test_operations_run_one_at_a_time_in_submission_order() -> None:
+    executor = Executor()
+    order: list[int] = []
+    running = threading.Lock()
+
+    def step(i: int, pause: float) -> tuple[int, Traffic | None]:
+        assert running.acquire(blocking=False), "two operations ran at once"
+        time.sleep(pause)
+        order.append(i)
+        running.release()
+        return i, Traffic(sent=i)
+
+    handles = [executor.submit(lambda i=i: step(i, 0.01 if i % 2 else 0.0)) for i in range(10)]
+    # a synchronous call behind queued ones waits its turn instead of running in place
+    assert executor.submit(lambda: step(10, 0.0), wait=True).wait() == 10
+    assert [h.wait() for h in handles] == list(range(10))
+    assert order == list(range(11))
+    assert handles[3].traffic == Traffic(sent=3)
+
+
+def test_an_idle_synchronous_call_runs_in_the_callers_thread() -> None:
+    executor = Executor()
+    where = executor.submit(lambda: (threading.current_thread().name, None), wait=True).wait()
+    assert where == threading.current_thread().name
+    queued = executor.submit(lambda: (threading.current_thread().name, None)).wait()
+    assert queued == "gradcomp-collectives"
+
+
+def test_errors_reach_the_waiter() -> None:
+    executor = Executor()
+
+    def fail() -> tuple[None, None]:
+        raise RuntimeError("peer closed")
+
+    handle = executor.submit(fail)
+    with pytest.raises(RuntimeError, match="peer closed"):
+        handle.wait()
+    with pytest.raises(RuntimeError, match="peer closed"):
+        executor.submit(fail, wait=True)
+    assert executor.submit(lambda: (1, None), wait=True).wait() == 1  # still usable afterwards
+
+
+def test_nested_submission_from_an_operation_runs_in_place() -> None:
+    executor = Executor()
+
+    def outer() -> tuple[int, None]:
+        return executor.submit(lambda: (41, None), wait=True).wait() + 1, None
+
+    assert executor.submit(outer).wait(timeout=10) == 42
