@@ -156,3 +156,33 @@ def test_a_dead_peer_is_an_error_not_a_hang() -> None:
     for survivor in results[:2]:
         assert survivor["error"] is not None, "the collective completed without its third rank"
         assert survivor["seconds"] < group_timeout + 10
+
+
+def reduce_every_dtype(rank: int, world: int) -> list[str]:
+    """Any dtype: gradcomp's algorithms only move bytes and reduce with torch, whatever the backend."""
+    failures = []
+    for dtype in (torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int8, torch.uint8):
+        everyone = [
+            torch.randint(0, 4, (5000,), generator=torch.Generator().manual_seed(r)).to(dtype) for r in range(world)
+        ]
+        expected = everyone[0].double() + everyone[1].double() + everyone[2].double()
+        for algo in ("ring", "tree", "halving_doubling"):
+            mine = everyone[rank].clone()
+            collectives.all_reduce(mine, "sum", algo=algo)
+            if mine.dtype != dtype or not torch.equal(mine.double(), expected):  # small integers: exact
+                failures.append(f"{algo} {dtype}")
+            if not identical(mine):
+                failures.append(f"{algo} {dtype}: not identical on all ranks")
+    return failures
+
+
+def identical(tensor: torch.Tensor) -> bool:
+    """Bitwise equality on every rank, compared as int32 words (gloo gathers no 1- or 2-byte types)."""
+    raw = tensor.contiguous().view(torch.uint8).view(torch.int32)
+    copies = [torch.empty_like(raw) for _ in range(dist.get_world_size())]
+    dist.all_gather(copies, raw)
+    return all(torch.equal(copy, raw) for copy in copies)
+
+
+def test_every_dtype_reduces_exactly_on_small_integers() -> None:
+    assert spawn(3, reduce_every_dtype, timeout=120) == [[], [], []]
