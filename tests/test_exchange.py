@@ -118,8 +118,8 @@ def refuse_bad_arguments(rank: int, world: int) -> list[str]:
         (lambda: collectives.all_reduce(x, algo="hierarchical", local_size=3), ValueError, "divide the world size"),
         (lambda: collectives.all_reduce(torch.ones(3, dtype=torch.int64), "avg"), TypeError, "avg needs a floating"),
         (lambda: collectives.all_reduce([1.0]), TypeError, "must be a torch.Tensor"),  # type: ignore[arg-type]
-        (lambda: collectives.reduce_scatter(torch.ones(3), torch.ones(5)), ValueError, "reduce_scatter needs"),
-        (lambda: collectives.all_gather(torch.ones(3), torch.ones(2)), ValueError, "all_gather needs"),
+        (lambda: collectives.reduce_scatter(torch.ones(3), torch.ones(5)), ValueError, "reduce_scatter needs 2 blocks"),
+        (lambda: collectives.all_gather(torch.ones(3), torch.ones(2)), ValueError, "all_gather needs 2 blocks"),
         (lambda: collectives.all_to_all(torch.ones(3), torch.ones(3)), ValueError, "multiple of 2"),
         (lambda: collectives.all_to_allv(x, [4, 4]), ValueError, "adding up to"),
         (lambda: collectives.broadcast(x, 5), ValueError, "src must be a rank"),

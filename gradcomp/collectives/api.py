@@ -37,6 +37,14 @@ def _check_tensor(tensor: object, name: str = "tensor") -> Tensor:
     return tensor
 
 
+def _check_blocks(name: str, whole: Tensor, block: Tensor, world: int) -> None:
+    if whole.numel() != world * block.numel() or whole.dtype != block.dtype:
+        raise ValueError(
+            f"{name} needs {world} blocks of {block.numel()} elements in the whole tensor and one dtype; "
+            f"got {whole.numel()} {whole.dtype} elements for blocks of {block.dtype}"
+        )
+
+
 def _in_place(tensor: Tensor, body: Callable[[Tensor], None]) -> None:
     """Run ``body`` on a contiguous flat view of ``tensor`` (a copy, written back, if need be)."""
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
@@ -118,11 +126,7 @@ def reduce_scatter(
     reduce_op = ReduceOp.parse(op)
     reduce_op.check(input)
     world = dist.get_world_size(group)
-    if input.numel() != world * output.numel() or input.dtype != output.dtype:
-        raise ValueError(
-            f"reduce_scatter needs input of {world} x output's {output.numel()} elements and one dtype; "
-            f"got {input.numel()} {input.dtype} elements and {output.dtype}"
-        )
+    _check_blocks("reduce_scatter", whole=input, block=output, world=world)
 
     def operation() -> tuple[Tensor, Traffic | None]:
         link = Link(group)
@@ -143,11 +147,7 @@ def all_gather(output: Tensor, input: Tensor, *, group: Group = None, async_op: 
     _check_tensor(output, "output")
     _check_tensor(input, "input")
     world = dist.get_world_size(group)
-    if output.numel() != world * input.numel() or input.dtype != output.dtype:
-        raise ValueError(
-            f"all_gather needs output of {world} x input's {input.numel()} elements and one dtype; "
-            f"got {output.numel()} {output.dtype} elements and {input.dtype}"
-        )
+    _check_blocks("all_gather", whole=output, block=input, world=world)
 
     def operation() -> tuple[Tensor, Traffic | None]:
         link = Link(group)

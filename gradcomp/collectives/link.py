@@ -9,7 +9,6 @@ rank derives the same sizes.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch.distributed as dist
 from torch import Tensor
@@ -72,37 +71,6 @@ class Link:
             works.append(dist.isend(send, dst=self._global(to), group=self.group, tag=TAG))
             self.traffic.sent += send.numel() * send.element_size()
         return [w for w in works if w is not None]
-
-    def exchange_segmented(
-        self,
-        send: Tensor,
-        to: int,
-        receive: Tensor,
-        source: int,
-        segment_bytes: int,
-        arrived: Callable[[int, int], None] | None = None,
-        pending_sends: list[list[dist.Work]] | None = None,
-    ) -> None:
-        """:meth:`exchange` in segments of ``segment_bytes``; ``arrived(start, stop)`` runs on each
-        received segment as soon as it is in, while later segments are still in transit.
-
-        With ``pending_sends``, the sends are not waited for but appended there: the caller waits
-        before it overwrites what was sent (each wait costs a wake-up of the backend's thread).
-        """
-        receive_segments = segments(receive.numel(), receive.element_size(), segment_bytes)
-        receives = [self.start(receive=receive[a:b], source=source) for a, b in receive_segments]
-        sends = [
-            self.start(send=send[a:b], to=to) for a, b in segments(send.numel(), send.element_size(), segment_bytes)
-        ]
-        for (a, b), works in zip(receive_segments, receives, strict=True):
-            self.wait(works)
-            if arrived is not None:
-                arrived(a, b)
-        if pending_sends is not None:
-            pending_sends.extend(sends)
-            return
-        for works in sends:
-            self.wait(works)
 
     @staticmethod
     def wait(works: list[dist.Work]) -> None:
