@@ -25,7 +25,7 @@ def check_exchanges(rank: int, world: int) -> list[str]:
         if not ok:
             failures.append(what)
 
-    for block in (0, 1, 5, 1000):
+    for block in (0, 1, 5, 1000, 300_000):  # 300k int64: several MiB per call
         # reduce-scatter: block r of the sum, against a local recomputation of every rank's input
         inputs = [data(r, world * block) for r in range(world)]
         out = torch.empty(block, dtype=torch.int64)
@@ -74,7 +74,7 @@ def check_exchanges(rank: int, world: int) -> list[str]:
     return failures
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
 def test_exchanges_deliver_every_block(world: int) -> None:
     results = spawn(world, check_exchanges, timeout=300)
     failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
