@@ -1,8 +1,8 @@
 """``gradcomp bench collectives``: all-reduce bus bandwidth of every algorithm, beside gloo's own.
 
 Ranks are started on this machine (``gradcomp.launch``; emulated networks plug in as another
-launcher). For each size, every repeat runs each algorithm once, in turn, after a barrier; a
-repeat's time is the slowest rank's, and each figure is the median over repeats. Definitions as in
+launcher). For each size, every repeat runs each algorithm once, in an order rotated from repeat
+to repeat, after a barrier; a repeat's time is the slowest rank's, and each figure is the median over repeats. Definitions as in
 nccl-tests: algbw = bytes / time, busbw = algbw * 2 (p - 1) / p (the per-rank link traffic of an
 optimal all-reduce, so that busbw compares across world sizes and algorithms).
 """
@@ -70,7 +70,8 @@ def measure(
         tensor = torch.randn(max(1, size // 4), generator=torch.Generator().manual_seed(rank))
         times: dict[str, list[float]] = {algo: [] for algo in algos}
         for repeat in range(repeats + 1):  # the first round warms up
-            for algo in algos:
+            # rotate the order, so that no algorithm always runs right after the same one
+            for algo in algos[repeat % len(algos) :] + algos[: repeat % len(algos)]:
                 dist.barrier()
                 start = time.perf_counter()
                 collectives.all_reduce(tensor, "sum", algo=algo, **_options(algo, world, local_size))
