@@ -2,9 +2,10 @@
 
 Ranks are started on this machine (``gradcomp.launch``; emulated networks plug in as another
 launcher). For each size, every repeat runs each algorithm once, in an order rotated from repeat
-to repeat, after a barrier; a repeat's time is the slowest rank's, and each figure is the median over repeats. Definitions as in
-nccl-tests: algbw = bytes / time, busbw = algbw * 2 (p - 1) / p (the per-rank link traffic of an
-optimal all-reduce, so that busbw compares across world sizes and algorithms).
+to repeat, after a barrier; a repeat's time is the slowest rank's, and each figure is the median
+over repeats. Definitions as in nccl-tests: algbw = bytes / time, busbw = algbw * 2 (p - 1) / p
+(the per-rank link traffic of an optimal all-reduce, so that busbw compares across world sizes and
+algorithms).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def measure(
         times: dict[str, list[float]] = {algo: [] for algo in algos}
         for repeat in range(repeats + 1):  # the first round warms up
             # rotate the order, so that no algorithm always runs right after the same one
-            for algo in algos[repeat % len(algos) :] + algos[: repeat % len(algos)]:
+            for algo in [*algos[repeat % len(algos) :], *algos[: repeat % len(algos)]]:
                 dist.barrier()
                 start = time.perf_counter()
                 collectives.all_reduce(tensor, "sum", algo=algo, **_options(algo, world, local_size))

@@ -33,6 +33,11 @@ class Handle(Generic[T]):
     def is_completed(self) -> bool:
         return self._future.done()
 
+    def then(self, callback: Callable[[Handle[T]], None]) -> None:
+        """Call ``callback(handle)`` once the operation finished (at once if it has), on the thread
+        that finishes it. Keep it short, and never communicate from it (design rule 3)."""
+        self._future.add_done_callback(lambda _: callback(self))
+
     @property
     def traffic(self) -> Traffic | None:
         """Bytes this rank sent and received; None for the backend's native collectives, whose
