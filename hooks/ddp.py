@@ -1,0 +1,90 @@
+"""``hooks.make`` and ``hooks.register``: every gradcomp compressor as a DDP communication hook."""
+
+# No ``from __future__ import annotations`` here: DDP checks a hook's annotations at run time.
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import GradBucket
+
+from gradcomp.collectives.executor import Handle
+from gradcomp.compressors.registry import SpecLike
+from gradcomp.engine import Engine
+
+Hook = Callable[["HookState", GradBucket], torch.futures.Future[Tensor]]
+
+ALIASES = {"allreduce": "none"}
+"""Hook names for specs: ``allreduce`` is the uncompressed gradient (torch's default hook)."""
+
+
+class HookState:
+    """What a gradcomp hook keeps between steps: the engine, and a stable key per bucket.
+
+    A bucket's key is the tuple of its parameters' indices, numbered in the order DDP first hands
+    them to the hook. DDP's first iteration always sees the same order, so keys are the same in
+    every run (a checkpoint's state finds its tensors again), and they survive DDP's bucket rebuild
+    after the first iteration (design rule 6): a rebuilt bucket gets the key of its parameters.
+    """
+
+    def __init__(self, engine: Engine | None) -> None:
+        self.engine = engine
+        self._indices: dict[int, int] = {}
+
+    def key(self, bucket: GradBucket) -> tuple[int, ...]:
+        return tuple(self._indices.setdefault(id(p), len(self._indices)) for p in bucket.parameters())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The compressor's state (residuals, warm starts, generators): loadable with
+        ``torch.load(..., weights_only=True)``."""
+        return {} if self.engine is None else {"compressor": self.engine.compressor.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if self.engine is not None:
+            self.engine.compressor.load_state_dict(state["compressor"])
+
+
+def _gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
+    buffer = bucket.buffer()
+    future: torch.futures.Future[Tensor] = torch.futures.Future()
+    if state.engine is None:  # noop: the compute floor
+        future.set_result(buffer)
+        return future
+    shapes = [p.shape for p in bucket.parameters()]
+
+    def finished(handle: Handle[Tensor]) -> None:
+        try:
+            future.set_result(handle.wait())
+        except Exception as error:  # reaches DDP's wait in the training thread
+            future.set_exception(error)  # type: ignore[arg-type]  # torch's stub says Tensor
+
+    state.engine.reduce(buffer, state.key(bucket), shapes).then(finished)
+    return future
+
+
+def make(
+    spec: SpecLike, *, group: dist.ProcessGroup | None = None, algo: str = "native", seed: int = 0
+) -> tuple[HookState, Hook]:
+    """A (state, hook) pair for ``ddp_model.register_comm_hook``. A bad spec fails here, before training.
+
+    Args:
+        spec: a compressor spec, ``allreduce`` or ``noop``.
+        group: the process group (default: DDP's, the world).
+        algo: all-reduce algorithm for summable payloads: native, ring, tree or halving_doubling.
+        seed: seed of the compressor's generators; the same on every rank.
+    """
+    name = spec.split(":")[0].strip() if isinstance(spec, str) else None
+    if name == "noop":
+        return HookState(None), _gradcomp_hook
+    if isinstance(spec, str) and name in ALIASES:
+        spec = ALIASES[name] + spec[len(spec.split(":")[0]) :]
+    return HookState(Engine(spec, group=group, algo=algo, seed=seed)), _gradcomp_hook
+
+
+def register(model: torch.nn.parallel.DistributedDataParallel, spec: SpecLike, **options: Any) -> HookState:
+    """``make`` and ``model.register_comm_hook`` in one call; returns the state (for checkpoints)."""
+    state, hook = make(spec, **options)
+    model.register_comm_hook(state, hook)
+    return state

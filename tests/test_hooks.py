@@ -1,0 +1,117 @@
+"""gradcomp hooks inside real DDP on gloo ranks, against DDP's default and torch's own hooks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+import hooks
+from gradcomp.launch import spawn
+
+
+def model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)  # the same initial weights on every rank
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def batches(rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(16, 32, generator=generator), torch.randint(0, 10, (16,), generator=generator))
+            for _ in range(steps)]  # fmt: skip
+
+
+def train(rank: int, hook: Any, steps: int, bucket_cap_mb: float = 0.005) -> tuple[list[torch.Tensor], Any]:
+    """Train a copy with DDP (small buckets: several per step) and return its parameters."""
+    ddp = DistributedDataParallel(model(), bucket_cap_mb=bucket_cap_mb)
+    state = None
+    if hook == "torch-fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook is not None:
+        state = hooks.register(ddp, hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for x, y in batches(rank, steps):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in ddp.parameters()], state
+
+
+def gradients(rank: int, hook: Any) -> list[torch.Tensor]:
+    """One step's averaged gradients."""
+    ddp = DistributedDataParallel(model(), bucket_cap_mb=0.005)
+    if hook == "torch-fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    else:
+        hooks.register(ddp, hook)
+    x, y = batches(rank, 1)[0]
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    return [p.grad.clone() for p in ddp.parameters()]
+
+
+def compare_with_torch(rank: int, world: int) -> dict[str, Any]:
+    default, _ = train(rank, None, 8)
+    ours, _ = train(rank, "allreduce", 8)
+    ring, _ = train(rank, "none", 8)
+    fp16_torch, fp16_ours = gradients(rank, "torch-fp16"), gradients(rank, "fp16")
+    return {
+        "allreduce exact": all(torch.equal(a, b) for a, b in zip(default, ours, strict=True)),
+        # in units of the result's fp16 spacing (2**-10 relative, 2**-24 absolute below 2**-14)
+        "fp16 difference": max(
+            float(((a - b).abs() / (a.abs() * 2.0**-10).clamp_min(2.0**-24)).max())
+            for a, b in zip(fp16_torch, fp16_ours, strict=True)
+        ),
+        "fp16 identical elements": sum(int((a == b).sum()) for a, b in zip(fp16_torch, fp16_ours, strict=True))
+        / sum(a.numel() for a in fp16_ours),
+        "none close": all(torch.allclose(a, b, atol=1e-6) for a, b in zip(default, ring, strict=True)),
+        "params": [p.sum().item() for p in ours],
+    }
+
+
+def test_allreduce_and_fp16_hooks_match_torch() -> None:
+    """allreduce: bitwise DDP's default. fp16: torch's fp16_compress_hook, except that we divide by
+    the world size before the cast (design rule 5) and torch after it, in fp16, which rounds a
+    contribution in fp16's subnormal range (below 2**-14) once more; the sum can then round to the
+    neighbouring fp16 value. So: at most one fp16 spacing apart, and equal almost everywhere."""
+    results = spawn(2, compare_with_torch, timeout=300)
+    for result in results:
+        assert result["allreduce exact"], "allreduce hook differs from DDP's default"
+        assert result["fp16 difference"] <= 1.0
+        assert result["fp16 identical elements"] > 0.95
+        assert result["none close"]
+    assert results[0]["params"] == results[1]["params"]  # every rank holds the same model
+
+
+def train_many_buckets(rank: int, world: int, spec: str) -> list[float]:
+    params, _ = train(rank, spec, 200, bucket_cap_mb=0.002)
+    return [p.double().sum().item() for p in params]
+
+
+@pytest.mark.parametrize("spec", ["powersgd:rank=2,ef=true", "topk:ratio=0.1,ef=true", "quantize:bits=4"])
+def test_multi_round_and_gather_compressors_run_200_steps_with_many_buckets(spec: str) -> None:
+    """torch's powerSGD_hook aborts on gloo with more than one bucket; ours keeps every rank in step."""
+    results = spawn(2, train_many_buckets, (spec,), timeout=600)
+    assert results[0] == results[1]  # bitwise-identical parameters on every rank
+
+
+def mismatched_specs(rank: int, world: int) -> str:
+    try:
+        train(rank, "topk:ratio=0.1" if rank == 0 else "topk:ratio=0.2", 1)
+    except Exception as error:
+        return str(error)
+    return "trained"
+
+
+def test_ranks_with_different_specs_fail_at_the_first_step_naming_both() -> None:
+    for message in spawn(2, mismatched_specs, timeout=120):
+        assert "different compressor specs" in message
+        assert "topk:ratio=0.1" in message and "topk:ratio=0.2" in message
+
+
+def test_a_bad_spec_fails_before_training() -> None:
+    with pytest.raises(ValueError, match="unknown compressor 'topq'"):
+        hooks.make("topq:ratio=0.1")
