@@ -1,22 +1,28 @@
 """The per-bucket pipeline: (error feedback) -> compress -> communicate -> decompress -> average.
 
-One :class:`Engine` per process group and compressor spec. ``reduce(tensor, key)`` averages a
-tensor over the group in place, asynchronously, on the collectives' ordered executor, so every
-round of every bucket runs in the same order on every rank and nothing communicates from a
-backend's callback thread (design rule 3).
+One :class:`Engine` per process group and compressor spec. ``reduce(buffer, keys, shapes)``
+averages a bucket (the concatenation of several tensors) over the group in place, asynchronously,
+on the collectives' ordered executor, so every round of every bucket runs in the same order on
+every rank and nothing communicates from a backend's callback thread (design rule 3).
 
-- ``sum`` compressors: the payload is all-reduced (``algo``: native or any gradcomp algorithm), then
-  decompressed into the tensor. Multi-round compressors (PowerSGD) all-reduce every round.
-- ``gather`` compressors: every payload tensor is all-gathered with variable sizes, then
-  ``decompress_sum`` adds every rank's contribution into the tensor, in rank order.
-- The tensor is divided by the world size *before* compression, so that low-precision sums cannot
+- **Each tensor is compressed on its own**, with its own key: its state (error-feedback residual,
+  PowerSGD memory, random streams) follows the tensor, not the bucket, so results do not depend on
+  how DDP groups tensors into buckets, which changes after DDP's first iteration and again when a
+  run resumes (design rule 6), and top-k or quantization act per layer.
+- **Communication is per bucket**: ``sum`` payloads of all the bucket's tensors are concatenated by
+  dtype and all-reduced at once (``algo``: native or any gradcomp algorithm; every round of a
+  multi-round compressor); ``gather`` payloads are packed into one byte buffer, with a header of
+  their sizes, and all-gathered with variable sizes, then ``decompress_sum`` adds every rank's
+  contribution in rank order.
+- The bucket is divided by the world size *before* compression, so that low-precision sums cannot
   overflow (design rule 5) and the average is taken exactly once.
-- The first call checks that every rank uses the same spec, and fails with both specs named.
+- The first call checks that every rank uses the same spec, and fails with every rank's spec named.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +32,7 @@ from torch import Tensor
 from gradcomp import collectives
 from gradcomp.collectives.executor import Handle, executor
 from gradcomp.compressors import Aggregation, Compressor, Key, Payload, make_compressor, parse_spec
+from gradcomp.compressors.cast import Identity
 from gradcomp.compressors.registry import SpecLike
 
 logger = logging.getLogger(__name__)
@@ -33,9 +40,11 @@ logger = logging.getLogger(__name__)
 ALGORITHMS = tuple(a for a in collectives.ALGORITHMS if a != "hierarchical")
 """All-reduce algorithms for ``sum`` payloads (hierarchical needs a local size: not yet offered)."""
 
+_ALIGN = 8  # bytes: packed payload tensors start at offsets their dtype can be viewed at
+
 
 class Engine:
-    """Averages tensors over a process group through one compressor.
+    """Averages buckets of tensors over a process group through one compressor.
 
     Args:
         spec: a compressor spec (``"topk:ratio=0.01,ef=true"``).
@@ -57,45 +66,87 @@ class Engine:
         self.compressor: Compressor = make_compressor(parsed, seed=seed, rank=dist.get_rank(group))
         self._checked = False
 
-    def reduce(self, tensor: Tensor, key: Key, shapes: Sequence[torch.Size] | None = None) -> Handle[Tensor]:
-        """Replace ``tensor`` (flat, contiguous, floating) by its average over the group, compressed.
+    def reduce(self, buffer: Tensor, keys: Sequence[Key], shapes: Sequence[torch.Size]) -> Handle[Tensor]:
+        """Replace ``buffer`` by its average over the group, compressed; returns at once.
 
-        ``key`` identifies the tensor across steps (state is kept per key); ``shapes`` lists the
-        tensors it concatenates (PowerSGD compresses each matrix). Returns at once.
+        ``buffer`` is flat and contiguous and concatenates tensors of ``shapes``; ``keys`` identify
+        them across steps (their state is kept per key).
         """
-        if not tensor.is_floating_point():
-            raise TypeError(f"gradients must be floating-point, got {tensor.dtype}")
-        if tensor.dim() != 1 or not tensor.is_contiguous():
-            raise ValueError("the engine reduces flat, contiguous tensors (a DDP bucket's buffer)")
-        return executor().submit(lambda: (self._reduce(tensor, key, shapes), None))
+        if not buffer.is_floating_point():
+            raise TypeError(f"gradients must be floating-point, got {buffer.dtype}")
+        if buffer.dim() != 1 or not buffer.is_contiguous():
+            raise ValueError("the engine reduces flat, contiguous buffers (a DDP bucket's)")
+        if len(keys) != len(shapes) or sum(math.prod(s) for s in shapes) != buffer.numel():
+            raise ValueError(
+                f"{len(keys)} keys and shapes holding {sum(math.prod(s) for s in shapes)} elements "
+                f"do not describe a buffer of {buffer.numel()}"
+            )
+        return executor().submit(lambda: (self._reduce(buffer, list(keys), list(shapes)), None))
 
-    def _reduce(self, tensor: Tensor, key: Key, shapes: Sequence[torch.Size] | None) -> Tensor:
+    def _reduce(self, buffer: Tensor, keys: list[Key], shapes: list[torch.Size]) -> Tensor:
         if not self._checked:
-            self._check_same_spec(tensor.device)
+            self._check_same_spec(buffer.device)
             self._checked = True
+        buffer.div_(self.world)
         compressor = self.compressor
-        tensor.div_(self.world)
-        payload, ctx = compressor.compress(tensor, key, shapes)
+        if type(compressor) is Identity:  # nothing to compress: all-reduce the bucket in place
+            self._sum([(buffer,)])
+            return buffer
+        parts, start = [], 0
+        for shape in shapes:
+            parts.append(buffer[start : start + math.prod(shape)].view(shape))
+            start += math.prod(shape)
+        states = [compressor.compress(part, key) for part, key in zip(parts, keys, strict=True)]
         for _ in range(1, compressor.rounds):
-            payload, ctx = compressor.next_round(self._sum(payload), ctx)
+            summed = self._sum([payload for payload, _ in states])
+            states = [compressor.next_round(p, ctx) for p, (_, ctx) in zip(summed, states, strict=True)]
+        finals = [payload for payload, _ in states]
         if compressor.aggregation is Aggregation.SUM:
-            compressor.decompress(self._sum(payload), ctx, out=tensor)
+            for payload, (_, ctx), part in zip(self._sum(finals), states, parts, strict=True):
+                compressor.decompress(payload, ctx, out=part)
         else:
-            compressor.decompress_sum(self._gather(payload), ctx, out=tensor)
-        return tensor
+            for everyone, (_, ctx), part in zip(self._gather(finals), states, parts, strict=True):
+                compressor.decompress_sum(everyone, ctx, out=part)
+        return buffer
 
-    def _sum(self, payload: Payload) -> Payload:
-        for part in payload:
-            collectives.all_reduce(part, "sum", algo=self.algo, group=self.group)
-        return payload
+    def _sum(self, payloads: list[Payload]) -> list[Payload]:
+        """All-reduce (sum) every tensor of every payload: one all-reduce per dtype."""
+        tensors = [t for payload in payloads for t in payload]
+        summed: list[Tensor | None] = [None] * len(tensors)
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+            if len(members) == 1 and tensors[members[0]].is_contiguous():
+                joined = tensors[members[0]].view(-1)
+            else:
+                joined = torch.cat([tensors[i].reshape(-1) for i in members])
+            collectives.all_reduce(joined, "sum", algo=self.algo, group=self.group)
+            offset = 0
+            for i in members:
+                summed[i] = joined[offset : offset + tensors[i].numel()].view(tensors[i].shape)
+                offset += tensors[i].numel()
+        return _regroup(payloads, summed)
 
-    def _gather(self, payload: Payload) -> list[Payload]:
-        """Every rank's payload, in rank order (parts may differ in length between ranks)."""
-        gathered = []
-        for part in payload:
-            pieces = collectives.all_gatherv(part.contiguous(), group=self.group).wait()
-            gathered.append([p.view(-1, *part.shape[1:]) if part.dim() > 1 else p for p in pieces])
-        return [tuple(parts) for parts in zip(*gathered, strict=True)]
+    def _gather(self, payloads: list[Payload]) -> list[list[Payload]]:
+        """Every rank's payloads, per tensor then rank: two all-gathers (sizes, then bytes)."""
+        tensors = [t.contiguous() for payload in payloads for t in payload]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        header = torch.tensor([t.numel() for t in tensors], dtype=torch.int64, device=device)
+        headers = torch.empty(self.world * len(tensors), dtype=torch.int64, device=device)
+        collectives.all_gather(headers, header, group=self.group)
+        counts = headers.view(self.world, len(tensors)).tolist()
+        sizes = [t.element_size() for t in tensors]
+        packed = torch.cat([_padded_bytes(t) for t in tensors]) if tensors else torch.empty(0, dtype=torch.uint8)
+        totals = [sum(_aligned(n * size) for n, size in zip(row, sizes, strict=True)) for row in counts]
+        everyone = collectives.all_gatherv(packed, totals, group=self.group).wait()
+        per_rank = []
+        for raw, row in zip(everyone, counts, strict=True):
+            unpacked, offset = [], 0
+            for local, n in zip(tensors, row, strict=True):
+                piece = raw[offset : offset + n * local.element_size()].view(local.dtype)
+                unpacked.append(piece.view(-1, *local.shape[1:]) if local.dim() > 1 else piece)
+                offset += _aligned(n * local.element_size())
+            per_rank.append(_regroup(payloads, unpacked))
+        return [list(parts) for parts in zip(*per_rank, strict=True)]
 
     def _check_same_spec(self, device: torch.device) -> None:
         mine = torch.tensor(list(self.spec.encode()), dtype=torch.uint8, device=device)
@@ -103,3 +154,24 @@ class Engine:
         if len(set(specs)) > 1:
             listing = "; ".join(f"rank {r}: {s!r}" for r, s in enumerate(specs))
             raise ValueError(f"ranks were given different compressor specs: {listing}")
+
+
+def _regroup(payloads: list[Payload], flat: Sequence[Tensor | None]) -> list[Payload]:
+    """Cut a flat list of tensors back into payloads shaped like ``payloads``."""
+    grouped, index = [], 0
+    for payload in payloads:
+        parts = flat[index : index + len(payload)]
+        assert all(p is not None for p in parts)
+        grouped.append(tuple(p for p in parts if p is not None))
+        index += len(payload)
+    return grouped
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _padded_bytes(tensor: Tensor) -> Tensor:
+    raw = tensor.reshape(-1).view(torch.uint8)
+    padding = _aligned(raw.numel()) - raw.numel()
+    return raw if not padding else torch.cat([raw, raw.new_zeros(padding)])

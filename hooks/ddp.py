@@ -20,20 +20,20 @@ ALIASES = {"allreduce": "none"}
 
 
 class HookState:
-    """What a gradcomp hook keeps between steps: the engine, and a stable key per bucket.
+    """What a gradcomp hook keeps between steps: the engine, and a stable key per parameter.
 
-    A bucket's key is the tuple of its parameters' indices, numbered in the order DDP first hands
-    them to the hook. DDP's first iteration always sees the same order, so keys are the same in
-    every run (a checkpoint's state finds its tensors again), and they survive DDP's bucket rebuild
-    after the first iteration (design rule 6): a rebuilt bucket gets the key of its parameters.
+    A parameter's key is its index, numbered in the order DDP first hands parameters to the hook.
+    DDP's first iteration always sees the same order, so keys are the same in every run (a
+    checkpoint's state finds its tensors again), and since the engine keeps state per parameter,
+    DDP's bucket rebuild after the first iteration changes nothing (design rule 6).
     """
 
     def __init__(self, engine: Engine | None) -> None:
         self.engine = engine
         self._indices: dict[int, int] = {}
 
-    def key(self, bucket: GradBucket) -> tuple[int, ...]:
-        return tuple(self._indices.setdefault(id(p), len(self._indices)) for p in bucket.parameters())
+    def keys(self, parameters: list[Tensor]) -> list[int]:
+        return [self._indices.setdefault(id(p), len(self._indices)) for p in parameters]
 
     def state_dict(self) -> dict[str, Any]:
         """The compressor's state (residuals, warm starts, generators): loadable with
@@ -52,7 +52,7 @@ def _gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future
     if state.engine is None:  # noop: the compute floor
         future.set_result(buffer)
         return future
-    shapes = [p.shape for p in bucket.parameters()]
+    parameters = bucket.parameters()
 
     def finished(handle: Handle[Tensor]) -> None:
         try:
@@ -60,7 +60,7 @@ def _gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future
         except Exception as error:  # reaches DDP's wait in the training thread
             future.set_exception(error)  # type: ignore[arg-type]  # torch's stub says Tensor
 
-    state.engine.reduce(buffer, state.key(bucket), shapes).then(finished)
+    state.engine.reduce(buffer, state.keys(parameters), [p.shape for p in parameters]).then(finished)
     return future
 
 

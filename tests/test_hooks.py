@@ -115,3 +115,44 @@ def test_ranks_with_different_specs_fail_at_the_first_step_naming_both() -> None
 def test_a_bad_spec_fails_before_training() -> None:
     with pytest.raises(ValueError, match="unknown compressor 'topq'"):
         hooks.make("topq:ratio=0.1")
+
+
+def resume(rank: int, world: int, spec: str) -> bool:
+    """N steps, checkpoint (model, optimizer, hook state through torch.save / weights_only load),
+    a fresh process state, M more steps == N + M steps uninterrupted, bitwise."""
+    import io
+
+    data = batches(rank, 10)
+
+    def fresh() -> tuple[DistributedDataParallel, torch.optim.Optimizer, hooks.HookState]:
+        ddp = DistributedDataParallel(model(), bucket_cap_mb=0.005)
+        state = hooks.register(ddp, spec, seed=3)
+        return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), state
+
+    def steps(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer, chunk: list) -> None:
+        for x, y in chunk:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            optimizer.step()
+
+    ddp, optimizer, _ = fresh()
+    steps(ddp, optimizer, data)
+    uninterrupted = [p.detach().clone() for p in ddp.parameters()]
+
+    ddp, optimizer, state = fresh()
+    steps(ddp, optimizer, data[:6])
+    buffer = io.BytesIO()
+    torch.save({"model": ddp.state_dict(), "optimizer": optimizer.state_dict(), "hook": state.state_dict()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+    ddp, optimizer, state = fresh()
+    ddp.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    state.load_state_dict(checkpoint["hook"])
+    steps(ddp, optimizer, data[6:])
+    return all(torch.equal(a, b) for a, b in zip(uninterrupted, ddp.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.1,ef=true", "powersgd:rank=2,ef=true", "quantize:bits=2"])
+def test_checkpoint_and_resume_continue_exactly(spec: str) -> None:
+    assert spawn(2, resume, (spec,), timeout=300) == [True, True]

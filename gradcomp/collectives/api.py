@@ -157,20 +157,30 @@ def all_gather(output: Tensor, input: Tensor, *, group: Group = None, async_op: 
     return _run(operation, async_op)
 
 
-def all_gatherv(input: Tensor, *, group: Group = None, async_op: bool = False) -> Handle[list[Tensor]]:
+def all_gatherv(
+    input: Tensor, sizes: Sequence[int] | None = None, *, group: Group = None, async_op: bool = False
+) -> Handle[list[Tensor]]:
     """Every rank's ``input`` (any number of elements each), flattened, as a list in rank order.
 
-    The sizes travel first (one int64 per rank), then the data around the ring. For sparse payloads,
-    whose size differs between ranks and steps.
+    Unless every rank's element count is given as ``sizes``, the sizes travel first (one int64 per
+    rank), then the data around the ring. For sparse payloads, whose size differs between ranks.
     """
     _check_tensor(input, "input")
+    if sizes is not None:
+        world = dist.get_world_size(group)
+        if len(sizes) != world or min(sizes) < 0:
+            raise ValueError(f"sizes must be {world} non-negative element counts, got {list(sizes)}")
+        if sizes[dist.get_rank(group)] != input.numel():
+            raise ValueError(
+                f"sizes says this rank has {sizes[dist.get_rank(group)]} elements, input has {input.numel()}"
+            )
 
     def operation() -> tuple[list[Tensor], Traffic | None]:
         link = Link(group)
-        sizes = exchange.gather_sizes(link, input.numel(), input.device)
-        output = torch.empty(sum(sizes), dtype=input.dtype, device=input.device)
-        exchange.all_gather_into(link, output, input, sizes)
-        return [output[start:stop] for start, stop in exchange.offsets(sizes)], link.traffic
+        counts = list(sizes) if sizes is not None else exchange.gather_sizes(link, input.numel(), input.device)
+        output = torch.empty(sum(counts), dtype=input.dtype, device=input.device)
+        exchange.all_gather_into(link, output, input, counts)
+        return [output[start:stop] for start, stop in exchange.offsets(counts)], link.traffic
 
     return _run(operation, async_op)
 

@@ -156,7 +156,7 @@ class PowerSGD(Compressor):
 
     def _initial_qs(self, key: Key, segments: list[Segment], device: torch.device) -> list[Tensor]:
         compressed = _compressed(segments)
-        generator = self.shared.on(device)
+        generator = self.shared.on(device, key)
         fresh = [torch.randn(s.cols, s.rank, generator=generator, device=device) for s in compressed]
         remembered = self.memory.get(key)
         if remembered is None or [q.shape for q in remembered] != [q.shape for q in fresh]:

@@ -75,9 +75,9 @@ class AffineQuantizer(Compressor):
     def affine(self, scales: Tensor) -> Affine:
         """The per-chunk map between codes and values, from the scales that travel."""
 
-    def encode(self, flat: Tensor, mapping: Affine) -> Tensor:
-        """uint8 codes of ``flat``; the default is affine rounding."""
-        generator = self.noise.on(flat.device) if self.stochastic else None
+    def encode(self, flat: Tensor, mapping: Affine, key: Key = None) -> Tensor:
+        """uint8 codes of ``flat``; the default is affine rounding (noise from ``key``'s stream)."""
+        generator = self.noise.on(flat.device, key) if self.stochastic else None
         return affine.encode(flat, mapping, self.chunk, generator, self.workspace)
 
     def compress(
@@ -85,7 +85,7 @@ class AffineQuantizer(Compressor):
     ) -> tuple[Payload, Meta]:
         flat = check_gradient(tensor)
         scales = self.scales(flat)
-        codes = self.encode(flat, self.affine(scales))
+        codes = self.encode(flat, self.affine(scales), key)
         scratch = self.workspace.take("pack", flat.numel(), torch.uint8, flat.device)
         return (bitpack.pack(codes, self.bits, scratch), scales), Meta.of(tensor)
 

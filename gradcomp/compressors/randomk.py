@@ -82,7 +82,7 @@ class RandomK(Compressor):
         k = kept(self.config.ratio, n)
         starts = torch.arange(k + 1, device=flat.device, dtype=torch.int64) * n // max(k, 1)
         sizes = starts.diff()
-        uniform = torch.rand(k, generator=self.shared.on(flat.device), device=flat.device, dtype=torch.float64)
+        uniform = torch.rand(k, generator=self.shared.on(flat.device, key), device=flat.device, dtype=torch.float64)
         indices = starts[:-1] + (uniform * sizes).long()
         values = flat[indices]
         if self.config.scale:

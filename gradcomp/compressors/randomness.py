@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -14,33 +16,42 @@ def rank_seed(seed: int, rank: int) -> int:
     return (seed * 1_000_003 + (rank + 1) * _MIX) % (2**63)
 
 
-class Generators:
-    """One :class:`torch.Generator` per device, created lazily from one seed.
+def key_seed(seed: int, key: Hashable) -> int:
+    """A seed for one key's stream: stable across processes and runs (unlike ``hash`` of strings)."""
+    return (seed + zlib.crc32(repr(key).encode()) * _MIX) % (2**63)
 
-    Each device's stream depends only on the seed and on how many numbers were drawn on that
-    device, so ranks that draw the same amounts in the same order draw the same numbers.
+
+class Generators:
+    """One :class:`torch.Generator` per (key, device), each created lazily from the seed and the key.
+
+    A key's stream depends only on the seed, the key and how many numbers were drawn for that key,
+    so the same tensor gets the same random numbers whatever else is compressed and in which order
+    (DDP's buckets change between its first and later iterations; a resumed run starts over).
     """
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
-        self._generators: dict[str, torch.Generator] = {}
+        self._generators: dict[tuple[Hashable, str], torch.Generator] = {}
 
-    def on(self, device: torch.device) -> torch.Generator:
-        """The generator for ``device``."""
-        name = str(torch.device(device))
-        generator = self._generators.get(name)
+    def on(self, device: torch.device, key: Hashable = None) -> torch.Generator:
+        """The generator of ``key`` on ``device``."""
+        slot = (key, str(torch.device(device)))
+        generator = self._generators.get(slot)
         if generator is None:
-            generator = torch.Generator(device=name)
-            generator.manual_seed(self.seed)
-            self._generators[name] = generator
+            generator = torch.Generator(device=slot[1])
+            generator.manual_seed(key_seed(self.seed, key))
+            self._generators[slot] = generator
         return generator
 
     def state_dict(self) -> dict[str, Any]:
-        return {"seed": self.seed, "states": {d: g.get_state() for d, g in self._generators.items()}}
+        return {
+            "seed": self.seed,
+            "streams": [{"key": k, "device": d, "state": g.get_state()} for (k, d), g in self._generators.items()],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["seed"] != self.seed:
             raise ValueError(f"generator state was saved with seed {state['seed']}, this one has {self.seed}")
         self._generators.clear()
-        for device, rng_state in state["states"].items():
-            self.on(torch.device(device)).set_state(rng_state)
+        for stream in state["streams"]:
+            self.on(torch.device(stream["device"]), stream["key"]).set_state(stream["state"])

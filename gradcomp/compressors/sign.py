@@ -9,7 +9,7 @@ from torch import Tensor
 
 from gradcomp.compressors import chunks
 from gradcomp.compressors.affine import Affine
-from gradcomp.compressors.base import ChunkedConfig
+from gradcomp.compressors.base import ChunkedConfig, Key
 from gradcomp.compressors.quantize import AffineQuantizer
 from gradcomp.compressors.registry import register
 
@@ -50,7 +50,7 @@ class Sign(AffineQuantizer):
         # code 0 -> +scale, code 1 -> -scale
         return Affine(base=scales[0], step=-2 * scales[0], levels=1)
 
-    def encode(self, flat: Tensor, mapping: Affine) -> Tensor:
+    def encode(self, flat: Tensor, mapping: Affine, key: Key = None) -> Tensor:
         negative = self.workspace.take("negative", flat.numel(), torch.bool, flat.device)
         torch.lt(flat, 0, out=negative)
         return negative.view(torch.uint8)

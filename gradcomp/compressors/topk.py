@@ -79,10 +79,10 @@ class TopK(SparseCompressor):
         flat = check_gradient(tensor)
         magnitudes = self.workspace.take("abs", flat.numel(), flat.dtype, flat.device)
         torch.abs(flat, out=magnitudes)
-        indices = self.select(magnitudes, kept(self.config.ratio, flat.numel()))
+        indices = self.select(magnitudes, kept(self.config.ratio, flat.numel()), key)
         return self.sparse_payload(flat, indices), Meta.of(tensor)
 
-    def select(self, magnitudes: Tensor, k: int) -> Tensor:
+    def select(self, magnitudes: Tensor, k: int, key: Key = None) -> Tensor:
         """int64 indices of (about, for ``sampled``) the k largest ``magnitudes``."""
         n = magnitudes.numel()
         sample_size = math.ceil(SAMPLE_HITS * n / max(k, 1))
@@ -90,7 +90,7 @@ class TopK(SparseCompressor):
             return torch.arange(n, device=magnitudes.device)
         if n <= SMALL or sample_size >= n // 2:
             return torch.topk(magnitudes, k, sorted=False).indices
-        generator = self.sampler.on(magnitudes.device)
+        generator = self.sampler.on(magnitudes.device, key)
         positions = torch.randint(0, n, (sample_size,), generator=generator, device=magnitudes.device)
         sample = magnitudes[positions]
         hits = k * sample_size / n
