@@ -17,6 +17,8 @@ every rank and nothing communicates from a backend's callback thread (design rul
 - The bucket is divided by the world size *before* compression, so that low-precision sums cannot
   overflow (design rule 5) and the average is taken exactly once.
 - The first call checks that every rank uses the same spec, and fails with every rank's spec named.
+- The engine communicates on a process group of its own, with the same ranks, so that DDP's own
+  collectives on its group never interleave with the engine's.
 """
 
 from __future__ import annotations
@@ -46,9 +48,11 @@ _ALIGN = 8  # bytes: packed payload tensors start at offsets their dtype can be 
 class Engine:
     """Averages buckets of tensors over a process group through one compressor.
 
+    Create engines on every rank in the same order: each creates a process group.
+
     Args:
         spec: a compressor spec (``"topk:ratio=0.01,ef=true"``).
-        group: the process group (default: the world).
+        group: the ranks to average over (default: the world).
         algo: all-reduce algorithm for ``sum`` payloads.
         seed: seed of the compressor's generators; the same on every rank.
     """
@@ -60,10 +64,14 @@ class Engine:
             raise ValueError(f"unknown all-reduce algorithm {algo!r}; valid: {', '.join(ALGORITHMS)}")
         parsed = parse_spec(spec)
         self.spec = str(parsed)
-        self.group = group
         self.algo = algo
         self.world = dist.get_world_size(group)
         self.compressor: Compressor = make_compressor(parsed, seed=seed, rank=dist.get_rank(group))
+        # A process group of its own (same ranks): DDP issues collectives of its own from the
+        # training thread (find_unused_parameters' bitmap, static_graph's checks); on one shared
+        # group they would interleave with the engine's differently on each rank (gloo aborts with
+        # "Received data size doesn't match expected size").
+        self.group = _private_group(group)
         self._checked = False
 
     def reduce(self, buffer: Tensor, keys: Sequence[Key], shapes: Sequence[torch.Size]) -> Handle[Tensor]:
@@ -154,6 +162,15 @@ class Engine:
         if len(set(specs)) > 1:
             listing = "; ".join(f"rank {r}: {s!r}" for r, s in enumerate(specs))
             raise ValueError(f"ranks were given different compressor specs: {listing}")
+
+
+def _private_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A new process group with the ranks of ``group``. Every rank of the world must create
+    engines in the same order (as for any collective)."""
+    if group is None:
+        return dist.new_group()
+    ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+    return dist.new_group(ranks, use_local_synchronization=True)
 
 
 def _regroup(payloads: list[Payload], flat: Sequence[Tensor | None]) -> list[Payload]:

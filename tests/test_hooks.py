@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
@@ -156,3 +157,67 @@ def resume(rank: int, world: int, spec: str) -> bool:
 @pytest.mark.parametrize("spec", ["topk:ratio=0.1,ef=true", "powersgd:rank=2,ef=true", "quantize:bits=2"])
 def test_checkpoint_and_resume_continue_exactly(spec: str) -> None:
     assert spawn(2, resume, (spec,), timeout=300) == [True, True]
+
+
+class TwoHeads(nn.Module):
+    """A model whose second head is unused: DDP needs find_unused_parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.used, self.unused = nn.Linear(32, 64), nn.Linear(64, 10), nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(torch.relu(self.body(x)))
+
+
+def run_options(rank: int, world: int, options: dict[str, Any], hook: Any, dtype: str, accumulate: int) -> list:
+    net = TwoHeads() if options.get("find_unused_parameters") else model()
+    net = net.to(getattr(torch, dtype))
+    ddp = DistributedDataParallel(net, bucket_cap_mb=0.005, **options)
+    if hook is not None:
+        hooks.register(ddp, hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(batches(rank, 6 * accumulate)):
+        loss = nn.functional.cross_entropy(ddp(x.to(getattr(torch, dtype))).float(), y)
+        if (step + 1) % accumulate:
+            with ddp.no_sync():  # accumulate locally, communicate every `accumulate` steps
+                loss.backward()
+            continue
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach().float().clone() for p in ddp.parameters()]
+
+
+OPTIONS = [
+    ({"gradient_as_bucket_view": True}, "float32", 1),
+    ({"static_graph": True}, "float32", 1),
+    ({}, "float32", 3),  # no_sync accumulation
+    ({"find_unused_parameters": True}, "float32", 1),
+    ({}, "bfloat16", 1),
+    ({}, "float16", 1),
+]
+
+
+def check_options(rank: int, world: int, index: int) -> list[str]:
+    options, dtype, accumulate = OPTIONS[index]
+    failures = []
+    default = run_options(rank, world, options, None, dtype, accumulate)
+    ours = run_options(rank, world, options, "allreduce", dtype, accumulate)
+    if not all(torch.equal(a, b) for a, b in zip(default, ours, strict=True)):
+        failures.append("allreduce hook differs from DDP's default")
+    compressed = run_options(rank, world, options, "topk:ratio=0.2,ef=true", dtype, accumulate)
+    flat = torch.cat([p.view(-1) for p in compressed])
+    copies = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(copies, flat)
+    if not all(torch.equal(c, flat) for c in copies) or not torch.isfinite(flat).all():
+        failures.append("top-k hook left ranks apart or non-finite")
+    return failures
+
+
+@pytest.mark.parametrize("index", range(len(OPTIONS)), ids=[f"{o}-{d}-x{a}" for o, d, a in OPTIONS])
+def test_ddp_options_and_half_precision_parameters(index: int) -> None:
+    """One group of ranks per configuration, each comparing DDP's default, the allreduce hook and a
+    compressed hook; find_unused_parameters makes DDP communicate on its own group during backward."""
+    assert spawn(2, check_options, (index,), timeout=300) == [[], []]
