@@ -23,8 +23,10 @@ every rank and nothing communicates from a backend's callback thread (design rul
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
+import time
 from collections.abc import Sequence
 
 import torch
@@ -36,6 +38,7 @@ from gradcomp.collectives.executor import Handle, executor
 from gradcomp.compressors import Aggregation, Compressor, Key, Payload, make_compressor, parse_spec
 from gradcomp.compressors.cast import Identity
 from gradcomp.compressors.registry import SpecLike
+from gradcomp.stats import BucketRecord
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +58,17 @@ class Engine:
         group: the ranks to average over (default: the world).
         algo: all-reduce algorithm for ``sum`` payloads.
         seed: seed of the compressor's generators; the same on every rank.
+        history: how many bucket records (:mod:`gradcomp.stats`) to keep, the latest.
     """
 
     def __init__(
-        self, spec: SpecLike, *, group: dist.ProcessGroup | None = None, algo: str = "native", seed: int = 0
+        self,
+        spec: SpecLike,
+        *,
+        group: dist.ProcessGroup | None = None,
+        algo: str = "native",
+        seed: int = 0,
+        history: int = 10_000,
     ) -> None:
         if algo not in ALGORITHMS:
             raise ValueError(f"unknown all-reduce algorithm {algo!r}; valid: {', '.join(ALGORITHMS)}")
@@ -73,12 +83,22 @@ class Engine:
         # "Received data size doesn't match expected size").
         self.group = _private_group(group)
         self._checked = False
+        self.step = 0
+        self.records: collections.deque[BucketRecord] = collections.deque(maxlen=history)
 
-    def reduce(self, buffer: Tensor, keys: Sequence[Key], shapes: Sequence[torch.Size]) -> Handle[Tensor]:
+    def reduce(
+        self,
+        buffer: Tensor,
+        keys: Sequence[Key],
+        shapes: Sequence[torch.Size],
+        bucket: int = 0,
+        last: bool = True,
+    ) -> Handle[Tensor]:
         """Replace ``buffer`` by its average over the group, compressed; returns at once.
 
         ``buffer`` is flat and contiguous and concatenates tensors of ``shapes``; ``keys`` identify
-        them across steps (their state is kept per key).
+        them across steps (their state is kept per key). ``bucket`` numbers the buffer within the
+        step and ``last`` ends the step, for :attr:`records`.
         """
         if not buffer.is_floating_point():
             raise TypeError(f"gradients must be floating-point, got {buffer.dtype}")
@@ -89,35 +109,59 @@ class Engine:
                 f"{len(keys)} keys and shapes holding {sum(math.prod(s) for s in shapes)} elements "
                 f"do not describe a buffer of {buffer.numel()}"
             )
-        return executor().submit(lambda: (self._reduce(buffer, list(keys), list(shapes)), None))
+        record = BucketRecord(0, bucket, buffer.numel() * buffer.element_size(), time.perf_counter())
 
-    def _reduce(self, buffer: Tensor, keys: list[Key], shapes: list[torch.Size]) -> Tensor:
+        def operation() -> tuple[Tensor, None]:
+            record.step = self.step
+            record.started = time.perf_counter()
+            self._reduce(buffer, list(keys), list(shapes), record)
+            record.finished = time.perf_counter()
+            self.records.append(record)
+            self.step += int(last)
+            return buffer, None
+
+        return executor().submit(operation)
+
+    def _reduce(self, buffer: Tensor, keys: list[Key], shapes: list[torch.Size], record: BucketRecord) -> Tensor:
         if not self._checked:
             self._check_same_spec(buffer.device)
             self._checked = True
         buffer.div_(self.world)
         compressor = self.compressor
         if type(compressor) is Identity:  # nothing to compress: all-reduce the bucket in place
-            self._sum([(buffer,)])
+            record.payload_bytes = record.input_bytes
+            with record.phase("communicate"):
+                self._sum([(buffer,)], record)
             return buffer
         parts, start = [], 0
         for shape in shapes:
             parts.append(buffer[start : start + math.prod(shape)].view(shape))
             start += math.prod(shape)
-        states = [compressor.compress(part, key) for part, key in zip(parts, keys, strict=True)]
+        with record.phase("compress"):
+            states = [compressor.compress(part, key) for part, key in zip(parts, keys, strict=True)]
         for _ in range(1, compressor.rounds):
-            summed = self._sum([payload for payload, _ in states])
-            states = [compressor.next_round(p, ctx) for p, (_, ctx) in zip(summed, states, strict=True)]
+            record.payload_bytes += sum(compressor.wire_bytes(p) for p, _ in states)
+            with record.phase("communicate"):
+                summed = self._sum([payload for payload, _ in states], record)
+            with record.phase("compress"):
+                states = [compressor.next_round(p, ctx) for p, (_, ctx) in zip(summed, states, strict=True)]
         finals = [payload for payload, _ in states]
+        record.payload_bytes += sum(compressor.wire_bytes(p) for p in finals)
         if compressor.aggregation is Aggregation.SUM:
-            for payload, (_, ctx), part in zip(self._sum(finals), states, parts, strict=True):
-                compressor.decompress(payload, ctx, out=part)
+            with record.phase("communicate"):
+                summed = self._sum(finals, record)
+            with record.phase("decompress"):
+                for payload, (_, ctx), part in zip(summed, states, parts, strict=True):
+                    compressor.decompress(payload, ctx, out=part)
         else:
-            for everyone, (_, ctx), part in zip(self._gather(finals), states, parts, strict=True):
-                compressor.decompress_sum(everyone, ctx, out=part)
+            with record.phase("communicate"):
+                gathered = self._gather(finals, record)
+            with record.phase("decompress"):
+                for everyone, (_, ctx), part in zip(gathered, states, parts, strict=True):
+                    compressor.decompress_sum(everyone, ctx, out=part)
         return buffer
 
-    def _sum(self, payloads: list[Payload]) -> list[Payload]:
+    def _sum(self, payloads: list[Payload], record: BucketRecord) -> list[Payload]:
         """All-reduce (sum) every tensor of every payload: one all-reduce per dtype."""
         tensors = [t for payload in payloads for t in payload]
         summed: list[Tensor | None] = [None] * len(tensors)
@@ -127,25 +171,27 @@ class Engine:
                 joined = tensors[members[0]].view(-1)
             else:
                 joined = torch.cat([tensors[i].reshape(-1) for i in members])
-            collectives.all_reduce(joined, "sum", algo=self.algo, group=self.group)
+            record.add_traffic(collectives.all_reduce(joined, "sum", algo=self.algo, group=self.group).traffic)
             offset = 0
             for i in members:
                 summed[i] = joined[offset : offset + tensors[i].numel()].view(tensors[i].shape)
                 offset += tensors[i].numel()
         return _regroup(payloads, summed)
 
-    def _gather(self, payloads: list[Payload]) -> list[list[Payload]]:
+    def _gather(self, payloads: list[Payload], record: BucketRecord) -> list[list[Payload]]:
         """Every rank's payloads, per tensor then rank: two all-gathers (sizes, then bytes)."""
         tensors = [t.contiguous() for payload in payloads for t in payload]
         device = tensors[0].device if tensors else torch.device("cpu")
         header = torch.tensor([t.numel() for t in tensors], dtype=torch.int64, device=device)
         headers = torch.empty(self.world * len(tensors), dtype=torch.int64, device=device)
-        collectives.all_gather(headers, header, group=self.group)
+        record.add_traffic(collectives.all_gather(headers, header, group=self.group).traffic)
         counts = headers.view(self.world, len(tensors)).tolist()
         sizes = [t.element_size() for t in tensors]
         packed = torch.cat([_padded_bytes(t) for t in tensors]) if tensors else torch.empty(0, dtype=torch.uint8)
         totals = [sum(_aligned(n * size) for n, size in zip(row, sizes, strict=True)) for row in counts]
-        everyone = collectives.all_gatherv(packed, totals, group=self.group).wait()
+        handle = collectives.all_gatherv(packed, totals, group=self.group)
+        record.add_traffic(handle.traffic)
+        everyone = handle.wait()
         per_rank = []
         for raw, row in zip(everyone, counts, strict=True):
             unpacked, offset = [], 0

@@ -12,6 +12,7 @@ from torch.distributed import GradBucket
 from gradcomp.collectives.executor import Handle
 from gradcomp.compressors.registry import SpecLike
 from gradcomp.engine import Engine
+from gradcomp.stats import per_step, write_trace
 
 Hook = Callable[["HookState", GradBucket], torch.futures.Future[Tensor]]
 
@@ -34,6 +35,17 @@ class HookState:
 
     def keys(self, parameters: list[Tensor]) -> list[int]:
         return [self._indices.setdefault(id(p), len(self._indices)) for p in parameters]
+
+    def steps(self) -> list[dict[str, Any]]:
+        """Per step: buckets, input and payload bytes, compression ratio, bytes sent and received
+        (None with the native all-reduce), seconds in compress / communicate / decompress.
+        Read it after a step's backward (DDP has waited for every bucket by then)."""
+        return [] if self.engine is None else per_step(self.engine.records)
+
+    def write_trace(self, path: str) -> None:
+        """A Chrome / Perfetto JSON trace of every recorded bucket: ready, queued, and each phase."""
+        if self.engine is not None:
+            write_trace(self.engine.records, path, dist.get_rank())
 
     def state_dict(self) -> dict[str, Any]:
         """The compressor's state (residuals, warm starts, generators): loadable with
@@ -60,7 +72,8 @@ def _gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future
         except Exception as error:  # reaches DDP's wait in the training thread
             future.set_exception(error)  # type: ignore[arg-type]  # torch's stub says Tensor
 
-    state.engine.reduce(buffer, state.keys(parameters), [p.shape for p in parameters]).then(finished)
+    keys, shapes = state.keys(parameters), [p.shape for p in parameters]
+    state.engine.reduce(buffer, keys, shapes, bucket.index(), bucket.is_last()).then(finished)
     return future
 
 

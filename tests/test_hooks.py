@@ -221,3 +221,40 @@ def test_ddp_options_and_half_precision_parameters(index: int) -> None:
     """One group of ranks per configuration, each comparing DDP's default, the allreduce hook and a
     compressed hook; find_unused_parameters makes DDP communicate on its own group during backward."""
     assert spawn(2, check_options, (index,), timeout=300) == [[], []]
+
+
+def measure(rank: int, world: int, spec: str, trace: str) -> dict[str, Any]:
+    ddp = DistributedDataParallel(model(), bucket_cap_mb=0.005)
+    state = hooks.register(ddp, spec, algo="ring")
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for x, y in batches(rank, 3):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+    state.write_trace(f"{trace}.{rank}")
+    return {"steps": state.steps(), "params": sum(p.numel() * 4 for p in ddp.parameters())}
+
+
+@pytest.mark.parametrize(("spec", "ratio"), [("fp16", 2.0), ("powersgd:rank=1", None), ("sign", None)])
+def test_statistics_and_trace(spec: str, ratio: float | None, tmp_path: Any) -> None:
+    import json
+
+    trace = str(tmp_path / "trace.json")
+    results = spawn(2, measure, (spec, trace), timeout=300)
+    for rank, result in enumerate(results):
+        steps = result["steps"]
+        assert [s["step"] for s in steps] == [0, 1, 2]
+        for s in steps:
+            assert s["input_bytes"] == result["params"]  # every gradient byte, once per step
+            assert s["buckets"] >= (1 if s["step"] == 0 else 2)  # DDP rebuilds its buckets after step 0
+            if ratio is not None:
+                assert s["compression_ratio"] == pytest.approx(ratio)
+            else:
+                assert s["compression_ratio"] > 4
+            assert s["sent_bytes"] > 0 and s["received_bytes"] > 0  # gradcomp's ring: observable
+            assert s["compress_s"] > 0 and s["communicate_s"] > 0 and s["decompress_s"] > 0
+        with open(f"{trace}.{rank}") as file:
+            events = json.load(file)["traceEvents"]
+        names = {e["name"] for e in events}
+        assert {"queued", "compress", "communicate", "decompress"} <= names
+        assert sum(e["name"].startswith("ready") for e in events) == sum(s["buckets"] for s in steps)

@@ -1,0 +1,98 @@
+"""What the engine measures per bucket, summed per step, and a Chrome/Perfetto trace of it.
+
+Times are ``time.perf_counter`` seconds on this rank. ``payload_bytes`` is what the compressor
+produced (every round), exactly as ``Compressor.wire_bytes`` counts; ``sent_bytes`` and
+``received_bytes`` are what this rank's collectives moved, None where the backend's native
+collectives did the moving (their traffic is not observable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from gradcomp.collectives.link import Traffic
+
+
+@dataclasses.dataclass
+class BucketRecord:
+    """One bucket of one step."""
+
+    step: int
+    bucket: int
+    input_bytes: int
+    queued: float
+    started: float = 0.0
+    finished: float = 0.0
+    payload_bytes: int = 0
+    sent_bytes: int | None = 0
+    received_bytes: int | None = 0
+    compress_s: float = 0.0
+    communicate_s: float = 0.0
+    decompress_s: float = 0.0
+    spans: list[tuple[str, float, float]] = dataclasses.field(default_factory=list)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time a ``compress``, ``communicate`` or ``decompress`` phase (they may alternate)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            setattr(self, f"{name}_s", getattr(self, f"{name}_s") + end - start)
+            self.spans.append((name, start, end))
+
+    def add_traffic(self, traffic: Traffic | None) -> None:
+        if traffic is None or self.sent_bytes is None or self.received_bytes is None:
+            self.sent_bytes = self.received_bytes = None
+        else:
+            self.sent_bytes += traffic.sent
+            self.received_bytes += traffic.received
+
+
+def per_step(records: Iterable[BucketRecord]) -> list[dict[str, Any]]:
+    """Sum bucket records into one dict per step (in step order)."""
+    steps: dict[int, dict[str, Any]] = {}
+    for r in records:
+        s = steps.setdefault(
+            r.step,
+            {"step": r.step, "buckets": 0, "input_bytes": 0, "payload_bytes": 0, "sent_bytes": 0,
+             "received_bytes": 0, "compress_s": 0.0, "communicate_s": 0.0, "decompress_s": 0.0},
+        )  # fmt: skip
+        s["buckets"] += 1
+        for name in ("input_bytes", "payload_bytes", "compress_s", "communicate_s", "decompress_s"):
+            s[name] += getattr(r, name)
+        for name in ("sent_bytes", "received_bytes"):
+            value = getattr(r, name)
+            s[name] = None if value is None or s[name] is None else s[name] + value
+    for s in steps.values():
+        s["compression_ratio"] = s["input_bytes"] / s["payload_bytes"] if s["payload_bytes"] else float("inf")
+    return [steps[k] for k in sorted(steps)]
+
+
+def write_trace(records: Iterable[BucketRecord], path: str | os.PathLike[str], rank: int = 0) -> None:
+    """A Chrome / Perfetto trace (open it at ui.perfetto.dev or chrome://tracing): per bucket, when
+    DDP handed it over (``ready``), its wait in the queue, and its compress / communicate /
+    decompress phases, on a timeline against which backward's progress shows as the ready marks."""
+    events: list[dict[str, Any]] = []
+
+    def us(seconds: float) -> float:
+        return seconds * 1e6
+
+    for r in records:
+        label = f"step {r.step} bucket {r.bucket}"
+        args = {"step": r.step, "bucket": r.bucket, "input_bytes": r.input_bytes, "payload_bytes": r.payload_bytes}
+        events.append({"name": f"ready {label}", "ph": "i", "s": "t", "ts": us(r.queued), "pid": rank, "tid": "ddp"})
+        events.append({"name": "queued", "ph": "X", "ts": us(r.queued), "dur": us(r.started - r.queued),
+                       "pid": rank, "tid": "gradcomp", "args": args})  # fmt: skip
+        for name, start, end in r.spans:
+            events.append({"name": name, "ph": "X", "ts": us(start), "dur": us(end - start), "pid": rank,
+                           "tid": "gradcomp", "args": args})  # fmt: skip
+    with open(path, "w") as file:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, file)
