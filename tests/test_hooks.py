@@ -258,3 +258,46 @@ def test_statistics_and_trace(spec: str, ratio: float | None, tmp_path: Any) -> 
         names = {e["name"] for e in events}
         assert {"queued", "compress", "communicate", "decompress"} <= names
         assert sum(e["name"].startswith("ready") for e in events) == sum(s["buckets"] for s in steps)
+
+
+LOSSY_BOUNDS = {  # worst error of the averaged gradient, relative to each parameter's largest |g|
+    "fp16": 2.0**-10,
+    "bf16": 2.0**-7,
+    "fp8:format=e4m3,chunk=64": 2.0**-3,
+    "quantize:bits=8,rounding=nearest,chunk=64": 2.0 / 255,
+    "quantize:bits=4,chunk=64": 2.0 * 2 / 15,
+    "topk:ratio=1.0": 1e-6,
+}
+
+
+def lossy_errors(rank: int, world: int) -> dict[str, float]:
+    exact = gradients(rank, "allreduce")
+    errors = {}
+    for spec in LOSSY_BOUNDS:
+        approx = gradients(rank, spec)
+        errors[spec] = max(
+            float((a - e).abs().max() / e.abs().max()) for a, e in zip(approx, exact, strict=True) if e.abs().max() > 0
+        )
+    return errors
+
+
+def test_every_lossy_hook_stays_within_its_documented_bound() -> None:
+    for errors in spawn(2, lossy_errors, timeout=300):
+        for spec, bound in LOSSY_BOUNDS.items():
+            assert errors[spec] <= bound, f"{spec}: {errors[spec]} > {bound}"
+        assert errors["fp16"] > 0  # and they do compress
+
+
+def noop_training(rank: int, world: int) -> float:
+    params, _ = train(rank, "noop", 3)
+    return float(sum(p.double().sum() for p in params))
+
+
+def test_noop_does_not_communicate() -> None:
+    first, second = spawn(2, noop_training, timeout=120)
+    assert first != second  # each rank trained on its own data only
+
+
+def test_powersgd_runs_200_steps_at_4_ranks_with_many_buckets() -> None:
+    results = spawn(4, train_many_buckets, ("powersgd:rank=1,ef=true",), timeout=600)
+    assert all(r == results[0] for r in results)
