@@ -88,11 +88,15 @@ def make(
         algo: all-reduce algorithm for summable payloads: native, ring, tree or halving_doubling.
         seed: seed of the compressor's generators; the same on every rank.
     """
-    name = spec.split(":")[0].strip() if isinstance(spec, str) else None
+    name = spec.split(":")[0].strip() if isinstance(spec, str) else spec[0] if isinstance(spec, tuple) else None
     if name == "noop":
         return HookState(None), _gradcomp_hook
-    if isinstance(spec, str) and name in ALIASES:
-        spec = ALIASES[name] + spec[len(spec.split(":")[0]) :]
+    if name in ALIASES:
+        assert name is not None
+        if isinstance(spec, str):
+            spec = ALIASES[name] + spec[len(spec.split(":")[0]) :]
+        elif isinstance(spec, tuple):
+            spec = (ALIASES[name], spec[1])
     return HookState(Engine(spec, group=group, algo=algo, seed=seed)), _gradcomp_hook
 
 

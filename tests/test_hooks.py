@@ -301,3 +301,11 @@ def test_noop_does_not_communicate() -> None:
 def test_powersgd_runs_200_steps_at_4_ranks_with_many_buckets() -> None:
     results = spawn(4, train_many_buckets, ("powersgd:rank=1,ef=true",), timeout=600)
     assert all(r == results[0] for r in results)
+
+
+def test_make_accepts_string_and_tuple_specs_and_aliases() -> None:
+    # no process group is needed to refuse, and refusing happens before any group is touched
+    with pytest.raises(ValueError, match="unknown option"):
+        hooks.make(("allreduce", {"ratio": 0.1}))
+    state, hook = hooks.make("noop")
+    assert state.engine is None and state.steps() == [] and state.state_dict() == {}
