@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradcomp import collectives
+from gradcomp import collectives, packing
 from gradcomp.collectives.executor import Handle, executor
 from gradcomp.compressors import Aggregation, Compressor, Key, Payload, make_compressor, parse_spec
 from gradcomp.compressors.cast import Identity
@@ -44,8 +44,6 @@ logger = logging.getLogger(__name__)
 
 ALGORITHMS = tuple(a for a in collectives.ALGORITHMS if a != "hierarchical")
 """All-reduce algorithms for ``sum`` payloads (hierarchical needs a local size: not yet offered)."""
-
-_ALIGN = 8  # bytes: packed payload tensors start at offsets their dtype can be viewed at
 
 
 class Engine:
@@ -180,26 +178,19 @@ class Engine:
 
     def _gather(self, payloads: list[Payload], record: BucketRecord) -> list[list[Payload]]:
         """Every rank's payloads, per tensor then rank: two all-gathers (sizes, then bytes)."""
-        tensors = [t.contiguous() for payload in payloads for t in payload]
+        tensors = [t for payload in payloads for t in payload]
         device = tensors[0].device if tensors else torch.device("cpu")
         header = torch.tensor([t.numel() for t in tensors], dtype=torch.int64, device=device)
         headers = torch.empty(self.world * len(tensors), dtype=torch.int64, device=device)
         record.add_traffic(collectives.all_gather(headers, header, group=self.group).traffic)
         counts = headers.view(self.world, len(tensors)).tolist()
-        sizes = [t.element_size() for t in tensors]
-        packed = torch.cat([_padded_bytes(t) for t in tensors]) if tensors else torch.empty(0, dtype=torch.uint8)
-        totals = [sum(_aligned(n * size) for n, size in zip(row, sizes, strict=True)) for row in counts]
-        handle = collectives.all_gatherv(packed, totals, group=self.group)
+        totals = [packing.packed_bytes(row, tensors) for row in counts]
+        handle = collectives.all_gatherv(packing.pack(tensors, device), totals, group=self.group)
         record.add_traffic(handle.traffic)
-        everyone = handle.wait()
-        per_rank = []
-        for raw, row in zip(everyone, counts, strict=True):
-            unpacked, offset = [], 0
-            for local, n in zip(tensors, row, strict=True):
-                piece = raw[offset : offset + n * local.element_size()].view(local.dtype)
-                unpacked.append(piece.view(-1, *local.shape[1:]) if local.dim() > 1 else piece)
-                offset += _aligned(n * local.element_size())
-            per_rank.append(_regroup(payloads, unpacked))
+        per_rank = [
+            _regroup(payloads, packing.unpack(raw, row, tensors))
+            for raw, row in zip(handle.wait(), counts, strict=True)
+        ]
         return [list(parts) for parts in zip(*per_rank, strict=True)]
 
     def _check_same_spec(self, device: torch.device) -> None:
@@ -228,13 +219,3 @@ def _regroup(payloads: list[Payload], flat: Sequence[Tensor | None]) -> list[Pay
         grouped.append(tuple(p for p in parts if p is not None))
         index += len(payload)
     return grouped
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
-def _padded_bytes(tensor: Tensor) -> Tensor:
-    raw = tensor.reshape(-1).view(torch.uint8)
-    padding = _aligned(raw.numel()) - raw.numel()
-    return raw if not padding else torch.cat([raw, raw.new_zeros(padding)])
