@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradcomp import collectives, packing
+from gradcomp import collectives, transport, two_phase
 from gradcomp.collectives.executor import Handle, executor
-from gradcomp.compressors import Aggregation, Compressor, Key, Payload, make_compressor, parse_spec
+from gradcomp.compressors import REGISTRY, Aggregation, Compressor, Key, Payload, make_compressor, parse_spec
 from gradcomp.compressors.cast import Identity
 from gradcomp.compressors.registry import SpecLike
 from gradcomp.stats import BucketRecord
@@ -56,6 +56,10 @@ class Engine:
         group: the ranks to average over (default: the world).
         algo: all-reduce algorithm for ``sum`` payloads.
         seed: seed of the compressor's generators; the same on every rank.
+        aggregation: for ``gather`` compressors: ``gather`` (all-gather every payload: (p - 1)
+            compressed tensors sent per rank), ``two_phase`` (compressed reduce-scatter and
+            all-gather, :mod:`gradcomp.two_phase`: about 2 (p - 1) / p, at the price of a second
+            compression error), or ``auto``: two-phase from ``TWO_PHASE_FROM`` ranks on.
         history: how many bucket records (:mod:`gradcomp.stats`) to keep, the latest.
     """
 
@@ -66,15 +70,20 @@ class Engine:
         group: dist.ProcessGroup | None = None,
         algo: str = "native",
         seed: int = 0,
+        aggregation: str = "auto",
         history: int = 10_000,
     ) -> None:
         if algo not in ALGORITHMS:
             raise ValueError(f"unknown all-reduce algorithm {algo!r}; valid: {', '.join(ALGORITHMS)}")
         parsed = parse_spec(spec)
+        _check_aggregation(aggregation, parsed.name)  # before touching any process group
         self.spec = str(parsed)
         self.algo = algo
         self.world = dist.get_world_size(group)
         self.compressor: Compressor = make_compressor(parsed, seed=seed, rank=dist.get_rank(group))
+        self.two_phase = self.compressor.aggregation is Aggregation.GATHER and (
+            aggregation == "two_phase" or (aggregation == "auto" and self.world >= TWO_PHASE_FROM)
+        )
         # A process group of its own (same ranks): DDP issues collectives of its own from the
         # training thread (find_unused_parameters' bitmap, static_graph's checks); on one shared
         # group they would interleave with the engine's differently on each rank (gloo aborts with
@@ -135,6 +144,12 @@ class Engine:
         for shape in shapes:
             parts.append(buffer[start : start + math.prod(shape)].view(shape))
             start += math.prod(shape)
+        if self.two_phase:
+            with record.phase("communicate"):  # compression and communication interleave here
+                record.payload_bytes = two_phase.reduce(
+                    compressor, parts, keys, dist.get_rank(self.group), self.world, self.group, record.add_traffic
+                )
+            return buffer
         with record.phase("compress"):
             states = [compressor.compress(part, key) for part, key in zip(parts, keys, strict=True)]
         for _ in range(1, compressor.rounds):
@@ -174,23 +189,12 @@ class Engine:
             for i in members:
                 summed[i] = joined[offset : offset + tensors[i].numel()].view(tensors[i].shape)
                 offset += tensors[i].numel()
-        return _regroup(payloads, summed)
+        return transport.regroup(payloads, [t for t in summed if t is not None])
 
     def _gather(self, payloads: list[Payload], record: BucketRecord) -> list[list[Payload]]:
         """Every rank's payloads, per tensor then rank: two all-gathers (sizes, then bytes)."""
-        tensors = [t for payload in payloads for t in payload]
-        device = tensors[0].device if tensors else torch.device("cpu")
-        header = torch.tensor([t.numel() for t in tensors], dtype=torch.int64, device=device)
-        headers = torch.empty(self.world * len(tensors), dtype=torch.int64, device=device)
-        record.add_traffic(collectives.all_gather(headers, header, group=self.group).traffic)
-        counts = headers.view(self.world, len(tensors)).tolist()
-        totals = [packing.packed_bytes(row, tensors) for row in counts]
-        handle = collectives.all_gatherv(packing.pack(tensors, device), totals, group=self.group)
-        record.add_traffic(handle.traffic)
-        per_rank = [
-            _regroup(payloads, packing.unpack(raw, row, tensors))
-            for raw, row in zip(handle.wait(), counts, strict=True)
-        ]
+        device = payloads[0][0].device if payloads and payloads[0] else torch.device("cpu")
+        per_rank = transport.all_gather_payloads(payloads, device, self.group, record.add_traffic)
         return [list(parts) for parts in zip(*per_rank, strict=True)]
 
     def _check_same_spec(self, device: torch.device) -> None:
@@ -201,6 +205,21 @@ class Engine:
             raise ValueError(f"ranks were given different compressor specs: {listing}")
 
 
+TWO_PHASE_FROM = 8
+"""``aggregation="auto"`` all-gathers below this many ranks: there all-gather sends at most
+(p - 1) = 7 compressed tensors per rank against two-phase's 2 (p - 1) / p ~ 2, and skips the second
+compression error; from 8 ranks on, bytes dominate."""
+
+AGGREGATIONS = ("auto", "gather", "two_phase")
+
+
+def _check_aggregation(aggregation: str, name: str) -> None:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
+    if aggregation == "two_phase" and REGISTRY[name].aggregation is Aggregation.SUM:
+        raise ValueError(f"two_phase is for gather compressors; {name} sums its payloads (all-reduce)")
+
+
 def _private_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """A new process group with the ranks of ``group``. Every rank of the world must create
     engines in the same order (as for any collective)."""
@@ -208,14 +227,3 @@ def _private_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
         return dist.new_group()
     ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
     return dist.new_group(ranks, use_local_synchronization=True)
-
-
-def _regroup(payloads: list[Payload], flat: Sequence[Tensor | None]) -> list[Payload]:
-    """Cut a flat list of tensors back into payloads shaped like ``payloads``."""
-    grouped, index = [], 0
-    for payload in payloads:
-        parts = flat[index : index + len(payload)]
-        assert all(p is not None for p in parts)
-        grouped.append(tuple(p for p in parts if p is not None))
-        index += len(payload)
-    return grouped

@@ -78,7 +78,12 @@ def _gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future
 
 
 def make(
-    spec: SpecLike, *, group: dist.ProcessGroup | None = None, algo: str = "native", seed: int = 0
+    spec: SpecLike,
+    *,
+    group: dist.ProcessGroup | None = None,
+    algo: str = "native",
+    aggregation: str = "auto",
+    seed: int = 0,
 ) -> tuple[HookState, Hook]:
     """A (state, hook) pair for ``ddp_model.register_comm_hook``. A bad spec fails here, before training.
 
@@ -86,6 +91,7 @@ def make(
         spec: a compressor spec, ``allreduce`` or ``noop``.
         group: the process group (default: DDP's, the world).
         algo: all-reduce algorithm for summable payloads: native, ring, tree or halving_doubling.
+        aggregation: for the other compressors: gather, two_phase, or auto (two-phase from 8 ranks).
         seed: seed of the compressor's generators; the same on every rank.
     """
     name = spec.split(":")[0].strip() if isinstance(spec, str) else spec[0] if isinstance(spec, tuple) else None
@@ -97,7 +103,7 @@ def make(
             spec = ALIASES[name] + spec[len(spec.split(":")[0]) :]
         elif isinstance(spec, tuple):
             spec = (ALIASES[name], spec[1])
-    return HookState(Engine(spec, group=group, algo=algo, seed=seed)), _gradcomp_hook
+    return HookState(Engine(spec, group=group, algo=algo, aggregation=aggregation, seed=seed)), _gradcomp_hook
 
 
 def register(model: torch.nn.parallel.DistributedDataParallel, spec: SpecLike, **options: Any) -> HookState:
