@@ -1,6 +1,7 @@
 """``hooks.make`` and ``hooks.register``: every gradcomp compressor as a DDP communication hook."""
 
 # No ``from __future__ import annotations`` here: DDP checks a hook's annotations at run time.
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +11,7 @@ from torch import Tensor
 from torch.distributed import GradBucket
 
 from gradcomp.collectives.executor import Handle
-from gradcomp.compressors.registry import SpecLike
+from gradcomp.compressors.registry import Spec, SpecLike, split_spec
 from gradcomp.engine import Engine
 from gradcomp.stats import per_step, write_trace
 
@@ -77,6 +78,10 @@ def _gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future
     return future
 
 
+ENGINE_OPTIONS = ("algo", "aggregation", "seed")
+"""Options a hook spec may carry besides the compressor's: ``"topk:ratio=0.01,aggregation=two_phase"``."""
+
+
 def make(
     spec: SpecLike,
     *,
@@ -88,22 +93,38 @@ def make(
     """A (state, hook) pair for ``ddp_model.register_comm_hook``. A bad spec fails here, before training.
 
     Args:
-        spec: a compressor spec, ``allreduce`` or ``noop``.
+        spec: a compressor spec, ``allreduce`` or ``noop``; it may also set ``algo``,
+            ``aggregation`` and ``seed`` (``"fp16:algo=ring"``), which then override the arguments.
         group: the process group (default: DDP's, the world).
         algo: all-reduce algorithm for summable payloads: native, ring, tree or halving_doubling.
         aggregation: for the other compressors: gather, two_phase, or auto (two-phase from 8 ranks).
         seed: seed of the compressor's generators; the same on every rank.
     """
-    name = spec.split(":")[0].strip() if isinstance(spec, str) else spec[0] if isinstance(spec, tuple) else None
+    name, options = _split(spec)
+    engine_options: dict[str, Any] = {"algo": algo, "aggregation": aggregation, "seed": seed}
+    for key in ENGINE_OPTIONS:
+        if key in options:
+            engine_options[key] = options.pop(key)
+    try:
+        engine_options["seed"] = int(engine_options["seed"])
+    except (TypeError, ValueError):
+        raise ValueError(f"seed must be an integer, got {engine_options['seed']!r}") from None
     if name == "noop":
+        if options:
+            raise ValueError(f"noop takes no options, got {sorted(options)}")
         return HookState(None), _gradcomp_hook
-    if name in ALIASES:
-        assert name is not None
-        if isinstance(spec, str):
-            spec = ALIASES[name] + spec[len(spec.split(":")[0]) :]
-        elif isinstance(spec, tuple):
-            spec = (ALIASES[name], spec[1])
-    return HookState(Engine(spec, group=group, algo=algo, aggregation=aggregation, seed=seed)), _gradcomp_hook
+    engine = Engine((ALIASES.get(name, name), options), group=group, **engine_options)
+    return HookState(engine), _gradcomp_hook
+
+
+def _split(spec: SpecLike) -> tuple[str, dict[str, Any]]:
+    if isinstance(spec, str):
+        return split_spec(spec)
+    if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str):
+        return spec[0].strip(), dict(spec[1])
+    if isinstance(spec, Spec):
+        return spec.name, {**dataclasses.asdict(spec.config), "ef": spec.ef}
+    raise TypeError(f"a hook spec is a string or a (name, options) pair, got {spec!r}")
 
 
 def register(model: torch.nn.parallel.DistributedDataParallel, spec: SpecLike, **options: Any) -> HookState:

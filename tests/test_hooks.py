@@ -350,3 +350,39 @@ def test_two_phase_aggregation() -> None:
 def test_two_phase_is_refused_for_summable_compressors() -> None:
     with pytest.raises(ValueError, match="two_phase is for gather compressors"):
         hooks.make("fp16", aggregation="two_phase")
+
+
+def every_compressor(rank: int, world: int) -> dict[str, list[float]]:
+    from tests.helpers import SPECS
+
+    results = {}
+    specs = [*SPECS, *[f"{s}{',' if ':' in s else ':'}ef=true" for s in SPECS]]
+    specs += ["fp16:algo=ring", "sign:aggregation=two_phase,seed=5", ("topk", {"ratio": 0.1, "algo": "tree"})]
+    for spec in specs:
+        params, _ = train(rank, spec, 3)
+        results[str(spec)] = [p.double().sum().item() for p in params]
+    return results
+
+
+def test_every_compressor_with_and_without_error_feedback_trains_in_step() -> None:
+    first, second = spawn(2, every_compressor, timeout=600)
+    assert first.keys() == second.keys() and len(first) == 41
+    for spec, sums in first.items():
+        assert sums == second[spec], spec  # bitwise-identical models on both ranks
+        assert all(abs(s) < 1e6 for s in sums), spec  # finite, not diverged
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("fp16:aggregation=two_phase", "two_phase is for gather compressors"),
+        ("topk:algo=butterfly", "unknown all-reduce algorithm 'butterfly'"),
+        ("topk:aggregation=sometimes", "unknown aggregation 'sometimes'"),
+        ("noop:ratio=1", "noop takes no options"),
+        ("sign:seed=x", "seed must be an integer"),
+        ("allreduce:ratio=0.1", r"unknown option\(s\) \['ratio'\] for 'none'"),
+    ],
+)
+def test_hook_spec_options_are_checked_before_training(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        hooks.make(spec)

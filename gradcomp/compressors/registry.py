@@ -58,7 +58,7 @@ def parse_spec(spec: SpecLike) -> Spec:
     if isinstance(spec, Spec):
         return spec
     if isinstance(spec, str):
-        name, options = _split(spec)
+        name, options = split_spec(spec)
     elif isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str) and isinstance(spec[1], Mapping):
         name, options = spec[0].strip(), dict(spec[1])
     else:
@@ -92,7 +92,8 @@ def make_compressor(spec: SpecLike, *, seed: int = 0, rank: int = 0) -> Compress
     return compressor
 
 
-def _split(text: str) -> tuple[str, dict[str, str]]:
+def split_spec(text: str) -> tuple[str, dict[str, str]]:
+    """``"name:key=value,..."`` -> (name, {key: value}), values still strings."""
     name, _, rest = text.strip().partition(":")
     options: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
