@@ -24,7 +24,6 @@ every rank and nothing communicates from a backend's callback thread (design rul
 from __future__ import annotations
 
 import collections
-import logging
 import math
 import time
 from collections.abc import Sequence
@@ -39,8 +38,6 @@ from gradcomp.compressors import REGISTRY, Aggregation, Compressor, Key, Payload
 from gradcomp.compressors.cast import Identity
 from gradcomp.compressors.registry import SpecLike
 from gradcomp.stats import BucketRecord
-
-logger = logging.getLogger(__name__)
 
 ALGORITHMS = tuple(a for a in collectives.ALGORITHMS if a != "hierarchical")
 """All-reduce algorithms for ``sum`` payloads (hierarchical needs a local size: not yet offered)."""
@@ -77,7 +74,8 @@ class Engine:
             raise ValueError(f"unknown all-reduce algorithm {algo!r}; valid: {', '.join(ALGORITHMS)}")
         parsed = parse_spec(spec)
         _check_aggregation(aggregation, parsed.name)  # before touching any process group
-        self.spec = str(parsed)
+        # what every rank must agree on, checked at the first step
+        self.spec = f"{parsed} algo={algo} aggregation={aggregation} seed={seed}"
         self.algo = algo
         self.world = dist.get_world_size(group)
         self.compressor: Compressor = make_compressor(parsed, seed=seed, rank=dist.get_rank(group))
