@@ -175,7 +175,7 @@ class Engine:
     def _sum(self, payloads: list[Payload], record: BucketRecord) -> list[Payload]:
         """All-reduce (sum) every tensor of every payload: one all-reduce per dtype."""
         tensors = [t for payload in payloads for t in payload]
-        summed: list[Tensor | None] = [None] * len(tensors)
+        summed: dict[int, Tensor] = {}
         for dtype in dict.fromkeys(t.dtype for t in tensors):
             members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
             if len(members) == 1 and tensors[members[0]].is_contiguous():
@@ -187,7 +187,7 @@ class Engine:
             for i in members:
                 summed[i] = joined[offset : offset + tensors[i].numel()].view(tensors[i].shape)
                 offset += tensors[i].numel()
-        return transport.regroup(payloads, [t for t in summed if t is not None])
+        return transport.regroup(payloads, [summed[i] for i in range(len(tensors))])
 
     def _gather(self, payloads: list[Payload], record: BucketRecord) -> list[list[Payload]]:
         """Every rank's payloads, per tensor then rank: two all-gathers (sizes, then bytes)."""

@@ -58,7 +58,7 @@ class Row:
         return fields
 
 
-def _options(algo: str, world: int, local_size: int | None) -> dict[str, Any]:
+def _options(algo: str, local_size: int | None) -> dict[str, Any]:
     return {"local_size": local_size} if algo == "hierarchical" else {}
 
 
@@ -75,7 +75,7 @@ def measure(
             for algo in [*algos[repeat % len(algos) :], *algos[: repeat % len(algos)]]:
                 dist.barrier()
                 start = time.perf_counter()
-                collectives.all_reduce(tensor, "sum", algo=algo, **_options(algo, world, local_size))
+                collectives.all_reduce(tensor, "sum", algo=algo, **_options(algo, local_size))
                 elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 if repeat:

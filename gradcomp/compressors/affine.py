@@ -52,6 +52,13 @@ class Affine:
     zero: int = 0
 
 
+def inverse_or_zero(scales: Tensor) -> Tensor:
+    """1 / scale where the scale is positive, else 0: a constant (or NaN/Inf) chunk maps to code 0,
+    and its scale carries the value (or the non-finite) back on decoding."""
+    positive = scales > 0
+    return torch.where(positive, 1.0 / torch.where(positive, scales, 1.0), 0.0)
+
+
 def encode(flat: Tensor, affine: Affine, chunk: int, generator: torch.Generator | None, workspace: Workspace) -> Tensor:
     """Codes in ``0..levels``, stochastic when ``generator`` is given.
 
@@ -62,7 +69,7 @@ def encode(flat: Tensor, affine: Affine, chunk: int, generator: torch.Generator 
     y = workspace.take("affine.y", n, torch.promote_types(flat.dtype, torch.float32), flat.device)
     step = affine.step
     positive = step > 0
-    inverse = torch.where(positive, 1.0 / torch.where(positive, step, 1.0), 0.0)
+    inverse = inverse_or_zero(step)
     base = affine.base
     if generator is not None:
         # Stochastic rounding is floor(y + u), u uniform in [0, 1), computed as round(y + u - 0.5).

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from gradcomp.compressors import chunks
+from gradcomp.compressors.affine import inverse_or_zero
 from gradcomp.compressors.base import (
     Aggregation,
     ChunkedConfig,
@@ -63,7 +64,7 @@ class Fp8(Compressor):
         flat = check_gradient(tensor)
         dtype = DTYPES[self.config.format]
         scales = chunks.amax_abs(flat, self.config.chunk).float() / torch.finfo(dtype).max
-        inverse = torch.where(scales > 0, 1.0 / torch.where(scales > 0, scales, 1.0), 0.0)
+        inverse = inverse_or_zero(scales)
         scaled = self.workspace.take(
             "scaled", flat.numel(), torch.promote_types(flat.dtype, torch.float32), flat.device
         )
