@@ -2,6 +2,13 @@
 
 gradcomp compressors                       list compressors and their options
 gradcomp bench compressors [--sizes ...]   time every compressor against the memory floor
+gradcomp bench collectives [--ranks ...]   all-reduce bus bandwidth per algorithm, beside gloo's
+gradcomp netem cleanup|list                namespaces of emulated networks (``--net`` elsewhere)
+
+The layers above the core add their own commands (``gradcomp bench ddp``, ``gradcomp sweep``) through
+the entry-point groups ``gradcomp.commands`` and ``gradcomp.bench``: each entry is a function that takes
+the argparse sub-parsers and adds one parser whose ``run`` default runs it. That keeps the dependencies
+pointing one way (``experiments`` -> ``gradcomp``) while one ``gradcomp`` command offers everything.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import logging
 import sys
 import typing
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 
 import torch
 
@@ -20,6 +28,7 @@ from gradcomp.bench.collectives import DEFAULT_ALGOS
 from gradcomp.compressors import REGISTRY
 from gradcomp.compressors.base import format_value
 from gradcomp.compressors.registry import WRAPPER_OPTIONS
+from gradcomp.netem import NetemError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -28,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         return int(args.run(args))
-    except ValueError as error:
+    except (ValueError, NetemError) as error:
         parser.exit(2, f"gradcomp: error: {error}\n")
     except BrokenPipeError:  # the reader left (`gradcomp compressors | head`): not an error
         sys.stderr.close()
@@ -60,9 +69,32 @@ def _parser() -> argparse.ArgumentParser:
     links.add_argument("--algos", default=",".join(DEFAULT_ALGOS), help="comma-separated all-reduce algorithms")
     links.add_argument("--local-size", type=int, default=None, help="ranks per group for hierarchical (default 2)")
     links.add_argument("--repeats", type=int, default=10, help="timed runs per figure; the median is kept")
+    links.add_argument("--net", default="loopback", help=NET_HELP)
     links.add_argument("--json", metavar="FILE", help="also write every figure and the machine to FILE")
     links.set_defaults(run=_bench_collectives)
+
+    network = commands.add_parser("netem", help="emulated networks (network namespaces shaped with tc)")
+    network_commands = network.add_subparsers(dest="netem", required=True)
+    cleanup = network_commands.add_parser("cleanup", help="remove namespaces left by gradcomp processes that died")
+    cleanup.add_argument("--all", action="store_true", help="remove every gradcomp namespace, even of live processes")
+    cleanup.set_defaults(run=_netem_cleanup)
+    listing = network_commands.add_parser("list", help="list gradcomp's namespaces on this machine")
+    listing.set_defaults(run=_netem_list)
+    _add_plugins(commands, "gradcomp.commands")
+    _add_plugins(bench, "gradcomp.bench")
     return parser
+
+
+NET_HELP = (
+    "comma-separated network profiles: loopback (default), a rate (100mbit, 1gbit, 10gbit), rate-delay "
+    "(1gbit-2ms) or rate=...,delay=...,jitter=...; emulated ones need root (gradcomp.netem)"
+)
+
+
+def _add_plugins(commands: argparse._SubParsersAction, group: str) -> None:
+    """Let the installed layers above the core (``experiments``) add their commands to ``group``."""
+    for entry in sorted(entry_points(group=group), key=lambda e: e.name):
+        entry.load()(commands)
 
 
 def _list_compressors(args: argparse.Namespace) -> int:
@@ -116,29 +148,66 @@ def _bench_compressors(args: argparse.Namespace) -> int:
 def _bench_collectives(args: argparse.Namespace) -> int:
     from gradcomp.bench import collectives as bench
     from gradcomp.bench.timing import machine
+    from gradcomp.netem import Profile, describe
 
     if args.ranks < 1:
         raise ValueError(f"--ranks must be >= 1, got {args.ranks}")
     sizes = [bench.parse_bytes(s) for s in args.sizes.split(",") if s.strip()]
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
-    rows = bench.run(args.ranks, sizes, algos, repeats=args.repeats, local_size=args.local_size)
+    networks = parse_networks(args.net)
     local_size = args.local_size or (2 if args.ranks % 2 == 0 else 1)
     host = machine()
-    sys.stdout.write(
-        f"gradcomp bench collectives: {args.ranks} ranks on loopback (gloo), {host['cpu']}, torch {host['torch']}, "
-        f"median of {args.repeats}\n\n"
-    )
-    sys.stdout.write(bench.format_table(rows, local_size if "hierarchical" in algos else None) + "\n")
+    rows = []
+    for network in networks:
+        measured = bench.run(
+            args.ranks, sizes, algos, repeats=args.repeats, local_size=args.local_size, network=network
+        )
+        sys.stdout.write(
+            f"gradcomp bench collectives: {args.ranks} ranks, network {network} ({describe(Profile.parse(network))}), "
+            f"gloo, {host['cpu']}, torch {host['torch']}, median of {args.repeats}\n\n"
+        )
+        sys.stdout.write(bench.format_table(measured, local_size if "hierarchical" in algos else None) + "\n\n")
+        sys.stdout.flush()
+        rows += measured
     if args.json:
         report = {
             "machine": host,
             "command": " ".join(sys.argv),
             "ranks": args.ranks,
-            "network": "loopback",
+            "networks": networks,
             "rows": [r.as_dict() for r in rows],
         }
         with open(args.json, "w") as file:
             json.dump(report, file, indent=2)
+    return 0
+
+
+def parse_networks(text: str) -> list[str]:
+    """``"loopback,1gbit"`` -> both, each checked (a bad profile fails before anything runs)."""
+    from gradcomp.netem import Profile
+
+    networks = [n.strip() for n in text.split(",") if n.strip()]
+    if not networks:
+        raise ValueError("--net needs at least one network profile")
+    for network in networks:
+        Profile.parse(network)
+    return networks
+
+
+def _netem_cleanup(args: argparse.Namespace) -> int:
+    from gradcomp import netem
+
+    removed = netem.cleanup(all_=args.all)
+    sys.stdout.write("".join(f"removed {name}\n" for name in removed) or "nothing to remove\n")
+    return 0
+
+
+def _netem_list(args: argparse.Namespace) -> int:
+    from gradcomp import netem
+
+    stale = set(netem.leftovers())
+    for name in netem.namespaces():
+        sys.stdout.write(f"{name}{'  (stale: its process is gone)' if name in stale else ''}\n")
     return 0
 
 

@@ -3,7 +3,8 @@
 Used by ``gradcomp bench`` and by the distributed tests. Ranks meet on loopback at a port the OS
 picks; every rank's result (or traceback) comes back to the caller; a rank that hangs or dies is a
 clear error after ``timeout`` seconds, and every process is killed, never left behind.
-(Emulated networks will start the same ranks inside network namespaces.)
+With ``network=`` (a :mod:`gradcomp.netem` profile) the ranks run inside emulated network namespaces
+and meet at rank 0's address there; the namespaces are gone when ``spawn`` returns.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
+
+from gradcomp import netem
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +36,14 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+class Place(NamedTuple):
+    """Where a rank runs: its network namespace (None: this machine's), the master's address, its NIC."""
+
+    namespace: str | None
+    master: str
+    interface: str | None
+
+
 def spawn(
     world_size: int,
     target: Callable[..., Any],
@@ -42,22 +53,44 @@ def spawn(
     backend: str = "gloo",
     group_timeout: float = 60.0,
     threads: int = 1,
+    network: str | netem.Profile = "loopback",
 ) -> list[Any]:
     """Run ``target(rank, world_size, *args)`` on ``world_size`` ranks; return results in rank order.
 
     ``target`` must be importable by name (a module-level function): ranks start by ``spawn``.
     ``group_timeout`` bounds every collective inside the ranks; ``timeout`` bounds the whole run.
-    Raises :class:`RankError` with the rank's traceback if any rank fails, dies or times out.
+    ``network`` is a :class:`gradcomp.netem.Profile` or its text (``loopback``, ``1gbit``, ...).
+    Raises :class:`RankError` with the rank's traceback if any rank fails, dies or times out, and
+    :class:`gradcomp.netem.NetemError` if the network cannot be built here.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    profile = network if isinstance(network, netem.Profile) else netem.Profile.parse(network)
+    if not profile.emulated:
+        places = [Place(None, "127.0.0.1", None)] * world_size
+        return _spawn(world_size, target, tuple(args), places, timeout, backend, group_timeout, threads)
+    with netem.Network(world_size, profile) as net:
+        places = [Place(net.namespace(r), net.address(0), netem.INTERFACE) for r in range(world_size)]
+        return _spawn(world_size, target, tuple(args), places, timeout, backend, group_timeout, threads)
+
+
+def _spawn(
+    world_size: int,
+    target: Callable[..., Any],
+    args: tuple[Any, ...],
+    places: list[Place],
+    timeout: float,
+    backend: str,
+    group_timeout: float,
+    threads: int,
+) -> list[Any]:
     context = multiprocessing.get_context("spawn")
     results: multiprocessing.Queue[tuple[int, str, Any]] = context.Queue()
     port = free_port()
     processes = [
         context.Process(
             target=_rank_main,
-            args=(rank, world_size, port, backend, group_timeout, threads, target, tuple(args), results),
+            args=(rank, world_size, places[rank], port, backend, group_timeout, threads, target, args, results),
             name=f"gradcomp-rank-{rank}",
         )
         for rank in range(world_size)
@@ -99,6 +132,7 @@ def spawn(
 def _rank_main(
     rank: int,
     world_size: int,
+    place: Place,
     port: int,
     backend: str,
     group_timeout: float,
@@ -107,14 +141,19 @@ def _rank_main(
     args: tuple[Any, ...],
     results: multiprocessing.Queue[tuple[int, str, Any]],
 ) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
     try:
+        # First, before torch starts any thread: a thread inherits its creator's network namespace.
+        if place.namespace is not None:
+            netem.enter(place.namespace)
+        if place.interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = place.interface
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
         dist.init_process_group(
             backend,
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"tcp://{place.master}:{port}",
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=group_timeout),

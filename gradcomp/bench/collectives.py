@@ -1,11 +1,11 @@
 """``gradcomp bench collectives``: all-reduce bus bandwidth of every algorithm, beside gloo's own.
 
-Ranks are started on this machine (``gradcomp.launch``; emulated networks plug in as another
-launcher). For each size, every repeat runs each algorithm once, in an order rotated from repeat
-to repeat, after a barrier; a repeat's time is the slowest rank's, and each figure is the median
-over repeats. Definitions as in nccl-tests: algbw = bytes / time, busbw = algbw * 2 (p - 1) / p
-(the per-rank link traffic of an optimal all-reduce, so that busbw compares across world sizes and
-algorithms).
+Ranks are started on this machine (``gradcomp.launch``), on loopback or inside an emulated
+network (``gradcomp.netem``: ``--net 1gbit``). For each size, every repeat runs each algorithm
+once, in an order rotated from repeat to repeat, after a barrier; a repeat's time is the slowest
+rank's, and each figure is the median over repeats. Definitions as in nccl-tests: algbw = bytes /
+time, busbw = algbw * 2 (p - 1) / p (the per-rank link traffic of an optimal all-reduce, so that
+busbw compares across world sizes and algorithms).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import dataclasses
 import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ class Row:
     ranks: int
     time_ms: float
     native_time_ms: float
+    network: str = "loopback"
 
     @property
     def algbw(self) -> float:
@@ -92,9 +93,9 @@ def run(
     algos: Sequence[str] = DEFAULT_ALGOS,
     repeats: int = 10,
     local_size: int | None = None,
-    launch: Callable[..., list[Any]] = spawn,
+    network: str = "loopback",
 ) -> list[Row]:
-    """Measure on ``ranks`` ranks; ``native`` is always measured, as the anchor."""
+    """Measure on ``ranks`` ranks on ``network`` (a netem profile); ``native`` is always measured, as the anchor."""
     unknown = sorted(set(algos) - set(collectives.ALGORITHMS))
     if unknown:
         raise ValueError(f"unknown algorithm(s) {unknown}; valid: {', '.join(collectives.ALGORITHMS)}")
@@ -105,9 +106,12 @@ def run(
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     ordered = ["native", *[a for a in algos if a != "native"]]
-    measured = launch(ranks, measure, (list(sizes), ordered, repeats, local_size), timeout=3600)[0]
+    measured = spawn(ranks, measure, (list(sizes), ordered, repeats, local_size), timeout=3600, network=network)[0]
     native = {r["size_bytes"]: r["time_s"] for r in measured if r["algo"] == "native"}
-    return [Row(r["algo"], r["size_bytes"], ranks, r["time_s"] * 1e3, native[r["size_bytes"]] * 1e3) for r in measured]
+    return [
+        Row(r["algo"], r["size_bytes"], ranks, r["time_s"] * 1e3, native[r["size_bytes"]] * 1e3, network)
+        for r in measured
+    ]
 
 
 def format_table(rows: Sequence[Row], local_size: int | None = None) -> str:
