@@ -77,7 +77,7 @@ def test_bench_collectives_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixt
     out = capsys.readouterr().out
     assert "| 256 KiB | native |" in out and "| 4 KiB | tree |" in out
     data = json.loads(report.read_text())
-    assert data["ranks"] == 2 and data["network"] == "loopback"
+    assert data["ranks"] == 2 and data["networks"] == ["loopback"]
     rows = data["rows"]
     assert {(r["algo"], r["size_bytes"]) for r in rows} == {
         (a, s) for a in ("native", "ring", "tree") for s in (4096, 256 * 1024)
@@ -95,6 +95,8 @@ def test_bench_collectives_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixt
         (["--sizes", "3"], "at least 4"),
         (["--sizes", "4XB"], "not a number of bytes"),
         (["--ranks", "3", "--algos", "hierarchical", "--local-size", "2"], "does not divide"),
+        (["--net", "loopback,fast"], "bad rate"),
+        (["--net", ","], "at least one network"),
     ],
 )
 def test_bench_collectives_refuses_bad_arguments(

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import netem
+from gradcomp.cli import main
 from gradcomp.launch import RankError, spawn
 from gradcomp.netem import NetemError, Network, Profile
 
@@ -186,3 +187,35 @@ def test_delay_profile_adds_latency_or_says_why_not() -> None:
     else:
         assert seconds >= 4e-3
     assert _ours() == []
+
+
+@needs_root
+def test_bench_collectives_on_an_emulated_link(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--net`` runs the same table on loopback and a 100 Mbit link: the shaped one is the slower."""
+    argv = ["bench", "collectives", "--ranks", "2", "--sizes", "1MiB", "--algos", "ring", "--repeats", "3"]
+    assert main([*argv, "--net", "loopback,100mbit"]) == 0
+    out = capsys.readouterr().out
+    assert "network loopback (loopback)" in out and "network 100mbit (100 Mbit/s)" in out
+    native_ms = [float(line.split("|")[3]) for line in out.splitlines() if line.startswith("| 1 MiB | native")]
+    assert len(native_ms) == 2
+    link_ms = (1 << 20) * 8 / 100e6 * 1e3  # 1 MiB each way at 100 Mbit/s: 84 ms
+    assert native_ms[1] > 0.9 * link_ms
+    assert native_ms[1] > 5 * native_ms[0]
+
+
+@needs_root
+def test_netem_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    holder, tag = _hold_network()
+    try:
+        assert main(["netem", "list"]) == 0
+        assert sum(line.startswith(tag) for line in capsys.readouterr().out.splitlines()) == 3
+        assert main(["netem", "cleanup"]) == 0  # its owner lives: nothing of it goes
+        assert len(_tagged(tag)) == 3
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert main(["netem", "list"]) == 0
+    assert f"{tag}-hub  (stale: its process is gone)" in capsys.readouterr().out
+    assert main(["netem", "cleanup"]) == 0
+    assert f"removed {tag}-hub" in capsys.readouterr().out
+    assert _tagged(tag) == []
