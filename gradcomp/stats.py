@@ -76,6 +76,14 @@ def per_step(records: Iterable[BucketRecord]) -> list[dict[str, Any]]:
     return [steps[k] for k in sorted(steps)]
 
 
+def wire_bytes(step: dict[str, Any], world_size: int) -> float:
+    """Bytes one rank sent in a step (a :func:`per_step` dict): as measured, or, where the backend's
+    native all-reduce moved the payload (unobservable), what its ring sends: 2 (p - 1) / p x payload."""
+    if step["sent_bytes"] is not None:
+        return float(step["sent_bytes"])
+    return step["payload_bytes"] * 2 * (world_size - 1) / world_size
+
+
 def write_trace(records: Iterable[BucketRecord], path: str | os.PathLike[str], rank: int = 0) -> None:
     """A Chrome / Perfetto trace (open it at ui.perfetto.dev or chrome://tracing): per bucket, when
     DDP handed it over (``ready``), its wait in the queue, and its compress / communicate /

@@ -1,0 +1,22 @@
+"""Per-step wire bytes: measured where gradcomp moved the bytes, the ring's formula where the backend did."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradcomp.stats import BucketRecord, per_step, wire_bytes
+
+
+def _step(sent: int | None, payload: int) -> dict[str, object]:
+    record = BucketRecord(step=0, bucket=0, input_bytes=4 * payload, queued=0.0, payload_bytes=payload)
+    record.sent_bytes = sent
+    return per_step([record])[0]
+
+
+def test_measured_traffic_is_taken_as_it_is() -> None:
+    assert wire_bytes(_step(sent=1234, payload=1000), world_size=4) == 1234
+
+
+@pytest.mark.parametrize(("world", "factor"), [(1, 0.0), (2, 1.0), (4, 1.5), (8, 1.75)])
+def test_native_all_reduce_counts_as_a_ring(world: int, factor: float) -> None:
+    assert wire_bytes(_step(sent=None, payload=1000), world_size=world) == pytest.approx(1000 * factor)
