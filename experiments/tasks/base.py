@@ -1,0 +1,211 @@
+"""What every task provides to the training loop, and the parts the classification tasks share.
+
+A task is built once per rank, identically on every rank (its data are generated or loaded from
+fixed sources with fixed seeds). The loop asks it for the *global* batch of a step, takes its own
+shard (``rank::world``), and evaluates on a shard of the fixed evaluation set; so the data a run
+sees depend on the seed and the step only, never on the number of ranks or on a resume.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+Batch = tuple[Tensor, Tensor]
+Kind = Literal["classification", "language_model", "synthetic"]
+
+
+class Task(abc.ABC):
+    """A built task: data, the models that fit them, the loss and the evaluation metrics."""
+
+    name: str
+    kind: Kind
+    metric: str
+    """The headline metric of a run (in the final metrics): ``accuracy``, ``perplexity``, ``steps_per_s``."""
+    higher_is_better: bool = True
+    evaluates: bool = True
+    """False where evaluation means nothing (random data): no ``eval/*`` scalars then."""
+
+    def __init__(self, models: Mapping[str, Callable[[], nn.Module]], info: dict[str, Any]) -> None:
+        self.models = dict(models)
+        self.info = info
+
+    @property
+    def default_model(self) -> str:
+        return next(iter(self.models))
+
+    def build_model(self, name: str | None) -> nn.Module:
+        name = name or self.default_model
+        if name not in self.models:
+            raise ValueError(f"task {self.name!r} has no model {name!r} for its data; valid: {', '.join(self.models)}")
+        return self.models[name]()
+
+    @abc.abstractmethod
+    def steps_per_epoch(self, batch_size: int) -> int: ...
+
+    @abc.abstractmethod
+    def batch(self, step: int, batch_size: int, seed: int) -> Batch:
+        """The global batch of ``step``: a function of (step, batch_size, seed) only."""
+
+    @abc.abstractmethod
+    def eval_set(self) -> Batch:
+        """The whole evaluation set, fixed for the task (the loop shards and batches it)."""
+
+    def loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(output.flatten(0, -2), target.flatten())
+
+    def eval_sums(self, output: Tensor, target: Tensor) -> Tensor:
+        """Sums to all-reduce over ranks and batches: (summed loss, correct predictions, count)."""
+        logits, labels = output.flatten(0, -2).float(), target.flatten()
+        loss = nn.functional.cross_entropy(logits, labels, reduction="sum")
+        correct = (logits.argmax(-1) == labels).sum()
+        return torch.stack([loss, correct.to(loss.dtype), torch.tensor(labels.numel(), dtype=loss.dtype)])
+
+    def eval_metrics(self, sums: Tensor) -> dict[str, float]:
+        loss, correct, count = (float(v) for v in sums)
+        return {"loss": loss / count, "accuracy": correct / count}
+
+
+class ClassificationTask(Task):
+    """Inputs ``x`` and integer labels ``y``; each epoch visits the training set in a new seeded order."""
+
+    kind: Kind = "classification"
+    metric = "accuracy"
+
+    def __init__(
+        self,
+        name: str,
+        train: Batch,
+        test: Batch,
+        models: Mapping[str, Callable[[], nn.Module]],
+        info: dict[str, Any],
+    ) -> None:
+        super().__init__(models, info)
+        self.name = name
+        self.train_x, self.train_y = train
+        self.eval_x, self.eval_y = test
+        self._order: tuple[int, Tensor] | None = None
+        self.info.update(train_samples=len(self.train_x), eval_samples=len(self.eval_x))
+
+    def steps_per_epoch(self, batch_size: int) -> int:
+        return max(1, len(self.train_x) // batch_size)
+
+    def batch(self, step: int, batch_size: int, seed: int) -> Batch:
+        if batch_size > len(self.train_x):
+            raise ValueError(f"batch size {batch_size} is larger than the {len(self.train_x)} training samples")
+        per_epoch = self.steps_per_epoch(batch_size)
+        epoch, index = divmod(step, per_epoch)
+        if self._order is None or self._order[0] != epoch:
+            generator = torch.Generator().manual_seed(seed * 2**32 + epoch)
+            self._order = (epoch, torch.randperm(len(self.train_x), generator=generator))
+        chosen = self._order[1][index * batch_size : (index + 1) * batch_size]
+        return self.train_x[chosen], self.train_y[chosen]
+
+    def eval_set(self) -> Batch:
+        return self.eval_x, self.eval_y
+
+
+def count_classes(*labels: Tensor) -> int:
+    return int(max(int(y.max()) for y in labels if len(y))) + 1
+
+
+def split(x: Tensor, y: Tensor, held_out: int, seed: int) -> tuple[Batch, Batch]:
+    """A seeded random split: ``held_out`` samples for evaluation, the rest for training."""
+    if not 0 < held_out < len(x):
+        raise ValueError(f"cannot hold out {held_out} of {len(x)} samples for evaluation")
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    test, train = order[:held_out], order[held_out:]
+    return (x[train], y[train]), (x[test], y[test])
+
+
+def mlp_hidden(text: str) -> list[int]:
+    """``"256-256"`` -> [256, 256] (an option of the tasks that offer an MLP)."""
+    try:
+        widths = [int(part) for part in text.split("-") if part]
+    except ValueError:
+        raise ValueError(f"hidden must be widths joined by '-', like 256-256; got {text!r}") from None
+    if not widths or min(widths) < 1:
+        raise ValueError(f"hidden must be positive widths joined by '-', like 256-256; got {text!r}")
+    return widths
+
+
+# -- task options: "name:key=value,..." ---------------------------------------------------------
+
+OptionsT = TypeVar("OptionsT")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    """A task family: its options, the model names it offers (the default first), and its builder."""
+
+    name: str
+    options: type[Any]
+    models: tuple[str, ...]
+    build: Callable[[Any, str | None], Task]
+    """``build(options, data_path)``"""
+    data: Literal["none", "optional", "required"] = "none"
+    summary: str = ""
+
+    def parse_options(self, options: Mapping[str, Any]) -> Any:
+        return parse_options(self.options, options, f"task {self.name!r}")
+
+
+def parse_options(cls: type[OptionsT], options: Mapping[str, Any], owner: str) -> OptionsT:
+    """Build the options dataclass ``cls`` from strings or values, converting by the fields' types."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(options) - set(fields))
+    if unknown:
+        valid = ", ".join(sorted(fields)) or "none"
+        raise ValueError(f"unknown option(s) {unknown} for {owner}; valid options: {valid}")
+    hints = typing.get_type_hints(cls)
+    values = {key: _convert(key, value, hints[key], owner) for key, value in options.items()}
+    try:
+        return cls(**values)
+    except ValueError as error:
+        raise ValueError(f"invalid options for {owner}: {error}") from None
+
+
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
+def _convert(key: str, value: Any, hint: Any, owner: str) -> Any:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None
+        if value is None or (isinstance(value, str) and value.lower() == "none"):
+            return None
+        hint = next(m for m in typing.get_args(hint) if m is not type(None))
+    wrong = ValueError(f"option {key!r} of {owner} must be {getattr(hint, '__name__', hint)}; got {value!r}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise wrong
+    if hint in (int, float):
+        if isinstance(value, bool):
+            raise wrong
+        if isinstance(value, str):
+            try:
+                value = float(value) if hint is float else int(value, 10)
+            except ValueError:
+                raise wrong from None
+        if hint is int and not isinstance(value, int):
+            raise wrong
+        if not isinstance(value, (int, float)) or (hint is float and not math.isfinite(value)):
+            raise wrong
+        return hint(value)
+    if hint is str:
+        return str(value)
+    raise TypeError(f"option {key!r} of {owner} has an unsupported type {hint!r}")
+
+
+def batches(x: Tensor, y: Tensor, size: int) -> Iterator[Batch]:
+    for start in range(0, len(x), size):
+        yield x[start : start + size], y[start : start + size]
