@@ -1,0 +1,81 @@
+"""Checkpoints from which a run continues exactly: bitwise the parameters of an uninterrupted run.
+
+One file, written by rank 0 (atomically), loadable with ``torch.load(..., weights_only=True)``:
+
+- ``model``, ``optimizer``, ``scheduler``: their ``state_dict()``s;
+- ``hooks``: every rank's hook state (error-feedback residuals and random streams are per rank);
+- ``rng``: every rank's torch generator state (and CUDA's, on GPUs);
+- ``step``, ``config``, ``world_size``, and ``progress``: training seconds, cumulative wire bytes and
+  the run's start time, so that curves against time and bytes continue too.
+
+Data order needs no state: a step's batch is a function of the seed and the step. Rank 0 holds every
+rank's hook state while saving (the size of the model's gradients per rank, for error feedback).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from experiments.config import RESUMABLE_CHANGES, TrainConfig
+
+FORMAT = 1
+
+
+def gather(value: Any) -> list[Any] | None:
+    """Every rank's ``value`` on rank 0 (None elsewhere), tensors moved to the CPU first."""
+    value = to_cpu(value)
+    if dist.get_world_size() == 1:
+        return [value]
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered
+
+
+def to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_cpu(v) for v in value)
+    return value
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"].cpu())
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def save(path: str, checkpoint: dict[str, Any]) -> None:
+    """Write atomically: an interruption while saving leaves the previous checkpoint intact."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    temporary = path + ".tmp"
+    torch.save({"format": FORMAT, **checkpoint}, temporary)
+    os.replace(temporary, path)
+
+
+def load(path: str, config: TrainConfig, world_size: int, device: torch.device) -> dict[str, Any]:
+    """Load a checkpoint for ``config`` at ``world_size``; a checkpoint of another run is refused."""
+    checkpoint: dict[str, Any] = torch.load(path, map_location=device, weights_only=True)
+    if checkpoint.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a checkpoint of this format ({FORMAT})")
+    if checkpoint["world_size"] != world_size:
+        raise ValueError(f"{path} was written by {checkpoint['world_size']} ranks; resume it with as many")
+    saved, mine = checkpoint["config"], config.to_dict()
+    changed = sorted(k for k in mine if k not in RESUMABLE_CHANGES and saved.get(k) != mine[k])
+    if changed:
+        details = ", ".join(f"{k}: {saved.get(k)!r} -> {mine[k]!r}" for k in changed)
+        raise ValueError(f"{path} belongs to a run with other settings ({details})")
+    return checkpoint

@@ -1,0 +1,221 @@
+"""The settings of one training run: a frozen dataclass, checked when it is made.
+
+The same fields are the options of ``experiments/train.py`` (``--batch-size`` for ``batch_size``),
+the keys of a sweep config's ``[sweep]`` table, and the ``config`` of a run's ``run.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from experiments.optim import OPTIMIZERS, SCHEDULES
+from experiments.tasks import parse_task
+
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run. ``steps`` or ``epochs`` (not both) says how long; everything else has a default."""
+
+    task: str = "digits"
+    """Task spec: digits, signal, charlm, synthetic or classify, with options (``signal:samples=50000``)."""
+    model: str | None = None
+    """Model name (``experiments.models.MODELS``); default: the task's first."""
+    data: str | None = None
+    """Your own dataset (.pt/.npz for classify, a text file for charlm)."""
+    steps: int | None = None
+    """Optimizer steps in all (the learning-rate schedule spans them)."""
+    epochs: float | None = None
+    """Or: passes over the training set."""
+    batch_size: int = 64
+    """Global batch per step, split evenly over the ranks (so runs at any world size see the same data)."""
+    optimizer: str = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    schedule: str = "constant"
+    """Learning-rate schedule after warmup: constant, cosine (to 0) or linear (to 0)."""
+    warmup_steps: int = 0
+    seed: int = 0
+    """Seeds the model, the data order and (unless the spec sets one) the hook's generators."""
+    hook: str = "allreduce"
+    """DDP communication hook spec (``hooks.make``): allreduce, noop, fp16, topk:ratio=0.01,ef=true, ..."""
+    backend: str = "gloo"
+    ranks: int = 1
+    """Processes to start on this machine (ignored under torchrun, which says how many there are)."""
+    network: str = "loopback"
+    """Network profile the ranks run behind (gradcomp.netem): loopback, 1gbit, 100mbit-2ms, ..."""
+    threads: int = 1
+    """torch intra-op threads per rank started here."""
+    eval_every: int = 0
+    """Evaluate every this many steps (0: ten times per run); always at the start and the end."""
+    log_every: int = 10
+    """Write training scalars every this many steps."""
+    checkpoint_every: int = 0
+    """Also checkpoint every this many steps (0: only at the end or at ``stop_at``)."""
+    stop_at: int | None = None
+    """Stop at this step with a checkpoint, as if interrupted (status "stopped"); resume later."""
+    out: str = "runs/train"
+    """Directory of the run: TensorBoard events, run.json, checkpoint.pt."""
+    checkpoint: str | None = None
+    """Checkpoint file (default: OUT/checkpoint.pt)."""
+    resume: str | None = None
+    """Resume from this checkpoint; ``auto``: from the checkpoint file if it exists."""
+    timeout: float = 3600.0
+    """Seconds the whole run may take when its ranks are started here."""
+    group_timeout: float = 300.0
+    """Seconds any one collective may take before the run fails (a dead peer)."""
+
+    def __post_init__(self) -> None:
+        family, _ = parse_task(self.task)
+        if self.model is not None and self.model not in family.models:
+            raise ValueError(f"task {family.name!r} has no model {self.model!r}; valid: {', '.join(family.models)}")
+        if self.data is not None:
+            if family.data == "none":
+                raise ValueError(f"task {family.name!r} takes no data file (classify and charlm do)")
+            if not os.path.isfile(self.data):
+                raise ValueError(f"data file {self.data!r} does not exist")
+        elif family.data == "required":
+            raise ValueError(f"task {family.name!r} needs a data file (data=PATH)")
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError("give steps or epochs (one of them)")
+        _positive(self, "steps", "epochs", "batch_size", "ranks", "threads", "log_every", "timeout", "group_timeout")
+        _positive(self, "lr", strict=True)
+        _positive(self, "momentum", "weight_decay", "warmup_steps", "eval_every", "checkpoint_every", strict=False)
+        if self.momentum >= 1:
+            raise ValueError(f"momentum must be < 1, got {self.momentum}")
+        if self.stop_at is not None and self.stop_at < 1:
+            raise ValueError(f"stop_at must be >= 1, got {self.stop_at}")
+        if not 0 <= self.seed < 2**31:
+            raise ValueError(f"seed must be in 0..2**31-1, got {self.seed}")
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("schedule", self.schedule, SCHEDULES)
+        _choice("backend", self.backend, BACKENDS)
+        if self.batch_size % self.ranks:
+            raise ValueError(f"batch_size {self.batch_size} does not split evenly over {self.ranks} ranks")
+        if not self.hook.strip():
+            raise ValueError("hook must be a spec such as allreduce or topk:ratio=0.01,ef=true")
+        if not self.network.strip():
+            raise ValueError("network must be a profile such as loopback or 1gbit")
+
+    @property
+    def checkpoint_path(self) -> str:
+        return self.checkpoint or os.path.join(self.out, "checkpoint.pt")
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        if self.steps is not None:
+            return self.steps
+        assert self.epochs is not None
+        return max(1, math.ceil(self.epochs * steps_per_epoch))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+PATH_FIELDS = ("out", "checkpoint", "resume", "stop_at", "timeout")
+"""Fields that say where a run writes and how it is driven, not what it computes."""
+
+RESUMABLE_CHANGES = (*PATH_FIELDS, "steps", "epochs", "eval_every", "log_every", "checkpoint_every", "group_timeout")
+"""Fields a resumed run may change; any other difference from the checkpoint is refused."""
+
+
+def _positive(config: TrainConfig, *names: str, strict: bool = True) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value is None:
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value}")
+        if value < 0 or (strict and value == 0):
+            raise ValueError(f"{name} must be {'> 0' if strict else '>= 0'}, got {value}")
+
+
+def _choice(name: str, value: str, valid: Sequence[str] | Mapping[str, Any]) -> None:
+    if value not in valid:
+        raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def from_mapping(values: Mapping[str, Any], where: str = "config") -> TrainConfig:
+    """A config from plain values (TOML, run.json): unknown keys and wrong types are clear errors."""
+    unknown = sorted(set(values) - set(field_names()))
+    if unknown:
+        raise ValueError(f"{where}: unknown setting(s) {unknown}; valid: {', '.join(field_names())}")
+    hints = typing.get_type_hints(TrainConfig)
+    checked = {key: _check_type(key, value, hints[key], where) for key, value in values.items()}
+    try:
+        return TrainConfig(**checked)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+
+
+def _check_type(key: str, value: Any, hint: Any, where: str) -> Any:
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    if optional:
+        if value is None:
+            return None
+        hint = next(m for m in typing.get_args(hint) if m is not type(None))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ValueError(f"{where}: {key} must be {hint.__name__}, got {value!r}")
+    return value
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One option per field: ``--batch-size`` for ``batch_size``, with its default and help."""
+    hints = typing.get_type_hints(TrainConfig)
+    docs = _field_docs()
+    for field in dataclasses.fields(TrainConfig):
+        hint = hints[field.name]
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            hint = next(m for m in typing.get_args(hint) if m is not type(None))
+        default = field.default
+        parser.add_argument(
+            "--" + field.name.replace("_", "-"),
+            type=hint,
+            default=None,
+            metavar=field.name.upper(),
+            help=f"{docs.get(field.name, '')} (default: {default})".strip(),
+        )
+
+
+def from_args(args: argparse.Namespace) -> TrainConfig:
+    values = {name: getattr(args, name) for name in field_names() if getattr(args, name) is not None}
+    if "steps" not in values and "epochs" not in values:
+        values["steps"] = 200
+    try:
+        return TrainConfig(**values)
+    except ValueError as error:
+        raise ValueError(str(error)) from None
+
+
+def _field_docs() -> dict[str, str]:
+    """The attribute docstrings of :class:`TrainConfig` (the strings under each field)."""
+    import ast
+    import inspect
+    import itertools
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(TrainConfig)))
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, following in itertools.pairwise(body):
+        named = isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+        if named and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(following.value.value).split())
+    return docs

@@ -1,0 +1,187 @@
+"""The training loop of one rank: timed steps, periodic logging and evaluation, checkpoints on request.
+
+Every rank runs the same loop and issues the same collectives at the same steps (the loss average
+at log points, the evaluation sums, the checkpoint's gathers), so nothing can deadlock or interleave
+differently on different ranks. Training time (``elapsed``) counts the steps only: evaluation,
+logging and checkpoints are excluded, so curves against time compare the training itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from experiments.config import TrainConfig
+from experiments.metrics import WireMeter, Writer
+from experiments.tasks import Task
+from experiments.tasks.base import batches
+
+logger = logging.getLogger(__name__)
+
+EVAL_BATCH = 512
+"""Samples (windows, for language models) per evaluation forward pass."""
+
+PARTS = ("data", "forward", "backward_comm", "optimizer")
+
+
+class Loop:
+    """Trains ``ddp`` from a step to ``min(total, config.stop_at)``; see :meth:`run`."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        task: Task,
+        ddp: DistributedDataParallel,
+        optimizer: torch.optim.Optimizer,
+        schedule: torch.optim.lr_scheduler.LRScheduler,
+        meter: WireMeter,
+        writer: Writer,
+        rank: int,
+        world: int,
+        device: torch.device,
+        total: int,
+        save: Callable[[int, float], None],
+    ) -> None:
+        self.config, self.task, self.ddp = config, task, ddp
+        self.optimizer, self.schedule, self.meter, self.writer = optimizer, schedule, meter, writer
+        self.rank, self.world, self.device, self.total, self.save = rank, world, device, total, save
+        self.eval_every = config.eval_every or max(1, total // 10)
+        self.end = min(total, config.stop_at) if config.stop_at else total
+        self.step = 0
+        self.elapsed = 0.0
+        self._times = dict.fromkeys(PARTS, 0.0)  # this invocation's totals, for the final means
+        self._window = dict.fromkeys(PARTS, 0.0)
+        self._window_steps = 0
+        self._window_loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.train_loss: float | None = None
+
+    def run(self, start: int, elapsed: float) -> dict[str, Any]:
+        """Train from step ``start`` (``elapsed`` training seconds so far); return the final metrics."""
+        self.step, self.elapsed = start, elapsed
+        first_step, first_elapsed = start, elapsed
+        evaluated: dict[str, float] = {}
+        evaluated_at = -1
+        if start == 0 and self.task.evaluates:
+            evaluated, evaluated_at = self.evaluate(), 0
+        collect_every = min(self.config.log_every, 100)  # the hook keeps the latest 10,000 buckets only
+        while self.step < self.end:
+            self._train_step()
+            if self.step % collect_every == 0:
+                self.meter.collect()
+            if self.step % self.config.log_every == 0 or self.step == self.end:
+                self._log()
+            if self.task.evaluates and (self.step % self.eval_every == 0 or self.step == self.end):
+                evaluated, evaluated_at = self.evaluate(), self.step
+            every = self.config.checkpoint_every
+            if every and self.step % every == 0 and self.step < self.end:
+                self.save(self.step, self.elapsed)
+        if self.task.evaluates and evaluated_at != self.step:
+            evaluated = self.evaluate()
+        self.meter.collect()
+        return self._final(evaluated, self.step - first_step, self.elapsed - first_elapsed)
+
+    def _train_step(self) -> None:
+        config, sync = self.config, self._synchronize
+        began = time.perf_counter()
+        x, y = self.task.batch(self.step, config.batch_size, config.seed)
+        x = x[self.rank :: self.world].to(self.device, non_blocking=True)
+        y = y[self.rank :: self.world].to(self.device, non_blocking=True)
+        sync()
+        loaded = time.perf_counter()
+        loss = self.task.loss(self.ddp(x), y)
+        sync()
+        forwarded = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # DDP's buckets go through the hook meanwhile; it returns when all are averaged
+        sync()
+        backwarded = time.perf_counter()
+        self.optimizer.step()
+        self.schedule.step()
+        sync()
+        finished = time.perf_counter()
+        for part, seconds in zip(
+            PARTS, (loaded - began, forwarded - loaded, backwarded - forwarded, finished - backwarded), strict=True
+        ):
+            self._times[part] += seconds
+            self._window[part] += seconds
+        self._window_loss += loss.detach().double()
+        self._window_steps += 1
+        self.elapsed += finished - began
+        self.step += 1
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":  # the times of asynchronous kernels need it
+            torch.cuda.synchronize(self.device)
+
+    def _log(self) -> None:
+        """Training scalars for the steps since the last call (the loss averaged over the ranks)."""
+        n = self._window_steps
+        if not n:
+            return
+        loss = self._window_loss / n
+        dist.all_reduce(loss)
+        self.train_loss = float(loss) / self.world
+        step_seconds = sum(self._window.values()) / n
+        scalars = {
+            "train/loss": self.train_loss,
+            "train/lr": self.optimizer.param_groups[0]["lr"],
+            "train/steps_per_s": 1 / step_seconds if step_seconds else float("nan"),
+            "time/step_ms": 1e3 * step_seconds,
+            **{f"time/{part}_ms": 1e3 * seconds / n for part, seconds in self._window.items()},
+            **self.meter.drain(),
+        }
+        self.writer.scalars(scalars, self.step, self.elapsed)
+        logger.info(
+            "step %d/%d: train loss %.4f, %.1f ms/step", self.step, self.end, self.train_loss, 1e3 * step_seconds
+        )
+        self._window = dict.fromkeys(PARTS, 0.0)
+        self._window_loss.zero_()
+        self._window_steps = 0
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """The task's metrics on the whole evaluation set (each rank a shard; sums all-reduced)."""
+        self.meter.collect()
+        x, y = self.task.eval_set()
+        x, y = x[self.rank :: self.world], y[self.rank :: self.world]
+        model = self.ddp.module
+        model.eval()
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        for xb, yb in batches(x, y, EVAL_BATCH):
+            sums += self.task.eval_sums(model(xb.to(self.device)), yb.to(self.device)).double()
+        model.train()
+        dist.all_reduce(sums)
+        metrics = self.task.eval_metrics(sums.cpu())
+        logger.info("step %d: %s", self.step, ", ".join(f"eval {k} {v:.4g}" for k, v in metrics.items()))
+        ms = round(1e3 * self.elapsed)
+        self.writer.scalars({f"eval/{k}": v for k, v in metrics.items()}, self.step, self.elapsed)
+        self.writer.scalars({f"eval_vs_time_ms/{k}": v for k, v in metrics.items()}, ms, self.elapsed)
+        self.writer.scalars({f"eval_vs_wire_bytes/{k}": v for k, v in metrics.items()}, self.meter.total, self.elapsed)
+        return metrics
+
+    def _final(self, evaluated: dict[str, float], steps: int, seconds: float) -> dict[str, Any]:
+        """The run's final metrics (rates and time means over this invocation's steps)."""
+        rate = steps / seconds if seconds else None
+        metrics: dict[str, Any] = {
+            "step": self.step,
+            "total_steps": self.total,
+            "train_loss": self.train_loss,
+            **{f"eval_{k}": v for k, v in evaluated.items()},
+            "wire_bytes": self.meter.total,
+            "wire_bytes_estimated": self.meter.estimated,
+            "compression_ratio": self.meter.compression_ratio,
+            "train_time_s": self.elapsed,
+            "steps_per_s": rate,
+            "samples_per_s": rate * self.config.batch_size if rate else None,
+        }
+        for part, total in self._times.items():
+            metrics[f"{part}_ms"] = 1e3 * total / steps if steps else None
+        for key, total in self.meter.hook_seconds.items():  # on the hook's thread, overlapping backward
+            metrics[f"{key[:-2]}_ms"] = 1e3 * total / self.meter.steps if self.meter.steps else None
+        return metrics

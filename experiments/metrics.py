@@ -1,0 +1,201 @@
+"""What a run measures and where it goes: wire bytes from the hook, TensorBoard scalars and HParams.
+
+Rank 0 writes; the other ranks get a :class:`NullWriter`. Every TensorBoard event carries the wall
+time ``origin + training seconds`` (the time the run started, plus the time spent in training steps,
+which excludes evaluation and checkpoints, and carries over a resume), so TensorBoard's *Relative*
+axis is training time, and a resumed run can drop exactly the events written after its checkpoint.
+
+Tags (``step`` is the optimizer step unless the group says otherwise):
+
+- ``train/loss`` (mean over the ranks and the steps since the last point), ``train/lr``, ``train/steps_per_s``
+- ``eval/<metric>``: ``loss``, ``accuracy`` (and ``perplexity`` for language models)
+- ``eval_vs_time_ms/<metric>``: the same, with step = training milliseconds
+- ``eval_vs_wire_bytes/<metric>``: the same, with step = cumulative bytes sent per rank
+- ``time/<part>_ms``: per step: ``data``, ``forward``, ``backward_comm`` (backward, with the hooks'
+  communication overlapping it), ``optimizer``, ``step``; from the hook: ``compress``, ``communicate``,
+  ``decompress`` (on the hook's thread, overlapping backward)
+- ``comm/compression_ratio``, ``comm/sent_bytes_per_step``, ``comm/payload_bytes_per_step``, ``comm/wire_bytes``
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import math
+import os
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from gradcomp.stats import per_step, wire_bytes
+from hooks import HookState
+
+logger = logging.getLogger(__name__)
+
+
+class WireMeter:
+    """Bytes on the wire and time in the hook, per step, from the hook's statistics (``state.steps()``'s
+    records, read incrementally: only the steps since the last call).
+
+    Wire bytes are what this rank's collectives sent. The backend's native all-reduce does not report
+    its traffic (``sent_bytes`` is None there: ``allreduce``, casts and PowerSGD with ``algo=native``); such
+    steps count a ring all-reduce's ``2 (p - 1) / p`` times the payload, what gloo's and NCCL's rings send,
+    and :attr:`estimated` says so. ``noop`` sends nothing.
+    """
+
+    def __init__(self, state: HookState, world: int, total: int = 0, estimated: bool = False) -> None:
+        self.state, self.world = state, world
+        self.total, self.estimated = total, estimated
+        self.input_bytes = self.payload_bytes = 0  # this invocation's, for the mean compression ratio
+        self.hook_seconds = {"compress_s": 0.0, "communicate_s": 0.0, "decompress_s": 0.0}  # this invocation's
+        self.steps = 0
+        self._next = 0  # the engine's next step to read (a fresh engine counts from 0, also on resume)
+        self._window: dict[str, float] = {}
+
+    def collect(self) -> None:
+        """Take in the steps finished since the last call (after a backward, every bucket is in)."""
+        engine = self.state.engine
+        if engine is None:
+            return
+        fresh = []
+        for record in reversed(engine.records):
+            if record.step < self._next:
+                break
+            fresh.append(record)
+        steps = per_step(reversed(fresh))
+        if steps and steps[0]["step"] != self._next:
+            logger.warning(
+                "hook statistics of steps %d-%d were lost (read them more often)", self._next, steps[0]["step"]
+            )
+        for s in steps:
+            sent = round(wire_bytes(s, self.world))
+            self.estimated |= s["sent_bytes"] is None
+            self.total += sent
+            self.input_bytes += s["input_bytes"]
+            self.payload_bytes += s["payload_bytes"]
+            self.steps += 1
+            for key in self.hook_seconds:
+                self.hook_seconds[key] += s[key]
+            for key, value in (
+                ("steps", 1),
+                ("sent", sent),
+                ("input", s["input_bytes"]),
+                ("payload", s["payload_bytes"]),
+                ("compress_s", s["compress_s"]),
+                ("communicate_s", s["communicate_s"]),
+                ("decompress_s", s["decompress_s"]),
+            ):
+                self._window[key] = self._window.get(key, 0) + value
+            self._next = s["step"] + 1
+
+    def drain(self) -> dict[str, float]:
+        """Scalars for the steps collected since the last drain (per-step means)."""
+        w, self._window = self._window, {}
+        n = w.get("steps", 0)
+        if not n:
+            return {"comm/wire_bytes": self.total} if self.state.engine is None else {}
+        scalars = {
+            "comm/wire_bytes": self.total,
+            "comm/sent_bytes_per_step": w["sent"] / n,
+            "comm/payload_bytes_per_step": w["payload"] / n,
+            "time/compress_ms": 1e3 * w["compress_s"] / n,
+            "time/communicate_ms": 1e3 * w["communicate_s"] / n,
+            "time/decompress_ms": 1e3 * w["decompress_s"] / n,
+        }
+        if w["payload"]:
+            scalars["comm/compression_ratio"] = w["input"] / w["payload"]
+        return scalars
+
+    @property
+    def compression_ratio(self) -> float | None:
+        return self.input_bytes / self.payload_bytes if self.payload_bytes else None
+
+
+class Writer(Protocol):
+    """Where rank 0's metrics go (TensorBoard); other ranks use :class:`NullWriter`."""
+
+    def scalars(self, values: Mapping[str, float], step: int, elapsed: float) -> None: ...
+
+    def hparams(self, hparams: Mapping[str, Any], metrics: Mapping[str, float], step: int, elapsed: float) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NullWriter:
+    def scalars(self, values: Mapping[str, float], step: int, elapsed: float) -> None:
+        pass
+
+    def hparams(self, hparams: Mapping[str, Any], metrics: Mapping[str, float], step: int, elapsed: float) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardWriter:
+    """Scalars and HParams in ``logdir``, every event at wall time ``origin + elapsed``.
+
+    ``resume_elapsed``: the training seconds of the checkpoint a run resumes from: events written
+    later than that (by the interrupted run, after its last checkpoint) and the HParams summary (it is
+    written again at the end) are dropped first, so that curves continue without duplicates.
+    """
+
+    def __init__(self, logdir: str, origin: float, resume_elapsed: float | None = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        if resume_elapsed is not None:
+            truncate_events(logdir, origin + resume_elapsed)
+        self.origin = origin
+        self.writer = SummaryWriter(logdir, flush_secs=10)
+
+    def scalars(self, values: Mapping[str, float], step: int, elapsed: float) -> None:
+        for tag, value in values.items():
+            if value is not None and math.isfinite(value):
+                self.writer.add_scalar(tag, value, step, walltime=self.origin + elapsed)
+
+    def hparams(self, hparams: Mapping[str, Any], metrics: Mapping[str, float], step: int, elapsed: float) -> None:
+        """The HParams dashboard's row for this run: its settings and final metrics (written as
+        scalars too, which is where the dashboard reads them)."""
+        from torch.utils.tensorboard.summary import hparams as summarize
+
+        plain = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in hparams.items()}
+        finite = {k: v for k, v in metrics.items() if v is not None and math.isfinite(v)}
+        walltime = self.origin + elapsed
+        file_writer = self.writer._get_file_writer()  # add_hparams would start another writer, at the wall time
+        for summary in summarize(plain, finite):
+            file_writer.add_summary(summary, step, walltime)
+        self.scalars(finite, step, elapsed)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def truncate_events(logdir: str, cutoff: float) -> None:
+    """Rewrite the event files in ``logdir`` without events later than wall time ``cutoff`` and
+    without HParams summaries."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from torch.utils.tensorboard.writer import FileWriter
+
+    for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+        events = list(EventFileLoader(path).Load())
+        summaries = [e for e in events if e.HasField("summary")]
+        kept = [e for e in summaries if e.wall_time <= cutoff and not _is_hparams(e)]
+        if len(kept) == len(summaries):
+            continue
+        writer = FileWriter(logdir, filename_suffix=".resumed")
+        for event in kept:
+            writer.add_event(event)
+        writer.close()
+        os.remove(path)
+        logger.info("%s: dropped %d events written after the checkpoint", path, len(summaries) - len(kept))
+
+
+def _is_hparams(event: Any) -> bool:
+    return any(v.metadata.plugin_data.plugin_name == "hparams" for v in event.summary.value)
