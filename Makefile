@@ -14,9 +14,10 @@ $(STAMP): pyproject.toml requirements-dev.txt
 
 install: $(STAMP)
 
-# The main job: the compressor benchmark on generated gradients (later: the sweep and its dashboard).
+# The main job: the quick sweep (5 ways to average gradients x 3 seeds, 2 ranks, digits; a few minutes).
+# Resumable: a second `make demo` skips finished runs. Then: $(BIN)/tensorboard --logdir runs/quick
 demo: $(STAMP)
-	$(BIN)/gradcomp bench compressors --sizes 1M,25M --threads 1 --repeats 5
+	$(BIN)/gradcomp sweep experiments/configs/quick.toml --out runs/quick
 
 lint: $(STAMP)
 	$(BIN)/ruff check gradcomp hooks experiments tests

@@ -17,11 +17,19 @@ def check_hook(spec: str) -> None:
 
 def check_network(profile: str) -> None:
     """Raise ValueError if ``profile`` does not parse, or names an emulated network this machine
-    cannot build (that needs root and iproute2: ``gradcomp.netem``)."""
+    cannot build: that needs root and iproute2, and a delay needs the kernel's netem qdisc. An emulated
+    profile is built once, for two ranks, and torn down (a fraction of a second) to find out."""
     try:
         parsed = netem.Profile.parse(profile)
     except ValueError as error:
         raise ValueError(f"network {profile!r}: {error}") from None
-    reason = netem.unavailable() if parsed.emulated else None
+    if not parsed.emulated:
+        return
+    reason = netem.unavailable()
     if reason:
         raise ValueError(f"network {profile!r}: {reason}")
+    try:
+        with netem.Network(2, parsed):
+            pass
+    except netem.NetemError as error:
+        raise ValueError(f"network {profile!r}: {error}") from None

@@ -1,0 +1,186 @@
+"""Sweep configs: a TOML file, checked completely and expanded into the runs it describes.
+
+::
+
+    [sweep]                      # settings every run shares: any field of TrainConfig
+    task = "digits"
+    steps = 400
+    batch_size = 64
+
+    [grid]                       # axes; every combination is a run
+    hooks = ["allreduce", "fp16", "topk:ratio=0.01,ef=true"]
+    ranks = [2]                  # world sizes (default [2])
+    networks = ["loopback"]      # gradcomp.netem profiles (default ["loopback"])
+    seeds = [0, 1]               # (default [0])
+    lr = [0.1, 0.05]             # any other setting, given as a list, is an axis too
+
+    [[tasks]]                    # optional: groups of runs with their own settings and axes
+    name = "lm"                  # label in run names (default: task-model)
+    task = "charlm"
+    lr = 0.003
+    hooks = ["allreduce", "powersgd:rank=4,ef=true"]   # replaces [grid]'s hooks for this group
+
+Nothing runs unless the whole file is valid: unknown keys (the valid ones are listed), values of the
+wrong type or out of range (each run's TrainConfig is built), hook specs ``hooks.make`` would refuse,
+network profiles that do not parse or cannot be built here, and runs that would share a name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import re
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from experiments.config import TrainConfig, field_names, from_mapping
+from experiments.tasks import parse_task
+from experiments.validate import check_hook, check_network
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+AXES = {"hooks": "hook", "ranks": "ranks", "networks": "network", "seeds": "seed"}
+"""Grid keys with a name of their own, and the setting each one sets."""
+DEFAULT_AXES: dict[str, list[Any]] = {"ranks": [2], "networks": ["loopback"], "seeds": [0]}
+RUNNER_FIELDS = ("out", "checkpoint", "resume", "stop_at")
+"""Settings the sweep runner sets itself (a run's directory is OUT/<run name>)."""
+SECTIONS = ("sweep", "grid", "tasks")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One run of a sweep: its name (its directory under the sweep's output) and its settings."""
+
+    name: str
+    config: TrainConfig
+    label: str
+
+
+def settings_names() -> list[str]:
+    """The TrainConfig fields a sweep config may set ([sweep], [[tasks]], or as [grid] axes)."""
+    return [f for f in field_names() if f not in RUNNER_FIELDS and f not in AXES.values()]
+
+
+def load(path: str, out: str) -> list[Run]:
+    """Read, check and expand the sweep config at ``path``; runs go to ``out/<name>``."""
+    try:
+        with open(path, "rb") as file:
+            document = tomllib.load(file)
+    except OSError as error:
+        raise ValueError(f"cannot read sweep config {path}: {error.strerror}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ValueError(f"{path}: not valid TOML: {error}") from None
+    return expand(document, out, base=os.path.dirname(os.path.abspath(path)), where=path)
+
+
+def expand(document: Mapping[str, Any], out: str, base: str = ".", where: str = "sweep config") -> list[Run]:
+    """The runs a parsed config describes, every one of them checked. ``base``: where relative
+    ``data`` paths start (the config file's directory)."""
+    _known(document, SECTIONS, where, "section")
+    shared = _table(document, "sweep", where)
+    grid = _table(document, "grid", where)
+    entries = document.get("tasks", [{}])
+    if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
+        raise ValueError(f"{where}: [[tasks]] must be tables (one [[tasks]] header per group of runs)")
+    settings = settings_names()
+    _known(shared, settings, f"{where} [sweep]", "setting", hint=_axis_hint(shared))
+    lists = [k for k, v in shared.items() if isinstance(v, list)]
+    if lists:
+        raise ValueError(f"{where} [sweep]: {', '.join(lists)} given as a list; axes go in [grid]")
+    _known(grid, [*AXES, *settings], f"{where} [grid]", "axis")
+    runs: list[Run] = []
+    for number, entry in enumerate(entries, 1):
+        place = f"{where} [[tasks]] #{number}" if "tasks" in document else where
+        _known(entry, ["name", *AXES, *settings], place, "key", hint=_axis_hint(entry))
+        own_axes = {k: v for k, v in entry.items() if k in AXES or isinstance(v, list)}
+        values = {**shared, **{k: v for k, v in entry.items() if k != "name" and k not in own_axes}}
+        axes = {**DEFAULT_AXES, **grid, **own_axes}
+        runs += _expand_entry(values, axes, entry.get("name"), out, base, place)
+    _check_unique(runs, where)
+    for hook in dict.fromkeys(run.config.hook for run in runs):
+        check_hook(hook)
+    for network in dict.fromkeys(run.config.network for run in runs):
+        check_network(network)
+    return runs
+
+
+def _expand_entry(
+    values: dict[str, Any], axes: dict[str, Any], label: Any, out: str, base: str, where: str
+) -> list[Run]:
+    if "hooks" not in axes:
+        raise ValueError(f"{where}: no hooks to compare: give [grid] hooks = [...]")
+    for key, axis in axes.items():
+        if not isinstance(axis, list) or not axis:
+            raise ValueError(f"{where}: {key} must be a non-empty list, got {axis!r}")
+        if key in values:
+            raise ValueError(f"{where}: {key} is both a setting and an axis")
+    if "data" in values and isinstance(values["data"], str) and not os.path.isabs(values["data"]):
+        values["data"] = os.path.join(base, values["data"])
+    if label is not None and (not isinstance(label, str) or not label.strip()):
+        raise ValueError(f"{where}: name must be a non-empty string, got {label!r}")
+    # seeds outermost, hooks innermost: a sweep cut short has every method for the first seeds
+    order: list[str] = [k for k in ("seeds", "networks", "ranks") if k in axes]
+    order += [k for k in axes if k not in AXES] + ["hooks"]
+    runs = []
+    for combination in itertools.product(*(axes[k] for k in order)):
+        chosen: dict[str, Any] = dict(zip(order, combination, strict=True))
+        settings = {**values, **{AXES.get(k, k): v for k, v in chosen.items()}}
+        if "data" in chosen and isinstance(chosen["data"], str) and not os.path.isabs(chosen["data"]):
+            settings["data"] = os.path.join(base, chosen["data"])
+        probe = from_mapping({**settings, "out": "."}, where)  # checks every value
+        run_label = label or _default_label(probe)
+        parts = [run_label, *(f"{k}={_slug(str(chosen[k]))}" for k in order if k not in AXES)]
+        parts += [_slug(probe.hook), f"p{probe.ranks}", _slug(probe.network), f"seed{probe.seed}"]
+        name = "_".join(parts)
+        config = dataclasses.replace(probe, out=os.path.join(out, name), resume="auto")
+        runs.append(Run(name, config, run_label))
+    return runs
+
+
+def _default_label(config: TrainConfig) -> str:
+    family, _ = parse_task(config.task)
+    label = _slug(config.task) + "-" + (config.model or family.models[0])
+    if config.data:
+        label += "-" + _slug(os.path.splitext(os.path.basename(config.data))[0])
+    return label
+
+
+def _slug(text: str) -> str:
+    """A name fit for a directory: ``topk:ratio=0.01,ef=true`` -> ``topk-ratio=0.01-ef=true``."""
+    return re.sub(r"[^A-Za-z0-9._=+]+", "-", text.strip()).strip("-") or "x"
+
+
+def _check_unique(runs: list[Run], where: str) -> None:
+    seen: dict[str, Run] = {}
+    for run in runs:
+        if run.name in seen:
+            raise ValueError(
+                f"{where}: two runs would be named {run.name!r} (a value repeated in an axis, or [[tasks]] "
+                "groups that need distinct names)"
+            )
+        seen[run.name] = run
+
+
+def _table(document: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
+    table = document.get(key, {})
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: [{key}] must be a table")
+    return table
+
+
+def _known(table: Mapping[str, Any], valid: list[str] | tuple[str, ...], where: str, what: str, hint: str = "") -> None:
+    unknown = sorted(set(table) - set(valid))
+    if unknown:
+        raise ValueError(f"{where}: unknown {what}(s) {unknown}{hint}; valid: {', '.join(valid)}")
+
+
+def _axis_hint(table: Mapping[str, Any]) -> str:
+    misplaced = [k for k, v in AXES.items() if v in table]
+    if misplaced:
+        return f" ({', '.join(AXES[k] for k in misplaced)}: use the axis {', '.join(misplaced)} = [...])"
+    return ""
