@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import hooks
 from experiments import checkpoint, runinfo
-from experiments.config import TrainConfig, add_arguments, from_args
+from experiments.config import PATH_FIELDS, TrainConfig, add_arguments, from_args
 from experiments.loop import Loop
 from experiments.metrics import NullWriter, TensorBoardWriter, WireMeter, Writer
 from experiments.models import parameter_count
@@ -189,9 +189,9 @@ def _headline(task: Any) -> str:
 
 
 def _hparams(config: TrainConfig, world: int) -> dict[str, Any]:
-    values = {
-        k: ("" if v is None else v) for k, v in config.to_dict().items() if k not in ("out", "checkpoint", "resume")
-    }
+    """The settings shown in TensorBoard's HParams dashboard (what a run computes, not how it is driven)."""
+    skip = {*PATH_FIELDS, "ranks", "log_every", "eval_every", "checkpoint_every", "group_timeout"}
+    values = {k: ("" if v is None else v) for k, v in config.to_dict().items() if k not in skip}
     return {**values, "world_size": world}
 
 

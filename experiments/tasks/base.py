@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import hashlib
 import math
 import types
 import typing
@@ -92,7 +93,7 @@ class ClassificationTask(Task):
         self.name = name
         self.train_x, self.train_y = train
         self.eval_x, self.eval_y = test
-        self._order: tuple[int, Tensor] | None = None
+        self._order: tuple[tuple[int, int], Tensor] | None = None
         self.info.update(train_samples=len(self.train_x), eval_samples=len(self.eval_x))
 
     def steps_per_epoch(self, batch_size: int) -> int:
@@ -103,14 +104,23 @@ class ClassificationTask(Task):
             raise ValueError(f"batch size {batch_size} is larger than the {len(self.train_x)} training samples")
         per_epoch = self.steps_per_epoch(batch_size)
         epoch, index = divmod(step, per_epoch)
-        if self._order is None or self._order[0] != epoch:
-            generator = torch.Generator().manual_seed(seed * 2**32 + epoch)
-            self._order = (epoch, torch.randperm(len(self.train_x), generator=generator))
+        if self._order is None or self._order[0] != (seed, epoch):
+            self._order = ((seed, epoch), torch.randperm(len(self.train_x), generator=generator(seed, epoch)))
         chosen = self._order[1][index * batch_size : (index + 1) * batch_size]
         return self.train_x[chosen], self.train_y[chosen]
 
     def eval_set(self) -> Batch:
         return self.eval_x, self.eval_y
+
+
+def generator(*keys: int) -> torch.Generator:
+    """A CPU generator seeded by several integers (a run's seed and a step or epoch).
+
+    Mixed through a hash into 32 bits: torch's CPU generator (mt19937) keeps only the low 32 bits of
+    its seed, so ``seed * 2**32 + step`` would give every seed the same stream.
+    """
+    digest = hashlib.blake2b(",".join(map(str, keys)).encode(), digest_size=4).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
 
 
 def count_classes(*labels: Tensor) -> int:

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from experiments.models import CharTransformer
-from experiments.tasks.base import Batch, Task, TaskSpec
+from experiments.tasks.base import Batch, Task, TaskSpec, generator
 
 MODULES = (
     "argparse.py",
@@ -119,8 +119,9 @@ class CharLMTask(Task):
 
     def batch(self, step: int, batch_size: int, seed: int) -> Batch:
         # Windows start at random places, drawn from a generator of (seed, step) alone.
-        generator = torch.Generator().manual_seed(seed * 2**32 + step)
-        starts = torch.randint(0, len(self.train_tokens) - self.context, (batch_size, 1), generator=generator)
+        starts = torch.randint(
+            0, len(self.train_tokens) - self.context, (batch_size, 1), generator=generator(seed, step)
+        )
         positions = starts + torch.arange(self.context)
         return self.train_tokens[positions], self.train_tokens[positions + 1]
 
