@@ -94,7 +94,12 @@ NET_HELP = (
 def _add_plugins(commands: argparse._SubParsersAction, group: str) -> None:
     """Let the installed layers above the core (``experiments``) add their commands to ``group``."""
     for entry in sorted(entry_points(group=group), key=lambda e: e.name):
-        entry.load()(commands)
+        try:
+            add_command = entry.load()
+        except ImportError as error:  # one broken layer must not take every other command with it
+            logging.getLogger(__name__).warning("gradcomp: command %r unavailable: %s", entry.name, error)
+            continue
+        add_command(commands)
 
 
 def _list_compressors(args: argparse.Namespace) -> int:

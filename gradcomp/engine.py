@@ -36,7 +36,7 @@ from gradcomp import collectives, transport, two_phase
 from gradcomp.collectives.executor import Handle, executor
 from gradcomp.compressors import REGISTRY, Aggregation, Compressor, Key, Payload, make_compressor, parse_spec
 from gradcomp.compressors.cast import Identity
-from gradcomp.compressors.registry import SpecLike
+from gradcomp.compressors.registry import Spec, SpecLike
 from gradcomp.stats import BucketRecord
 
 ALGORITHMS = tuple(a for a in collectives.ALGORITHMS if a != "hierarchical")
@@ -70,10 +70,7 @@ class Engine:
         aggregation: str = "auto",
         history: int = 10_000,
     ) -> None:
-        if algo not in ALGORITHMS:
-            raise ValueError(f"unknown all-reduce algorithm {algo!r}; valid: {', '.join(ALGORITHMS)}")
-        parsed = parse_spec(spec)
-        _check_aggregation(aggregation, parsed.name)  # before touching any process group
+        parsed = check_options(spec, algo=algo, aggregation=aggregation)  # before touching any process group
         # what every rank must agree on, checked at the first step
         self.spec = f"{parsed} algo={algo} aggregation={aggregation} seed={seed}"
         self.algo = algo
@@ -209,6 +206,15 @@ TWO_PHASE_FROM = 8
 compression error; from 8 ranks on, bytes dominate."""
 
 AGGREGATIONS = ("auto", "gather", "two_phase")
+
+
+def check_options(spec: SpecLike, *, algo: str = "native", aggregation: str = "auto") -> Spec:
+    """Validate an engine's arguments without a process group (a bad one fails before training)."""
+    if algo not in ALGORITHMS:
+        raise ValueError(f"unknown all-reduce algorithm {algo!r}; valid: {', '.join(ALGORITHMS)}")
+    parsed = parse_spec(spec)
+    _check_aggregation(aggregation, parsed.name)
+    return parsed
 
 
 def _check_aggregation(aggregation: str, name: str) -> None:

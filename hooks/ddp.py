@@ -12,7 +12,7 @@ from torch.distributed import GradBucket
 
 from gradcomp.collectives.executor import Handle
 from gradcomp.compressors.registry import Spec, SpecLike, split_spec
-from gradcomp.engine import Engine
+from gradcomp.engine import Engine, check_options
 from gradcomp.stats import per_step, write_trace
 
 Hook = Callable[["HookState", GradBucket], torch.futures.Future[Tensor]]
@@ -100,6 +100,22 @@ def make(
         aggregation: for the other compressors: gather, two_phase, or auto (two-phase from 8 ranks).
         seed: seed of the compressor's generators; the same on every rank.
     """
+    compressor, engine_options = _resolve(spec, algo=algo, aggregation=aggregation, seed=seed)
+    if compressor is None:
+        return HookState(None), _gradcomp_hook
+    return HookState(Engine(compressor, group=group, **engine_options)), _gradcomp_hook
+
+
+def check(spec: SpecLike, *, algo: str = "native", aggregation: str = "auto", seed: int = 0) -> None:
+    """Raise ValueError if :func:`make` would refuse ``spec``; needs no process group (for configs
+    and command lines, to fail before any rank starts)."""
+    _resolve(spec, algo=algo, aggregation=aggregation, seed=seed)
+
+
+def _resolve(
+    spec: SpecLike, *, algo: str, aggregation: str, seed: int
+) -> tuple[tuple[str, dict[str, Any]] | None, dict[str, Any]]:
+    """The compressor's (name, options), None for noop, and the engine's options, all validated."""
     name, options = _split(spec)
     engine_options: dict[str, Any] = {"algo": algo, "aggregation": aggregation, "seed": seed}
     for key in ENGINE_OPTIONS:
@@ -112,9 +128,10 @@ def make(
     if name == "noop":
         if options:
             raise ValueError(f"noop takes no options, got {sorted(options)}")
-        return HookState(None), _gradcomp_hook
-    engine = Engine((ALIASES.get(name, name), options), group=group, **engine_options)
-    return HookState(engine), _gradcomp_hook
+        return None, engine_options
+    compressor = (ALIASES.get(name, name), options)
+    check_options(compressor, algo=engine_options["algo"], aggregation=engine_options["aggregation"])
+    return compressor, engine_options
 
 
 def _split(spec: SpecLike) -> tuple[str, dict[str, Any]]:

@@ -1,0 +1,347 @@
+"""``gradcomp bench ddp``: DDP step time with gradcomp's hooks beside PyTorch's own, on a chosen network.
+
+    gradcomp bench ddp --model mlp --ranks 2 --net loopback,1gbit --hooks "powersgd:rank=4;sign:ef=true"
+
+Every rank builds one DDP copy of the model per variant (same initial weights), then runs them in
+rounds: each round gives every variant ``steps / rounds`` training steps (forward, backward with
+the hook's communication, SGD step) in an order rotated from round to round, so that the machine's
+drift hits every variant alike. A step's time is the slowest rank's; each figure is the median over
+the timed steps, after ``warmup`` untimed ones (DDP's bucket rebuild, PowerSGD's start, caches).
+
+Variants, always measured: ``noop`` (no communication: the compute floor), torch's default
+all-reduce, torch's ``fp16_compress_hook``, and torch's ``powerSGD_hook`` (rank 4, error feedback,
+from step 2). The latter runs in ranks of its own: on gloo it aborts whenever the model has more
+than one bucket (``../shared/design.md`` section 3, rule 3), and an abort is reported as such in
+the table instead of taking the other figures with it.
+
+Wire bytes are what one rank sends per step: measured by gradcomp where it moves the bytes itself,
+else the ring all-reduce's 2 (p - 1) / p x payload (gloo's and NCCL's all-reduce are rings); for
+torch's hooks the payload is what they hand to ``dist.all_reduce``, counted there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+import hooks
+from experiments.models import MLP, CharTransformer, ResNet18
+from gradcomp.launch import RankError, spawn
+from gradcomp.stats import wire_bytes
+
+logger = logging.getLogger(__name__)
+
+NOOP, TORCH_ALLREDUCE, TORCH_FP16, TORCH_POWERSGD = "noop", "torch allreduce", "torch fp16", "torch powersgd"
+BASELINES = (NOOP, TORCH_ALLREDUCE, TORCH_FP16, TORCH_POWERSGD)
+POWERSGD_RANK = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A model and a synthetic batch for it (inputs, integer targets)."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    batch: Callable[[int, torch.Generator], tuple[Tensor, Tensor]]
+    batch_size: int
+    about: str
+
+
+def _images(size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    return torch.randn(size, 3, 32, 32, generator=generator), torch.randint(0, 10, (size,), generator=generator)
+
+
+def _vectors(size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    return torch.randn(size, 1024, generator=generator), torch.randint(0, 10, (size,), generator=generator)
+
+
+def _text(size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    tokens = torch.randint(0, 128, (size, 129), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+PRESETS = {
+    "mlp": Preset("mlp", lambda: MLP(1024, [2048, 2048], 10), _vectors, 32, "MLP 1024-2048-2048-10, 6.32M parameters"),
+    "cnn": Preset("cnn", lambda: ResNet18(10), _images, 8, "ResNet-18 (32x32 inputs), 11.2M parameters"),
+    "transformer": Preset(
+        "transformer",
+        lambda: CharTransformer(128, context=128, d_model=256, heads=4, layers=4),
+        _text,
+        8,
+        "character transformer, 4 layers of width 256, 3.2M parameters",
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One variant on one network."""
+
+    variant: str
+    network: str
+    ms_per_step: float | None
+    wire_mb_per_step: float | None
+    status: str = "ok"
+    step_ms: list[float] = dataclasses.field(default_factory=list)
+
+
+def split_hooks(text: str) -> list[str]:
+    """``"fp16,topk:ratio=0.01,ef=true;powersgd"`` -> three specs. Semicolons always separate; a comma
+    separates too, unless what follows is an option (``key=value`` without a ``name:`` before it)."""
+    specs: list[str] = []
+    for group in text.split(";"):
+        for part in group.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if specs and "=" in part and ":" not in part and not group.startswith(part):
+                specs[-1] += f",{part}"
+            else:
+                specs.append(part)
+    return specs
+
+
+def _make_ddp(preset: Preset, variant: str, seed: int) -> tuple[DistributedDataParallel, Any]:
+    torch.manual_seed(seed)  # the same initial weights for every variant (DDP broadcasts rank 0's anyway)
+    model = DistributedDataParallel(preset.build())
+    state: Any = None
+    if variant == NOOP:
+        state, hook = hooks.make("noop")
+        model.register_comm_hook(state, hook)
+    elif variant == TORCH_FP16:
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif variant == TORCH_POWERSGD:
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=2, random_seed=seed
+        )
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif variant != TORCH_ALLREDUCE:
+        state, hook = hooks.make(variant)
+        model.register_comm_hook(state, hook)
+    return model, state
+
+
+class _AllReduceMeter:
+    """Counts the bytes torch's Python hooks hand to ``dist.all_reduce`` (their payload)."""
+
+    def __init__(self) -> None:
+        self.payload_bytes = 0
+        self._original = dist.all_reduce
+
+    def __enter__(self) -> _AllReduceMeter:
+        original = self._original
+
+        @functools.wraps(original)
+        def counting(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.payload_bytes += tensor.numel() * tensor.element_size()
+            return original(tensor, *args, **kwargs)
+
+        dist.all_reduce = counting
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_reduce = self._original
+
+
+def measure(
+    rank: int, world: int, preset_name: str, variants: Sequence[str], steps: int, warmup: int, rounds: int, seed: int
+) -> dict[str, dict[str, Any]]:
+    """Inside every rank: per variant, every timed step's time (slowest rank) and wire bytes."""
+    preset = PRESETS[preset_name]
+    batch = preset.batch(preset.batch_size, torch.Generator().manual_seed(seed + rank))
+    setups = {v: _make_ddp(preset, v, seed) for v in variants}
+    optimizers = {v: torch.optim.SGD(m.parameters(), lr=1e-3) for v, (m, _) in setups.items()}
+    gradient_bytes = sum(p.numel() * p.element_size() for p in setups[variants[0]][0].parameters())
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    torch_payload: dict[str, int] = dict.fromkeys(variants, 0)
+    per_round = max(1, steps // rounds)
+    for round_ in range(rounds + 1):  # round 0 is the warm-up
+        order = [*variants[round_ % len(variants) :], *variants[: round_ % len(variants)]]
+        for variant in order:
+            model, _ = setups[variant]
+            count = warmup if round_ == 0 else per_round
+            dist.barrier()
+            with _AllReduceMeter() as meter:
+                for _ in range(count):
+                    start = time.perf_counter()
+                    _step(model, optimizers[variant], batch)
+                    if round_:
+                        times[variant].append(time.perf_counter() - start)
+            if round_:
+                torch_payload[variant] += meter.payload_bytes
+    slowest = _slowest(times, world)
+    report: dict[str, dict[str, Any]] = {}
+    for variant in variants:
+        timed = len(times[variant])
+        report[variant] = {"step_s": slowest[variant], "wire_bytes": _wire(variant, setups[variant][1], timed,
+                           torch_payload[variant], gradient_bytes, world)}  # fmt: skip
+    return report
+
+
+def _step(model: DistributedDataParallel, optimizer: torch.optim.Optimizer, batch: tuple[Tensor, Tensor]) -> None:
+    inputs, targets = batch
+    optimizer.zero_grad(set_to_none=False)
+    logits = model(inputs)
+    loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    optimizer.step()
+
+
+def _slowest(times: dict[str, list[float]], world: int) -> dict[str, list[float]]:
+    """Per variant and step, the largest time over ranks (a step ends when its slowest rank ends)."""
+    everyone: list[dict[str, list[float]]] = [{} for _ in range(world)]
+    dist.all_gather_object(everyone, times)
+    return {v: [max(rank[v][i] for rank in everyone) for i in range(len(times[v]))] for v in times}
+
+
+def _wire(variant: str, state: Any, timed: int, torch_payload: int, gradient_bytes: int, world: int) -> float:
+    """Bytes one rank sends per step for ``variant`` (see the module's docstring)."""
+    ring = 2 * (world - 1) / world
+    if variant == NOOP:
+        return 0.0
+    if variant == TORCH_ALLREDUCE:  # DDP's reducer calls the backend from C++: count the gradients
+        return gradient_bytes * ring
+    if variant in (TORCH_FP16, TORCH_POWERSGD):
+        return torch_payload / max(timed, 1) * ring
+    recorded = state.steps()[-timed:] if timed else []
+    return statistics.fmean(wire_bytes(s, world) for s in recorded) if recorded else 0.0
+
+
+def run(
+    preset: str,
+    ranks: int,
+    network: str,
+    specs: Sequence[str],
+    *,
+    steps: int = 30,
+    warmup: int = 5,
+    rounds: int = 5,
+    seed: int = 0,
+    threads: int = 1,
+    timeout: float = 1800.0,
+) -> list[Row]:
+    """All variants on one network: the baselines, then gradcomp's ``specs``, each a :class:`Row`."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; valid: {', '.join(PRESETS)}")
+    if ranks < 2:
+        raise ValueError(f"--ranks must be >= 2 (a DDP benchmark needs peers), got {ranks}")
+    if steps < rounds or rounds < 1 or warmup < 2:
+        raise ValueError(f"need rounds >= 1, steps >= rounds and warmup >= 2; got {steps}, {rounds}, {warmup}")
+    for spec in specs:
+        hooks.check(spec)  # a bad spec fails here, before any rank starts
+    shared = [NOOP, TORCH_ALLREDUCE, TORCH_FP16, *specs]
+    settings = (steps, warmup, rounds, seed)
+    started = time.monotonic()
+    measured = spawn(ranks, measure, (preset, shared, *settings), timeout=timeout, threads=threads, network=network)[0]
+    rows = [_row(v, network, measured[v]) for v in shared]
+    # torch's PowerSGD in ranks of its own, with a deadline of a few times the average variant's
+    # time: on gloo with several buckets it aborts or hangs (its callbacks issue collectives).
+    deadline = 60 + 3 * (time.monotonic() - started) / len(shared)
+    try:
+        alone = spawn(ranks, measure, (preset, [TORCH_POWERSGD], *settings), timeout=deadline, threads=threads,
+                      network=network, group_timeout=min(60.0, deadline))[0]  # fmt: skip
+        rows.insert(3, _row(TORCH_POWERSGD, network, alone[TORCH_POWERSGD]))
+    except RankError as error:
+        rows.insert(3, Row(TORCH_POWERSGD, network, None, None, _failure(error, deadline)))
+    return rows
+
+
+def _row(variant: str, network: str, figures: dict[str, Any]) -> Row:
+    step_ms = [t * 1e3 for t in figures["step_s"]]
+    return Row(variant, network, statistics.median(step_ms), figures["wire_bytes"] / 1e6, "ok", step_ms)
+
+
+def _failure(error: RankError, deadline: float) -> str:
+    """``hung`` or ``aborted``, with the exception line of the first failing rank's traceback."""
+    if "did not finish" in str(error):
+        return f"hung (killed after {deadline:.0f} s)"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line.split(":")[0]]
+    return f"aborted: {(errors or lines or ['unknown'])[-1][:160]}"
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """Markdown: ms/step, speedup over torch's all-reduce, ratio to the noop floor, wire MB per step."""
+    by_name = {r.variant: r for r in rows}
+    reference, floor = by_name[TORCH_ALLREDUCE].ms_per_step, by_name[NOOP].ms_per_step
+    lines = [
+        "| hook | ms/step | speedup vs torch allreduce | x noop floor | wire MB/step | status |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        if row.ms_per_step is None:
+            lines.append(f"| {row.variant} | - | - | - | - | {row.status} |")
+            continue
+        speedup = f"{reference / row.ms_per_step:.2f}x" if reference else "-"
+        ratio = f"{row.ms_per_step / floor:.2f}" if floor else "-"
+        wire = f"{row.wire_mb_per_step:.2f}"
+        lines.append(f"| {row.variant} | {row.ms_per_step:.1f} | {speedup} | {ratio} | {wire} | {row.status} |")
+    return "\n".join(lines)
+
+
+def add_command(commands: argparse._SubParsersAction) -> None:
+    """``gradcomp bench ddp`` (an entry point of the ``gradcomp.bench`` group)."""
+    from gradcomp.cli import NET_HELP
+
+    parser = commands.add_parser("ddp", help="DDP step time: gradcomp hooks beside torch's, per network")
+    parser.add_argument("--model", default="mlp", choices=sorted(PRESETS), help="model preset (default mlp)")
+    parser.add_argument("--ranks", type=int, default=2, help="processes to start on this machine (default 2)")
+    parser.add_argument("--net", default="loopback", help=NET_HELP)
+    parser.add_argument(
+        "--hooks",
+        default="allreduce;fp16;powersgd:rank=4;sign:ef=true;topk:ratio=0.01,ef=true;quantize:bits=4",
+        help="gradcomp hook specs, separated by ';' (or ',' before a new name)",
+    )
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (default 30)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per variant first (default 5)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds the timed steps are spread over (default 5)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="FILE", help="also write every figure and the machine to FILE")
+    parser.set_defaults(run=_command)
+
+
+def _command(args: argparse.Namespace) -> int:
+    from gradcomp.bench.timing import machine
+    from gradcomp.cli import parse_networks
+    from gradcomp.netem import Profile, describe
+
+    networks = parse_networks(args.net)
+    specs = split_hooks(args.hooks)
+    host, preset, rows = machine(), PRESETS[args.model], []
+    for network in networks:
+        measured = run(args.model, args.ranks, network, specs, steps=args.steps, warmup=args.warmup,
+                       rounds=args.rounds, seed=args.seed, threads=args.threads)  # fmt: skip
+        sys.stdout.write(
+            f"gradcomp bench ddp: {preset.about}, batch {preset.batch_size} per rank, {args.ranks} ranks, "
+            f"network {network} ({describe(Profile.parse(network))}), gloo, {host['cpu']}, torch {host['torch']}, "
+            f"{args.threads} thread(s) per rank, median of {args.steps} steps\n\n{format_table(measured)}\n\n"
+        )
+        sys.stdout.flush()
+        rows += measured
+    if args.json:
+        report = {
+            "machine": host,
+            "command": " ".join(sys.argv),
+            "model": args.model,
+            "ranks": args.ranks,
+            "networks": networks,
+            "rows": [dataclasses.asdict(r) for r in rows],
+        }
+        with open(args.json, "w") as file:
+            json.dump(report, file, indent=2)
+    return 0
