@@ -46,7 +46,8 @@ from gradcomp.stats import wire_bytes
 logger = logging.getLogger(__name__)
 
 NOOP, TORCH_ALLREDUCE, TORCH_FP16, TORCH_POWERSGD = "noop", "torch allreduce", "torch fp16", "torch powersgd"
-BASELINES = (NOOP, TORCH_ALLREDUCE, TORCH_FP16, TORCH_POWERSGD)
+TORCH_HOOKS = {"fp16": TORCH_FP16, "powersgd": TORCH_POWERSGD}
+"""torch's own hooks measured beside the two anchors (noop and torch's all-reduce), by option name."""
 POWERSGD_RANK = 4
 
 
@@ -227,6 +228,7 @@ def run(
     network: str,
     specs: Sequence[str],
     *,
+    torch_hooks: Sequence[str] = tuple(TORCH_HOOKS),
     steps: int = 30,
     warmup: int = 5,
     rounds: int = 5,
@@ -234,30 +236,35 @@ def run(
     threads: int = 1,
     timeout: float = 1800.0,
 ) -> list[Row]:
-    """All variants on one network: the baselines, then gradcomp's ``specs``, each a :class:`Row`."""
+    """The anchors (noop, torch's all-reduce), ``torch_hooks``, then gradcomp's ``specs``: a :class:`Row` each."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; valid: {', '.join(PRESETS)}")
     if ranks < 2:
         raise ValueError(f"--ranks must be >= 2 (a DDP benchmark needs peers), got {ranks}")
     if steps < rounds or rounds < 1 or warmup < 2:
-        raise ValueError(f"need rounds >= 1, steps >= rounds and warmup >= 2; got {steps}, {rounds}, {warmup}")
+        raise ValueError(f"need rounds >= 1, steps >= rounds and warmup >= 2; got {rounds}, {steps}, {warmup}")
+    unknown = sorted(set(torch_hooks) - set(TORCH_HOOKS))
+    if unknown:
+        raise ValueError(f"unknown torch hook(s) {unknown}; valid: {', '.join(TORCH_HOOKS)}")
     for spec in specs:
         hooks.check(spec)  # a bad spec fails here, before any rank starts
-    shared = [NOOP, TORCH_ALLREDUCE, TORCH_FP16, *specs]
+    baselines = [NOOP, TORCH_ALLREDUCE, *(TORCH_HOOKS[h] for h in torch_hooks)]
+    shared = [v for v in baselines if v != TORCH_POWERSGD] + list(specs)
     settings = (steps, warmup, rounds, seed)
     started = time.monotonic()
     measured = spawn(ranks, measure, (preset, shared, *settings), timeout=timeout, threads=threads, network=network)[0]
-    rows = [_row(v, network, measured[v]) for v in shared]
-    # torch's PowerSGD in ranks of its own, with a deadline of a few times the average variant's
-    # time: on gloo with several buckets it aborts or hangs (its callbacks issue collectives).
-    deadline = 60 + 3 * (time.monotonic() - started) / len(shared)
-    try:
-        alone = spawn(ranks, measure, (preset, [TORCH_POWERSGD], *settings), timeout=deadline, threads=threads,
-                      network=network, group_timeout=min(60.0, deadline))[0]  # fmt: skip
-        rows.insert(3, _row(TORCH_POWERSGD, network, alone[TORCH_POWERSGD]))
-    except RankError as error:
-        rows.insert(3, Row(TORCH_POWERSGD, network, None, None, _failure(error, deadline)))
-    return rows
+    rows = {v: _row(v, network, measured[v]) for v in shared}
+    if TORCH_POWERSGD in baselines:
+        # In ranks of its own, with a deadline of a few times the average variant's time: on gloo
+        # with several buckets it aborts or hangs (its callbacks issue collectives).
+        deadline = 20 + 3 * (time.monotonic() - started) / len(shared)
+        try:
+            alone = spawn(ranks, measure, (preset, [TORCH_POWERSGD], *settings), timeout=deadline, threads=threads,
+                          network=network, group_timeout=deadline)[0]  # fmt: skip
+            rows[TORCH_POWERSGD] = _row(TORCH_POWERSGD, network, alone[TORCH_POWERSGD])
+        except RankError as error:
+            rows[TORCH_POWERSGD] = Row(TORCH_POWERSGD, network, None, None, _failure(error, deadline))
+    return [rows[v] for v in [*baselines, *specs]]
 
 
 def _row(variant: str, network: str, figures: dict[str, Any]) -> Row:
@@ -306,6 +313,11 @@ def add_command(commands: argparse._SubParsersAction) -> None:
         default="allreduce;fp16;powersgd:rank=4;sign:ef=true;topk:ratio=0.01,ef=true;quantize:bits=4",
         help="gradcomp hook specs, separated by ';' (or ',' before a new name)",
     )
+    parser.add_argument(
+        "--torch-hooks",
+        default=",".join(TORCH_HOOKS),
+        help=f"torch's hooks to measure besides its all-reduce: {', '.join(TORCH_HOOKS)} or none (default both)",
+    )
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (default 30)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per variant first (default 5)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds the timed steps are spread over (default 5)")
@@ -322,10 +334,13 @@ def _command(args: argparse.Namespace) -> int:
 
     networks = parse_networks(args.net)
     specs = split_hooks(args.hooks)
+    torch_hooks = [h.strip() for h in args.torch_hooks.split(",") if h.strip() and h.strip() != "none"]
     host, preset, rows = machine(), PRESETS[args.model], []
     for network in networks:
-        measured = run(args.model, args.ranks, network, specs, steps=args.steps, warmup=args.warmup,
-                       rounds=args.rounds, seed=args.seed, threads=args.threads)  # fmt: skip
+        settings = {"steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "seed": args.seed}
+        measured = run(
+            args.model, args.ranks, network, specs, torch_hooks=torch_hooks, threads=args.threads, **settings
+        )
         sys.stdout.write(
             f"gradcomp bench ddp: {preset.about}, batch {preset.batch_size} per rank, {args.ranks} ranks, "
             f"network {network} ({describe(Profile.parse(network))}), gloo, {host['cpu']}, torch {host['torch']}, "

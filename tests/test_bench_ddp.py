@@ -1,0 +1,92 @@
+"""``gradcomp bench ddp``: its arguments, its byte accounting against exact figures, a real 2-rank run."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from experiments import bench_ddp
+from experiments.bench_ddp import NOOP, TORCH_ALLREDUCE, TORCH_FP16, Row, format_table, split_hooks
+from gradcomp.cli import main
+from gradcomp.launch import RankError
+
+MLP_GRADIENT_MB = 6_316_042 * 4 / 1e6
+
+
+@pytest.mark.parametrize(
+    ("text", "specs"),
+    [
+        ("fp16", ["fp16"]),
+        ("fp16,topk:ratio=0.01,ef=true,powersgd:rank=4", ["fp16", "topk:ratio=0.01,ef=true", "powersgd:rank=4"]),
+        ("allreduce;sign:ef=true; quantize:bits=4,seed=3", ["allreduce", "sign:ef=true", "quantize:bits=4,seed=3"]),
+        ("noop,allreduce", ["noop", "allreduce"]),
+        (" ; ", []),
+    ],
+)
+def test_hook_lists_split_on_names_not_on_options(text: str, specs: list[str]) -> None:
+    assert split_hooks(text) == specs
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"preset": "vgg"}, "unknown model preset"),
+        ({"ranks": 1}, "needs peers"),
+        ({"specs": ["topq"]}, "unknown compressor"),
+        ({"specs": ["fp16:algo=butterfly"]}, "unknown all-reduce algorithm"),
+        ({"torch_hooks": ["bf16"]}, "unknown torch hook"),
+        ({"steps": 1, "rounds": 2}, "steps >= rounds"),
+    ],
+)
+def test_bad_arguments_fail_before_any_rank_starts(kwargs: dict[str, object], message: str) -> None:
+    arguments: dict[str, object] = {"preset": "mlp", "ranks": 2, "network": "loopback", "specs": ["fp16"]}
+    arguments.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        bench_ddp.run(**arguments)  # type: ignore[arg-type]
+
+
+def test_the_command_refuses_an_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "ddp", "--model", "vgg"])
+    assert "invalid choice: 'vgg'" in capsys.readouterr().err
+
+
+def test_a_real_run_measures_every_variant_and_counts_bytes_exactly() -> None:
+    specs = ["allreduce", "fp16", "topk:ratio=0.01,ef=true"]
+    rows = bench_ddp.run("mlp", 2, "loopback", specs, torch_hooks=["fp16"], steps=4, rounds=2, warmup=2, timeout=300)
+    assert [r.variant for r in rows] == [NOOP, TORCH_ALLREDUCE, TORCH_FP16, *specs]
+    wire = {r.variant: r.wire_mb_per_step for r in rows}
+    for row in rows:
+        assert row.status == "ok"
+        assert len(row.step_ms) == 4 and min(row.step_ms) > 0
+        assert row.ms_per_step == pytest.approx(statistics.median(row.step_ms))
+    # At two ranks a ring sends 2 (p - 1) / p = 1 x the payload: all the gradients, or half in fp16.
+    assert wire[NOOP] == 0
+    assert wire[TORCH_ALLREDUCE] == pytest.approx(MLP_GRADIENT_MB)
+    assert wire["allreduce"] == pytest.approx(MLP_GRADIENT_MB)
+    assert wire[TORCH_FP16] == pytest.approx(MLP_GRADIENT_MB / 2)
+    assert wire["fp16"] == pytest.approx(MLP_GRADIENT_MB / 2)
+    # top-k 1% as values and indices, gathered (measured by gradcomp's own all-gather): a few %
+    assert 0.01 * MLP_GRADIENT_MB < wire["topk:ratio=0.01,ef=true"] < 0.05 * MLP_GRADIENT_MB
+    table = format_table(rows)
+    assert "| torch allreduce |" in table and "| 1.00x | " in table
+
+
+def test_failures_are_reported_as_hung_or_aborted() -> None:
+    hung = bench_ddp._failure(RankError("ranks [0, 1] of 2 did not finish within 70 s"), 70.0)
+    assert hung == "hung (killed after 70 s)"
+    traceback = "rank 1 of 2 failed:\nTraceback (most recent call last):\n  File x\nRuntimeError: Received data size"
+    assert bench_ddp._failure(RankError(traceback), 70.0) == "aborted: RuntimeError: Received data size"
+
+
+def test_a_failed_variant_has_a_row_without_figures() -> None:
+    rows = [
+        Row(NOOP, "loopback", 30.0, 0.0),
+        Row(TORCH_ALLREDUCE, "loopback", 60.0, 25.3),
+        Row("torch powersgd", "loopback", None, None, "hung (killed after 70 s)"),
+        Row("powersgd:rank=4", "loopback", 40.0, 0.16),
+    ]
+    lines = format_table(rows).splitlines()
+    assert lines[4] == "| torch powersgd | - | - | - | - | hung (killed after 70 s) |"
+    assert lines[5] == "| powersgd:rank=4 | 40.0 | 1.50x | 1.33 | 0.16 | ok |"
