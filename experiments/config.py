@@ -32,23 +32,28 @@ class TrainConfig:
     data: str | None = None
     """Your own dataset (.pt/.npz for classify, a text file for charlm)."""
     steps: int | None = None
-    """Optimizer steps in all (the learning-rate schedule spans them)."""
+    """Optimizer steps in all (the learning-rate schedule spans them); the command line's default is 200."""
     epochs: float | None = None
     """Or: passes over the training set."""
     batch_size: int = 64
     """Global batch per step, split evenly over the ranks (so runs at any world size see the same data)."""
     optimizer: str = "sgd"
+    """sgd, nesterov, adam or adamw (``experiments.optim``)."""
     lr: float = 0.1
+    """Peak learning rate."""
     momentum: float = 0.0
+    """SGD momentum (nesterov: 0.9 if 0)."""
     weight_decay: float = 0.0
     schedule: str = "constant"
     """Learning-rate schedule after warmup: constant, cosine (to 0) or linear (to 0)."""
     warmup_steps: int = 0
+    """Steps of linear warmup to ``lr``."""
     seed: int = 0
     """Seeds the model, the data order and (unless the spec sets one) the hook's generators."""
     hook: str = "allreduce"
     """DDP communication hook spec (``hooks.make``): allreduce, noop, fp16, topk:ratio=0.01,ef=true, ..."""
     backend: str = "gloo"
+    """gloo (CPU) or nccl (GPU: one device per rank)."""
     ranks: int = 1
     """Processes to start on this machine (ignored under torchrun, which says how many there are)."""
     network: str = "loopback"
@@ -66,7 +71,7 @@ class TrainConfig:
     out: str = "runs/train"
     """Directory of the run: TensorBoard events, run.json, checkpoint.pt."""
     checkpoint: str | None = None
-    """Checkpoint file (default: OUT/checkpoint.pt)."""
+    """Checkpoint file; None: OUT/checkpoint.pt."""
     resume: str | None = None
     """Resume from this checkpoint; ``auto``: from the checkpoint file if it exists."""
     timeout: float = 3600.0
