@@ -105,7 +105,7 @@ def train(rank: int, world: int, config: TrainConfig) -> dict[str, Any] | None:
         writer.close()
     if rank != 0:
         return None
-    record.update(status=status, metrics=result, finished=runinfo.now())
+    record.update(status=status, metrics=result, ended=runinfo.now())
     runinfo.write(config.out, record)
     return record
 
