@@ -27,6 +27,7 @@ import collections
 import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -112,11 +113,22 @@ class Engine:
                 f"do not describe a buffer of {buffer.numel()}"
             )
         record = BucketRecord(0, bucket, buffer.numel() * buffer.element_size(), time.perf_counter())
+        # Divide and compress here, in the caller's thread (DDP's backward), and leave only the
+        # communication and what follows it to the ordered executor: the next bucket's compression
+        # then overlaps this bucket's communication instead of queueing behind it.
+        keys, shapes = list(keys), list(shapes)
+        prepared = None if self.two_phase else self._prepare(buffer, keys, shapes, record)
 
         def operation() -> tuple[Tensor, None]:
             record.step = self.step
             record.started = time.perf_counter()
-            self._reduce(buffer, list(keys), list(shapes), record)
+            if not self._checked:
+                self._check_same_spec(buffer.device)
+                self._checked = True
+            if prepared is None:
+                self._reduce_two_phase(buffer, keys, shapes, record)
+            else:
+                self._finish(buffer, *prepared, record)
             record.finished = time.perf_counter()
             self.records.append(record)
             self.step += int(last)
@@ -124,29 +136,27 @@ class Engine:
 
         return executor().submit(operation)
 
-    def _reduce(self, buffer: Tensor, keys: list[Key], shapes: list[torch.Size], record: BucketRecord) -> Tensor:
-        if not self._checked:
-            self._check_same_spec(buffer.device)
-            self._checked = True
-        buffer.div_(self.world)
+    def _prepare(
+        self, buffer: Tensor, keys: list[Key], shapes: list[torch.Size], record: BucketRecord
+    ) -> tuple[list[Tensor], list[tuple[Payload, Any]]]:
+        """Divide, split into the bucket's tensors and compress each (round one)."""
+        with record.phase("compress"):
+            buffer.div_(self.world)
+            if type(self.compressor) is Identity:  # nothing to compress: all-reduce the bucket in place
+                return [buffer], [((buffer,), None)]
+            parts = _views(buffer, shapes)
+            return parts, [self.compressor.compress(part, key) for part, key in zip(parts, keys, strict=True)]
+
+    def _finish(
+        self, buffer: Tensor, parts: list[Tensor], states: list[tuple[Payload, Any]], record: BucketRecord
+    ) -> None:
+        """Communicate every round, then decompress into the bucket (on the executor)."""
         compressor = self.compressor
-        if type(compressor) is Identity:  # nothing to compress: all-reduce the bucket in place
+        if type(compressor) is Identity:
             record.payload_bytes = record.input_bytes
             with record.phase("communicate"):
                 self._sum([(buffer,)], record)
-            return buffer
-        parts, start = [], 0
-        for shape in shapes:
-            parts.append(buffer[start : start + math.prod(shape)].view(shape))
-            start += math.prod(shape)
-        if self.two_phase:
-            with record.phase("communicate"):  # compression and communication interleave here
-                record.payload_bytes = two_phase.reduce(
-                    compressor, parts, keys, dist.get_rank(self.group), self.world, self.group, record.add_traffic
-                )
-            return buffer
-        with record.phase("compress"):
-            states = [compressor.compress(part, key) for part, key in zip(parts, keys, strict=True)]
+            return
         for _ in range(1, compressor.rounds):
             record.payload_bytes += sum(compressor.wire_bytes(p) for p, _ in states)
             with record.phase("communicate"):
@@ -167,7 +177,16 @@ class Engine:
             with record.phase("decompress"):
                 for everyone, (_, ctx), part in zip(gathered, states, parts, strict=True):
                     compressor.decompress_sum(everyone, ctx, out=part)
-        return buffer
+
+    def _reduce_two_phase(
+        self, buffer: Tensor, keys: list[Key], shapes: list[torch.Size], record: BucketRecord
+    ) -> None:
+        buffer.div_(self.world)
+        with record.phase("communicate"):  # compression and communication interleave here
+            record.payload_bytes = two_phase.reduce(
+                self.compressor, _views(buffer, shapes), keys, dist.get_rank(self.group), self.world, self.group,
+                record.add_traffic,
+            )  # fmt: skip
 
     def _sum(self, payloads: list[Payload], record: BucketRecord) -> list[Payload]:
         """All-reduce (sum) every tensor of every payload: one all-reduce per dtype."""
@@ -206,6 +225,15 @@ TWO_PHASE_FROM = 8
 compression error; from 8 ranks on, bytes dominate."""
 
 AGGREGATIONS = ("auto", "gather", "two_phase")
+
+
+def _views(buffer: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
+    """The bucket's tensors, as views of it."""
+    parts, start = [], 0
+    for shape in shapes:
+        parts.append(buffer[start : start + math.prod(shape)].view(shape))
+        start += math.prod(shape)
+    return parts
 
 
 def check_options(spec: SpecLike, *, algo: str = "native", aggregation: str = "auto") -> Spec:

@@ -38,8 +38,10 @@ Input policy (the same for every compressor, tested in ``tests/test_input_policy
   anywhere for sparsifiers), so that :class:`torch.amp.GradScaler` sees the overflow and skips the
   step. Casts to fp16/bf16 turn finite values beyond the target range into Inf, as a cast does.
 
-A compressor instance is not thread-safe, and it reuses scratch buffers between calls (see
-:class:`~gradcomp.compressors.workspace.Workspace`), so use one instance per process and stream.
+Threads: a compressor reuses scratch buffers between calls, one set per calling thread (see
+:class:`~gradcomp.compressors.workspace.Workspace`). One thread may compress a key while another
+decompresses a different key (the engine does, to overlap buckets); never use one key from two
+threads at once.
 """
 
 from __future__ import annotations
