@@ -8,11 +8,12 @@ the hook's communication, SGD step) in an order rotated from round to round, so 
 drift hits every variant alike. A step's time is the slowest rank's; each figure is the median over
 the timed steps, after ``warmup`` untimed ones (DDP's bucket rebuild, PowerSGD's start, caches).
 
-Variants, always measured: ``noop`` (no communication: the compute floor), torch's default
-all-reduce, torch's ``fp16_compress_hook``, and torch's ``powerSGD_hook`` (rank 4, error feedback,
-from step 2). The latter runs in ranks of its own: on gloo it aborts whenever the model has more
-than one bucket (``../shared/design.md`` section 3, rule 3), and an abort is reported as such in
-the table instead of taking the other figures with it.
+Variants: always ``noop`` (no communication: the compute floor) and torch's default all-reduce
+(DDP's built-in C++ path); by default also torch's Python ``allreduce_hook`` (the same all-reduce
+through the hook interface, which a gradcomp hook also goes through), ``fp16_compress_hook``, and
+``powerSGD_hook`` (rank 4, error feedback, from step 2). PowerSGD runs in ranks of its own: on gloo
+it aborts or hangs whenever the model has more than one bucket (``../shared/design.md`` section 3,
+rule 3), and that is reported as such in the table instead of taking the other figures with it.
 
 Wire bytes are what one rank sends per step: measured by gradcomp where it moves the bytes itself,
 else the ring all-reduce's 2 (p - 1) / p x payload (gloo's and NCCL's all-reduce are rings); for
@@ -46,7 +47,8 @@ from gradcomp.stats import wire_bytes
 logger = logging.getLogger(__name__)
 
 NOOP, TORCH_ALLREDUCE, TORCH_FP16, TORCH_POWERSGD = "noop", "torch allreduce", "torch fp16", "torch powersgd"
-TORCH_HOOKS = {"fp16": TORCH_FP16, "powersgd": TORCH_POWERSGD}
+TORCH_PYTHON_ALLREDUCE = "torch allreduce_hook"
+TORCH_HOOKS = {"allreduce_hook": TORCH_PYTHON_ALLREDUCE, "fp16": TORCH_FP16, "powersgd": TORCH_POWERSGD}
 """torch's own hooks measured beside the two anchors (noop and torch's all-reduce), by option name."""
 POWERSGD_RANK = 4
 
@@ -125,6 +127,8 @@ def _make_ddp(preset: Preset, variant: str, seed: int) -> tuple[DistributedDataP
         model.register_comm_hook(state, hook)
     elif variant == TORCH_FP16:
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif variant == TORCH_PYTHON_ALLREDUCE:
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
     elif variant == TORCH_POWERSGD:
         state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=2, random_seed=seed
@@ -216,7 +220,7 @@ def _wire(variant: str, state: Any, timed: int, torch_payload: int, gradient_byt
         return 0.0
     if variant == TORCH_ALLREDUCE:  # DDP's reducer calls the backend from C++: count the gradients
         return gradient_bytes * ring
-    if variant in (TORCH_FP16, TORCH_POWERSGD):
+    if variant in (TORCH_FP16, TORCH_POWERSGD, TORCH_PYTHON_ALLREDUCE):
         return torch_payload / max(timed, 1) * ring
     recorded = state.steps()[-timed:] if timed else []
     return statistics.fmean(wire_bytes(s, world) for s in recorded) if recorded else 0.0
@@ -316,7 +320,7 @@ def add_command(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--torch-hooks",
         default=",".join(TORCH_HOOKS),
-        help=f"torch's hooks to measure besides its all-reduce: {', '.join(TORCH_HOOKS)} or none (default both)",
+        help=f"torch's hooks to measure besides its default all-reduce: {', '.join(TORCH_HOOKS)} or none (default all)",
     )
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (default 30)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per variant first (default 5)")

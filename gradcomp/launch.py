@@ -9,11 +9,13 @@ and meet at rank 0's address there; the namespaces are gone when ``spawn`` retur
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import multiprocessing
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -110,7 +112,7 @@ def _spawn(
             except queue.Empty:
                 dead = [r for r, p in enumerate(processes) if r not in outcomes and p.exitcode not in (None, 0)]
                 if dead:
-                    codes = {r: processes[r].exitcode for r in dead}
+                    codes = "{" + ", ".join(f"{r}: {_exit_status(processes[r].exitcode)}" for r in dead) + "}"
                     raise RankError(f"ranks {dead} died without a result (exit codes {codes})") from None
                 continue
             outcomes[rank] = (status, value)
@@ -127,6 +129,14 @@ def _spawn(
         reports = "\n".join(f"rank {r} of {world_size} failed:\n{failed[r]}" for r in sorted(failed))
         raise RankError(reports)
     return [outcomes[r][1] for r in range(world_size)]
+
+
+def _exit_status(code: int | None) -> str:
+    """``-6`` -> ``"SIGABRT"`` (killed by a signal), else the exit code."""
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return signal.Signals(-code).name
+    return str(code)
 
 
 def _rank_main(

@@ -52,6 +52,17 @@ def test_a_hanging_rank_times_out_and_is_killed() -> None:
     assert time.monotonic() - start < 30
 
 
+def abort_on_rank_one(rank: int, world: int) -> None:
+    if rank == 1:
+        os.abort()  # what gloo does on a collective mismatch
+    dist.barrier()
+
+
+def test_a_rank_killed_by_a_signal_is_named() -> None:
+    with pytest.raises(RankError, match=r"ranks \[1\] died without a result \(exit codes \{1: SIGABRT\}\)"):
+        spawn(2, abort_on_rank_one, timeout=60, group_timeout=10)
+
+
 def test_free_port_is_a_valid_port() -> None:
     assert 1024 <= free_port() < 65536
     with pytest.raises(ValueError, match="world_size"):
