@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 NOOP, TORCH_ALLREDUCE, TORCH_FP16, TORCH_POWERSGD = "noop", "torch allreduce", "torch fp16", "torch powersgd"
 TORCH_PYTHON_ALLREDUCE = "torch allreduce_hook"
+DEFAULT_HOOKS = "allreduce;fp16;powersgd:rank=1;powersgd:rank=4,ef=true;sign:ef=true;topk:ratio=0.01,ef=true;quantize:bits=4"
 TORCH_HOOKS = {"allreduce_hook": TORCH_PYTHON_ALLREDUCE, "fp16": TORCH_FP16, "powersgd": TORCH_POWERSGD}
 """torch's own hooks measured beside the two anchors (noop and torch's all-reduce), by option name."""
 POWERSGD_RANK = 4
@@ -314,7 +315,7 @@ def add_command(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--net", default="loopback", help=NET_HELP)
     parser.add_argument(
         "--hooks",
-        default="allreduce;fp16;powersgd:rank=4;sign:ef=true;topk:ratio=0.01,ef=true;quantize:bits=4",
+        default=DEFAULT_HOOKS,
         help="gradcomp hook specs, separated by ';' (or ',' before a new name)",
     )
     parser.add_argument(
