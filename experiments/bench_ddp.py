@@ -48,7 +48,10 @@ logger = logging.getLogger(__name__)
 
 NOOP, TORCH_ALLREDUCE, TORCH_FP16, TORCH_POWERSGD = "noop", "torch allreduce", "torch fp16", "torch powersgd"
 TORCH_PYTHON_ALLREDUCE = "torch allreduce_hook"
-DEFAULT_HOOKS = "allreduce;fp16;powersgd:rank=1;powersgd:rank=4,ef=true;sign:ef=true;topk:ratio=0.01,ef=true;quantize:bits=4"
+DEFAULT_HOOKS = (
+    "allreduce;fp16;powersgd:rank=1;powersgd:rank=4,ef=true;sign:ef=true;topk:ratio=0.01,ef=true;quantize:bits=4"
+)
+"""What ``gradcomp bench ddp`` measures when ``--hooks`` is not given."""
 TORCH_HOOKS = {"allreduce_hook": TORCH_PYTHON_ALLREDUCE, "fp16": TORCH_FP16, "powersgd": TORCH_POWERSGD}
 """torch's own hooks measured beside the two anchors (noop and torch's all-reduce), by option name."""
 POWERSGD_RANK = 4
