@@ -16,6 +16,10 @@ every rank and nothing communicates from a backend's callback thread (design rul
   contribution in rank order.
 - The bucket is divided by the world size *before* compression, so that low-precision sums cannot
   overflow (design rule 5) and the average is taken exactly once.
+- Compression runs in the caller's thread (DDP's backward), communication and decompression on the
+  executor, so one bucket's compression overlaps the previous one's communication. An uncompressed
+  bucket on the native algorithm goes straight to the backend's asynchronous all-reduce, issued in
+  the caller's thread when nothing is queued, as torch's own hook does.
 - The first call checks that every rank uses the same spec, and fails with every rank's spec named.
 - The engine communicates on a process group of its own, with the same ranks, so that DDP's own
   collectives on its group never interleave with the engine's.
@@ -27,6 +31,7 @@ import collections
 import math
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -35,6 +40,7 @@ from torch import Tensor
 
 from gradcomp import collectives, transport, two_phase
 from gradcomp.collectives.executor import Handle, executor
+from gradcomp.collectives.link import Traffic
 from gradcomp.compressors import REGISTRY, Aggregation, Compressor, Key, Payload, make_compressor, parse_spec
 from gradcomp.compressors.cast import Identity
 from gradcomp.compressors.registry import Spec, SpecLike
@@ -117,6 +123,8 @@ class Engine:
         # communication and what follows it to the ordered executor: the next bucket's compression
         # then overlaps this bucket's communication instead of queueing behind it.
         keys, shapes = list(keys), list(shapes)
+        if type(self.compressor) is Identity and self.algo == "native" and self._checked:
+            return self._reduce_natively(buffer, record, last)
         prepared = None if self.two_phase else self._prepare(buffer, keys, shapes, record)
 
         def operation() -> tuple[Tensor, None]:
@@ -135,6 +143,40 @@ class Engine:
             return buffer, None
 
         return executor().submit(operation)
+
+    def _reduce_natively(self, buffer: Tensor, record: BucketRecord, last: bool) -> Handle[Tensor]:
+        """The uncompressed bucket through the backend's all-reduce, as torch's own hook does it:
+        issued at once in this thread when the executor is idle (else in order behind what is
+        queued), and finished by the backend, with no thread of ours waiting in between."""
+        buffer.div_(self.world)
+        record.payload_bytes = record.input_bytes
+        record.sent_bytes = record.received_bytes = None  # the backend's traffic is not observable
+        done: Future[tuple[Tensor, Traffic | None]] = Future()
+
+        def finished(work: torch.futures.Future[list[Tensor]]) -> None:
+            record.finished = time.perf_counter()
+            record.communicate_s = record.finished - record.started
+            record.spans.append(("communicate", record.started, record.finished))
+            self.records.append(record)
+            try:
+                work.wait()
+                done.set_result((buffer, None))
+            except BaseException as error:  # reaches whoever waits on the handle
+                done.set_exception(error)
+
+        def issue() -> tuple[None, None]:
+            try:
+                record.step, record.started = self.step, time.perf_counter()
+                self.step += int(last)
+                work = dist.all_reduce(buffer, group=self.group, async_op=True)
+            except BaseException as error:
+                done.set_exception(error)
+                raise
+            work.get_future().then(finished)
+            return None, None
+
+        executor().submit(issue, brief=True)
+        return Handle(done)
 
     def _prepare(
         self, buffer: Tensor, keys: list[Key], shapes: list[torch.Size], record: BucketRecord

@@ -1,4 +1,4 @@
-"""The ordered executor: submission order, errors through wait(), synchronous calls in place."""
+"""The ordered executor: submission order, errors through wait(), synchronous and brief calls in place."""
 
 from __future__ import annotations
 
@@ -37,6 +37,25 @@ def test_an_idle_synchronous_call_runs_in_the_callers_thread() -> None:
     assert where == threading.current_thread().name
     queued = executor.submit(lambda: (threading.current_thread().name, None)).wait()
     assert queued == "gradcomp-collectives"
+
+
+def test_a_brief_operation_runs_in_place_only_when_nothing_is_ahead_of_it() -> None:
+    executor = Executor()
+    here = threading.current_thread().name
+    assert executor.submit(lambda: (threading.current_thread().name, None), brief=True).wait() == here
+    release = threading.Event()
+    order: list[str] = []
+
+    def blocker() -> tuple[None, None]:
+        release.wait(10)
+        order.append("blocker")
+        return None, None
+
+    executor.submit(blocker)
+    behind = executor.submit(lambda: (order.append("brief") or threading.current_thread().name, None), brief=True)
+    release.set()
+    assert behind.wait(10) == "gradcomp-collectives"  # queued behind the blocker, in order
+    assert order == ["blocker", "brief"]
 
 
 def test_errors_reach_the_waiter() -> None:

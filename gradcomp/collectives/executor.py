@@ -62,15 +62,19 @@ class Executor:
         self._thread = threading.Thread(target=self._run, name="gradcomp-collectives", daemon=True)
         self._thread.start()
 
-    def submit(self, operation: Callable[[], tuple[T, Traffic | None]], wait: bool = False) -> Handle[T]:
-        """Queue ``operation``; with ``wait``, also wait for it (running it in place when idle)."""
+    def submit(
+        self, operation: Callable[[], tuple[T, Traffic | None]], wait: bool = False, brief: bool = False
+    ) -> Handle[T]:
+        """Queue ``operation``; with ``wait``, also wait for it. With ``wait`` or ``brief`` (an
+        operation that only issues the backend's asynchronous work) it runs in the caller's thread
+        when nothing is queued or running: same order, no thread hand-off."""
         future: Future[tuple[T, Traffic | None]] = Future()
         if threading.current_thread() is self._thread:
             # Called from inside an operation: run in place (queueing would wait on itself).
             _run_into(operation, future)
             return Handle(future)
         with self._state:
-            inline = wait and self._pending == 0
+            inline = (wait or brief) and self._pending == 0
             self._pending += 1
             if not inline:
                 self._queue.put((operation, future))
