@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import logging
 import statistics
 import sys
@@ -336,7 +335,7 @@ def add_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
-    from gradcomp.bench.timing import machine
+    from gradcomp.bench.timing import machine, write_report
     from gradcomp.cli import parse_networks
     from gradcomp.netem import Profile, describe
 
@@ -357,14 +356,6 @@ def _command(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         rows += measured
     if args.json:
-        report = {
-            "machine": host,
-            "command": " ".join(sys.argv),
-            "model": args.model,
-            "ranks": args.ranks,
-            "networks": networks,
-            "rows": [dataclasses.asdict(r) for r in rows],
-        }
-        with open(args.json, "w") as file:
-            json.dump(report, file, indent=2)
+        figures = {"model": args.model, "ranks": args.ranks, "networks": networks}
+        write_report(args.json, host, **figures, rows=[dataclasses.asdict(r) for r in rows])
     return 0

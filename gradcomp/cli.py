@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import sys
 import typing
@@ -124,7 +123,7 @@ def _type_name(hint: object) -> str:
 
 def _bench_compressors(args: argparse.Namespace) -> int:
     from gradcomp.bench import compressors as bench
-    from gradcomp.bench.timing import machine
+    from gradcomp.bench.timing import machine, write_report
 
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -139,20 +138,14 @@ def _bench_compressors(args: argparse.Namespace) -> int:
     )
     sys.stdout.write(bench.format_table(references, rows) + "\n")
     if args.json:
-        report = {
-            "machine": host,
-            "command": " ".join(sys.argv),
-            "references": [dataclasses.asdict(r) for r in references],
-            "rows": [r.as_dict() for r in rows],
-        }
-        with open(args.json, "w") as file:
-            json.dump(report, file, indent=2)
+        kernels = [r.as_dict() for r in rows]
+        write_report(args.json, host, references=[dataclasses.asdict(r) for r in references], rows=kernels)
     return 0
 
 
 def _bench_collectives(args: argparse.Namespace) -> int:
     from gradcomp.bench import collectives as bench
-    from gradcomp.bench.timing import machine
+    from gradcomp.bench.timing import machine, write_report
     from gradcomp.netem import Profile, describe
 
     if args.ranks < 1:
@@ -175,15 +168,7 @@ def _bench_collectives(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         rows += measured
     if args.json:
-        report = {
-            "machine": host,
-            "command": " ".join(sys.argv),
-            "ranks": args.ranks,
-            "networks": networks,
-            "rows": [r.as_dict() for r in rows],
-        }
-        with open(args.json, "w") as file:
-            json.dump(report, file, indent=2)
+        write_report(args.json, host, ranks=args.ranks, networks=networks, rows=[r.as_dict() for r in rows])
     return 0
 
 

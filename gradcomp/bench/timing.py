@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,3 +50,9 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
+
+
+def write_report(path: str, host: dict[str, Any], **figures: Any) -> None:
+    """``--json FILE`` of every benchmark: the machine, the command line, then ``figures``."""
+    with open(path, "w") as file:
+        json.dump({"machine": host, "command": " ".join(sys.argv), **figures}, file, indent=2)
