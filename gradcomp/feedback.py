@@ -37,7 +37,8 @@ class ErrorFeedback(Compressor):
 
     Memory: two buffers per key the size of the gradient (the residual, and the compensated
     gradient, which the payload may alias while in flight). Compute: two extra passes (the add and
-    the subtract) plus one decompression of the local payload.
+    the subtract) plus one decompression of the local payload; for compressors that fuse the
+    subtraction (``Compressor.subtract_contribution``: PowerSGD), the add and one fused pass.
     Keys: every distinct tensor needs its own key (its identity across steps, e.g. its parameter
     names); the same key with a new shape is an error, not a silent reset.
     """
@@ -99,8 +100,12 @@ class ErrorFeedback(Compressor):
         return payload, ctx
 
     def _update(self, payload: Payload, ctx: FeedbackContext) -> None:
-        """e = c - contribution(payload), computed in the residual's own buffer (no allocation)."""
+        """e = c - contribution(payload), with no allocation: fused in c's buffer, which then
+        becomes the residual (the two buffers swap roles), or in the residual's own buffer."""
         residual = self.residuals[ctx.key]
+        if self.inner.subtract_contribution(payload, ctx.inner, ctx.compensated):
+            self.residuals[ctx.key], self._compensated[ctx.key] = ctx.compensated, residual
+            return
         self.inner.contribution(payload, ctx.inner, out=residual)
         torch.sub(ctx.compensated, residual, out=residual)
 

@@ -32,6 +32,22 @@ def test_conservation_is_exact_each_step(spec: str) -> None:
         assert torch.allclose(g + e_old, contribution + e_new, rtol=0, atol=1e-6 * scale)
 
 
+def test_powersgd_fused_residual_conserves_with_uncompressed_pieces() -> None:
+    """PowerSGD subtracts its contribution in place (one addmm per matrix); the vectors in the bucket
+    travel exactly, so their residual is zero, and contribution() still sees what was sent."""
+    ef = make_compressor("powersgd:rank=2,ef=true")
+    shapes = [torch.Size([40, 30]), torch.Size([30]), torch.Size([20, 10]), torch.Size([10])]
+    for g in gradients(4, shape=(sum(s.numel() for s in shapes),)):
+        e_old = ef.residuals.get("b", torch.zeros_like(g)).clone()
+        payload, ctx = ef.compress(g, "b", shapes)
+        payload, ctx = ef.next_round(payload, ctx)
+        e_new = ef.residuals["b"]
+        contribution = ef.contribution(payload, ctx)
+        assert torch.allclose(g + e_old, contribution + e_new, rtol=0, atol=1e-5)
+        assert torch.equal(e_new[1200:1230], torch.zeros(30)) and torch.equal(e_new[-10:], torch.zeros(10))
+        assert torch.equal(contribution[1200:1230], (g + e_old)[1200:1230])
+
+
 @pytest.mark.parametrize(
     "spec", ["topk:ratio=0.05", "sign:chunk=64", "quantize:bits=2,rounding=nearest", "powersgd:rank=1"]
 )

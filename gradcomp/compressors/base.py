@@ -211,6 +211,13 @@ class Compressor(ABC):
         """
         return self.decompress(payload, ctx, out=out)
 
+    def subtract_contribution(self, payload: Payload, ctx: Any, tensor: Tensor) -> bool:
+        """``tensor -= contribution`` in place, in one fused pass, if this compressor can (and its
+        payload does not alias ``tensor``); return whether it did. Error feedback then keeps
+        ``tensor`` as the residual, instead of materializing the contribution and subtracting it
+        (two passes fewer). The default cannot: it returns False and leaves ``tensor`` alone."""
+        return False
+
     # -- accounting and state ----------------------------------------------------------------------
 
     @staticmethod

@@ -55,6 +55,7 @@ class PowerSGDContext:
     flat: Tensor  # the input; read again in the second round and for the local contribution
     ps: list[Tensor] = dataclasses.field(default_factory=list)  # orthonormal P, after round one
     raw_sum: Tensor | None = None  # the aggregated uncompressed part, after round one
+    raw_local: Tensor | None = None  # this rank's uncompressed part, once ``flat`` was overwritten
 
 
 @register
@@ -134,8 +135,30 @@ class PowerSGD(Compressor):
     def contribution(self, payload: Payload, ctx: PowerSGDContext, out: Tensor | None = None) -> Tensor:
         """This rank's share, P Q_local^T plus its own uncompressed part; leaves the memory alone."""
         qs = _split(payload[0], [(s.cols, s.rank) for s in _compressed(ctx.segments)])
-        raw = _cat([ctx.flat[s.start : s.stop] for s in ctx.segments if not s.rank], ctx.flat.dtype, ctx.flat.device)
+        raw = ctx.raw_local if ctx.raw_local is not None else self._local_raw(ctx)
         return self._reconstruct(qs, raw, ctx, out)
+
+    @staticmethod
+    def _local_raw(ctx: PowerSGDContext) -> Tensor:
+        return _cat([ctx.flat[s.start : s.stop] for s in ctx.segments if not s.rank], ctx.flat.dtype, ctx.flat.device)
+
+    def subtract_contribution(self, payload: Payload, ctx: PowerSGDContext, tensor: Tensor) -> bool:
+        """``tensor - P Q_local^T`` with one ``addmm_`` per matrix (BLAS reads and writes the
+        matrix once); the uncompressed pieces travel exactly, so nothing of them is left."""
+        if tensor.dtype != torch.float32 or not tensor.is_contiguous():
+            return False
+        flat = tensor.view(-1)
+        if flat.data_ptr() == ctx.flat.data_ptr():  # contribution() must still find what was sent
+            ctx.raw_local = self._local_raw(ctx)
+        qs = _split(payload[0], [(s.cols, s.rank) for s in _compressed(ctx.segments)])
+        compressed = iter(zip(ctx.ps, qs, strict=True))
+        for s in ctx.segments:
+            if s.rank:
+                p, q = next(compressed)
+                flat[s.start : s.stop].view(s.rows, s.cols).addmm_(p, q.t(), alpha=-1)
+            else:
+                flat[s.start : s.stop].zero_()
+        return True
 
     def _reconstruct(self, qs: list[Tensor], raw: Tensor, ctx: PowerSGDContext, out: Tensor | None) -> Tensor:
         result = flat_out(out, ctx.meta, raw.device)
