@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -219,3 +220,21 @@ def test_netem_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["netem", "cleanup"]) == 0
     assert f"removed {tag}-hub" in capsys.readouterr().out
     assert _tagged(tag) == []
+
+
+@needs_root
+def test_a_training_run_behind_a_shaped_link(tmp_path: Path) -> None:
+    """``experiments.train`` over 10 Mbit: the run finishes, records its network, and its steps take
+    at least the link time of the bytes they sent (the ranks really talked through the shaped ports)."""
+    from experiments.config import TrainConfig
+    from experiments.train import launch
+
+    config = TrainConfig(task="digits", steps=12, batch_size=32, hook="allreduce", ranks=2, network="10mbit",
+                         eval_every=12, log_every=4, out=str(tmp_path / "run"), timeout=120)  # fmt: skip
+    record = launch(config)
+    assert record["status"] == "finished" and record["config"]["network"] == "10mbit"
+    metrics = record["metrics"]
+    link_seconds = metrics["wire_bytes"] * 8 / 10e6  # what rank 0 sent, at the link's rate
+    assert link_seconds > 0.05
+    assert metrics["train_time_s"] >= 0.9 * link_seconds
+    assert _ours() == []
