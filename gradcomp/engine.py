@@ -119,12 +119,12 @@ class Engine:
                 f"do not describe a buffer of {buffer.numel()}"
             )
         record = BucketRecord(0, bucket, buffer.numel() * buffer.element_size(), time.perf_counter())
+        if type(self.compressor) is Identity and self.algo == "native" and self._checked:
+            return self._reduce_natively(buffer, record, last)
         # Divide and compress here, in the caller's thread (DDP's backward), and leave only the
         # communication and what follows it to the ordered executor: the next bucket's compression
         # then overlaps this bucket's communication instead of queueing behind it.
         keys, shapes = list(keys), list(shapes)
-        if type(self.compressor) is Identity and self.algo == "native" and self._checked:
-            return self._reduce_natively(buffer, record, last)
         prepared = None if self.two_phase else self._prepare(buffer, keys, shapes, record)
 
         def operation() -> tuple[Tensor, None]:
