@@ -336,10 +336,9 @@ def add_command(commands: argparse._SubParsersAction) -> None:
 
 def _command(args: argparse.Namespace) -> int:
     from gradcomp.bench.timing import machine, write_report
-    from gradcomp.cli import parse_networks
-    from gradcomp.netem import Profile, describe
+    from gradcomp.netem import Profile, describe, parse_profiles
 
-    networks = parse_networks(args.net)
+    networks = parse_profiles(args.net)
     specs = split_hooks(args.hooks)
     torch_hooks = [h.strip() for h in args.torch_hooks.split(",") if h.strip() and h.strip() != "none"]
     host, preset, rows = machine(), PRESETS[args.model], []

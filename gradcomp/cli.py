@@ -23,6 +23,7 @@ from importlib.metadata import entry_points
 
 import torch
 
+from gradcomp import netem
 from gradcomp.bench.collectives import DEFAULT_ALGOS
 from gradcomp.compressors import REGISTRY
 from gradcomp.compressors.base import format_value
@@ -146,13 +147,12 @@ def _bench_compressors(args: argparse.Namespace) -> int:
 def _bench_collectives(args: argparse.Namespace) -> int:
     from gradcomp.bench import collectives as bench
     from gradcomp.bench.timing import machine, write_report
-    from gradcomp.netem import Profile, describe
 
     if args.ranks < 1:
         raise ValueError(f"--ranks must be >= 1, got {args.ranks}")
     sizes = [bench.parse_bytes(s) for s in args.sizes.split(",") if s.strip()]
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
-    networks = parse_networks(args.net)
+    networks = netem.parse_profiles(args.net)
     local_size = args.local_size or (2 if args.ranks % 2 == 0 else 1)
     host = machine()
     rows = []
@@ -160,8 +160,9 @@ def _bench_collectives(args: argparse.Namespace) -> int:
         measured = bench.run(
             args.ranks, sizes, algos, repeats=args.repeats, local_size=args.local_size, network=network
         )
+        link = netem.describe(netem.Profile.parse(network))
         sys.stdout.write(
-            f"gradcomp bench collectives: {args.ranks} ranks, network {network} ({describe(Profile.parse(network))}), "
+            f"gradcomp bench collectives: {args.ranks} ranks, network {network} ({link}), "
             f"gloo, {host['cpu']}, torch {host['torch']}, median of {args.repeats}\n\n"
         )
         sys.stdout.write(bench.format_table(measured, local_size if "hierarchical" in algos else None) + "\n\n")
@@ -172,29 +173,13 @@ def _bench_collectives(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_networks(text: str) -> list[str]:
-    """``"loopback,1gbit"`` -> both, each checked (a bad profile fails before anything runs)."""
-    from gradcomp.netem import Profile
-
-    networks = [n.strip() for n in text.split(",") if n.strip()]
-    if not networks:
-        raise ValueError("--net needs at least one network profile")
-    for network in networks:
-        Profile.parse(network)
-    return networks
-
-
 def _netem_cleanup(args: argparse.Namespace) -> int:
-    from gradcomp import netem
-
     removed = netem.cleanup(all_=args.all)
     sys.stdout.write("".join(f"removed {name}\n" for name in removed) or "nothing to remove\n")
     return 0
 
 
 def _netem_list(args: argparse.Namespace) -> int:
-    from gradcomp import netem
-
     stale = set(netem.leftovers())
     for name in netem.namespaces():
         sys.stdout.write(f"{name}{'  (stale: its process is gone)' if name in stale else ''}\n")

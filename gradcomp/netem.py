@@ -105,6 +105,16 @@ class Profile:
         return cls(text.strip(), _rate(rate, text), _time(delay, text) if delay else 0.0)
 
 
+def parse_profiles(text: str) -> list[str]:
+    """``"loopback,1gbit"`` -> both, each checked: a bad profile fails before anything runs."""
+    profiles = [p.strip() for p in text.split(",") if p.strip()]
+    if not profiles:
+        raise ValueError("--net needs at least one network profile")
+    for profile in profiles:
+        Profile.parse(profile)
+    return profiles
+
+
 PROFILES = ("loopback", "100mbit", "1gbit", "10gbit", "100mbit-2ms", "1gbit-2ms", "10gbit-100us")
 """Named examples; any rate (``25gbit``) and any ``rate-delay`` pair parse too."""
 
