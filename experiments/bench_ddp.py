@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import logging
 import statistics
 import sys
 import time
@@ -42,8 +41,6 @@ import hooks
 from experiments.models import MLP, CharTransformer, ResNet18
 from gradcomp.launch import RankError, spawn
 from gradcomp.stats import wire_bytes
-
-logger = logging.getLogger(__name__)
 
 NOOP, TORCH_ALLREDUCE, TORCH_FP16, TORCH_POWERSGD = "noop", "torch allreduce", "torch fp16", "torch powersgd"
 TORCH_PYTHON_ALLREDUCE = "torch allreduce_hook"
@@ -110,14 +107,15 @@ def split_hooks(text: str) -> list[str]:
     separates too, unless what follows is an option (``key=value`` without a ``name:`` before it)."""
     specs: list[str] = []
     for group in text.split(";"):
-        for part in group.split(","):
-            part = part.strip()
-            if not part:
+        starts = True  # the first piece of a ';' group always starts a spec
+        for piece in (p.strip() for p in group.split(",")):
+            if not piece:
                 continue
-            if specs and "=" in part and ":" not in part and not group.startswith(part):
-                specs[-1] += f",{part}"
+            if not starts and "=" in piece and ":" not in piece:
+                specs[-1] += f",{piece}"
             else:
-                specs.append(part)
+                specs.append(piece)
+            starts = False
     return specs
 
 
