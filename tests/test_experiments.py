@@ -102,8 +102,10 @@ def test_signals_are_generated_deterministically_up_to_100k() -> None:
     assert options.samples == 100_000
     with pytest.raises(ValueError, match=r"samples must be in 100\.\.100000"):
         parse_task("signal:samples=100001")
-    with pytest.raises(ValueError, match="unknown option"):
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['frequency'\] for task 'signal'"):
         parse_task("signal:frequency=3")
+    with pytest.raises(ValueError, match="'noise' must be a finite number"):
+        parse_task("signal:noise=inf")
 
 
 def test_the_language_model_text_ships_with_python_and_is_reproducible() -> None:

@@ -57,6 +57,8 @@ def test_unknown_option_lists_valid_options() -> None:
         ("threshold:tau=-1", r"tau must be a finite number >= 0"),
         ("quantize:bits=four", r"'bits' must be an integer"),
         ("topk:ratio=lots", r"'ratio' must be a number"),
+        ("topk:ratio=nan", r"'ratio' must be a finite number"),
+        ("threshold:tau=inf", r"'tau' must be a finite number"),
         ("randomk:scale=maybe", r"'scale' must be true or false"),
         ("topk:ef=perhaps", r"'ef' must be true or false"),
         ("topk:ratio", r"not of the form key=value"),

@@ -11,14 +11,13 @@ from __future__ import annotations
 import abc
 import dataclasses
 import hashlib
-import math
-import types
-import typing
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+
+from gradcomp.compressors.registry import options_from
 
 Batch = tuple[Tensor, Tensor]
 Kind = Literal["classification", "language_model", "synthetic"]
@@ -149,8 +148,6 @@ def mlp_hidden(text: str) -> list[int]:
 
 # -- task options: "name:key=value,..." ---------------------------------------------------------
 
-OptionsT = TypeVar("OptionsT")
-
 
 @dataclasses.dataclass(frozen=True)
 class TaskSpec:
@@ -165,55 +162,7 @@ class TaskSpec:
     summary: str = ""
 
     def parse_options(self, options: Mapping[str, Any]) -> Any:
-        return parse_options(self.options, options, f"task {self.name!r}")
-
-
-def parse_options(cls: type[OptionsT], options: Mapping[str, Any], owner: str) -> OptionsT:
-    """Build the options dataclass ``cls`` from strings or values, converting by the fields' types."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(options) - set(fields))
-    if unknown:
-        valid = ", ".join(sorted(fields)) or "none"
-        raise ValueError(f"unknown option(s) {unknown} for {owner}; valid options: {valid}")
-    hints = typing.get_type_hints(cls)
-    values = {key: _convert(key, value, hints[key], owner) for key, value in options.items()}
-    try:
-        return cls(**values)
-    except ValueError as error:
-        raise ValueError(f"invalid options for {owner}: {error}") from None
-
-
-_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
-
-
-def _convert(key: str, value: Any, hint: Any, owner: str) -> Any:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None
-        if value is None or (isinstance(value, str) and value.lower() == "none"):
-            return None
-        hint = next(m for m in typing.get_args(hint) if m is not type(None))
-    wrong = ValueError(f"option {key!r} of {owner} must be {getattr(hint, '__name__', hint)}; got {value!r}")
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
-            return value.lower() in _TRUE
-        raise wrong
-    if hint in (int, float):
-        if isinstance(value, bool):
-            raise wrong
-        if isinstance(value, str):
-            try:
-                value = float(value) if hint is float else int(value, 10)
-            except ValueError:
-                raise wrong from None
-        if hint is int and not isinstance(value, int):
-            raise wrong
-        if not isinstance(value, (int, float)) or (hint is float and not math.isfinite(value)):
-            raise wrong
-        return hint(value)
-    if hint is str:
-        return str(value)
-    raise TypeError(f"option {key!r} of {owner} has an unsupported type {hint!r}")
+        return options_from(self.options, options, f"task {self.name!r}")
 
 
 def batches(x: Tensor, y: Tensor, size: int) -> Iterator[Batch]:

@@ -14,9 +14,10 @@ field's type. Unknown names and options raise an error that lists the valid ones
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypeVar, Union
 
 from gradcomp.compressors.base import Compressor, CompressorConfig, spec_text
@@ -28,6 +29,7 @@ WRAPPER_OPTIONS = ("ef",)
 """Options every spec accepts besides the compressor's own: ``ef`` turns on error feedback."""
 
 C = TypeVar("C", bound=type[Compressor])
+Options = TypeVar("Options")
 
 
 def register(cls: C) -> C:
@@ -65,20 +67,26 @@ def parse_spec(spec: SpecLike) -> Spec:
         raise TypeError(f"a compressor spec is a string or a (name, options) pair, got {spec!r}")
     if name not in REGISTRY:
         raise ValueError(f"unknown compressor {name!r}; valid names: {', '.join(sorted(REGISTRY))}")
-    config_cls = REGISTRY[name].Config
     ef = _convert("ef", options.pop("ef", False), bool)
-    hints = typing.get_type_hints(config_cls)
-    fields = {f.name for f in dataclasses.fields(config_cls)}
+    return Spec(name, options_from(REGISTRY[name].Config, options, repr(name), also_valid=WRAPPER_OPTIONS), ef)
+
+
+def options_from(cls: type[Options], options: Mapping[str, Any], owner: str, also_valid: Sequence[str] = ()) -> Options:
+    """The options dataclass ``cls`` built from ``options`` (strings, as in specs, or typed values),
+    each converted to its field's type. Unknown keys, wrong types and values that ``cls`` refuses
+    are ValueErrors naming ``owner`` and the valid options. Compressor configs and experiment task
+    options (same ``name:key=value`` syntax) both come through here."""
+    fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(options) - fields)
     if unknown:
-        valid = sorted(fields) + list(WRAPPER_OPTIONS)
-        raise ValueError(f"unknown option(s) {unknown} for {name!r}; valid options: {', '.join(valid)}")
-    kwargs = {key: _convert(key, value, hints[key]) for key, value in options.items()}
+        valid = ", ".join([*sorted(fields), *also_valid]) or "none"
+        raise ValueError(f"unknown option(s) {unknown} for {owner}; valid options: {valid}")
+    hints = typing.get_type_hints(cls)
+    values = {key: _convert(key, value, hints[key]) for key, value in options.items()}
     try:
-        config = config_cls(**kwargs)
+        return cls(**values)
     except ValueError as error:
-        raise ValueError(f"invalid options for {name!r}: {error}") from None
-    return Spec(name, config, ef)
+        raise ValueError(f"invalid options for {owner}: {error}") from None
 
 
 def make_compressor(spec: SpecLike, *, seed: int = 0, rank: int = 0) -> Compressor:
@@ -134,15 +142,15 @@ def _convert(key: str, value: Any, hint: Any) -> Any:
             raise ValueError(f"option {key!r} must be a number; got {value!r}")
         if isinstance(value, str):
             try:
-                return hint(value) if hint is float else int(value, 10)
+                value = float(value) if hint is float else int(value, 10)
             except ValueError:
                 raise ValueError(
                     f"option {key!r} must be {'an integer' if hint is int else 'a number'}; got {value!r}"
                 ) from None
         if hint is int and not isinstance(value, int):
             raise ValueError(f"option {key!r} must be an integer; got {value!r}")
-        if not isinstance(value, (int, float)):
-            raise ValueError(f"option {key!r} must be a number; got {value!r}")
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"option {key!r} must be a finite number; got {value!r}")
         return hint(value)
     if hint is str:
         return str(value)
