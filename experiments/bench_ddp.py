@@ -23,6 +23,7 @@ torch's hooks the payload is what they hand to ``dist.all_reduce``, counted ther
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import statistics
@@ -51,6 +52,8 @@ DEFAULT_HOOKS = (
 TORCH_HOOKS = {"allreduce_hook": TORCH_PYTHON_ALLREDUCE, "fp16": TORCH_FP16, "powersgd": TORCH_POWERSGD}
 """torch's own hooks measured beside the two anchors (noop and torch's all-reduce), by option name."""
 POWERSGD_RANK = 4
+_COUNTED_AT_ALL_REDUCE = (TORCH_PYTHON_ALLREDUCE, TORCH_FP16, TORCH_POWERSGD)
+"""Variants whose payload is counted at ``dist.all_reduce`` (torch's Python hooks)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +184,9 @@ def measure(
             model, _ = setups[variant]
             count = warmup if round_ == 0 else per_round
             dist.barrier()
-            with _AllReduceMeter() as meter:
+            meter = _AllReduceMeter()
+            # counting only where it is read: torch's Python hooks (gradcomp counts its own bytes)
+            with meter if variant in _COUNTED_AT_ALL_REDUCE else contextlib.nullcontext():
                 for _ in range(count):
                     start = time.perf_counter()
                     _step(model, optimizers[variant], batch)
@@ -221,7 +226,7 @@ def _wire(variant: str, state: Any, timed: int, torch_payload: int, gradient_byt
         return 0.0
     if variant == TORCH_ALLREDUCE:  # DDP's reducer calls the backend from C++: count the gradients
         return gradient_bytes * ring
-    if variant in (TORCH_FP16, TORCH_POWERSGD, TORCH_PYTHON_ALLREDUCE):
+    if variant in _COUNTED_AT_ALL_REDUCE:
         return torch_payload / max(timed, 1) * ring
     recorded = state.steps()[-timed:] if timed else []
     return statistics.fmean(wire_bytes(s, world) for s in recorded) if recorded else 0.0
