@@ -38,10 +38,10 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-import hooks
-from experiments.models import MLP, CharTransformer, ResNet18
+from gradcomp import hooks
+from gradcomp.engine.stats import wire_bytes
+from gradcomp.experiments.models import MLP, CharTransformer, ResNet18
 from gradcomp.launch import RankError, spawn
-from gradcomp.stats import wire_bytes
 
 NOOP, TORCH_ALLREDUCE, TORCH_FP16, TORCH_POWERSGD = "noop", "torch allreduce", "torch fp16", "torch powersgd"
 TORCH_PYTHON_ALLREDUCE = "torch allreduce_hook"

@@ -15,8 +15,8 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from experiments.optim import OPTIMIZERS, SCHEDULES
-from experiments.tasks import parse_task
+from gradcomp.experiments.optim import OPTIMIZERS, SCHEDULES
+from gradcomp.experiments.tasks import parse_task
 
 BACKENDS = ("gloo", "nccl")
 

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from experiments.config import TrainConfig
-from experiments.metrics import WireMeter, Writer
-from experiments.tasks import Task
-from experiments.tasks.base import batches
+from gradcomp.experiments.config import TrainConfig
+from gradcomp.experiments.metrics import WireMeter, Writer
+from gradcomp.experiments.tasks import Task
+from gradcomp.experiments.tasks.base import batches
 
 logger = logging.getLogger(__name__)
 

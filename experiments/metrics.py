@@ -26,8 +26,8 @@ import os
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from gradcomp.stats import per_step, wire_bytes
-from hooks import HookState
+from gradcomp.engine.stats import per_step, wire_bytes
+from gradcomp.hooks import HookState
 
 logger = logging.getLogger(__name__)
 

@@ -35,9 +35,9 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from experiments.config import TrainConfig, field_names, from_mapping
-from experiments.tasks import parse_task
-from experiments.validate import check_hook, check_network
+from gradcomp.experiments.config import TrainConfig, field_names, from_mapping
+from gradcomp.experiments.tasks import parse_task
+from gradcomp.experiments.validate import check_hook, check_network
 
 if sys.version_info >= (3, 11):
     import tomllib

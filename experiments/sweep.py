@@ -26,10 +26,10 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from experiments import plan, runinfo
-from experiments.config import PATH_FIELDS
-from experiments.plan import Run
-from experiments.train import launch
+from gradcomp.experiments import plan, runinfo
+from gradcomp.experiments.config import PATH_FIELDS
+from gradcomp.experiments.plan import Run
+from gradcomp.experiments.train import launch
 from gradcomp.launch import RankError
 from gradcomp.netem import NetemError
 

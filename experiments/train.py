@@ -33,15 +33,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import hooks
-from experiments import checkpoint, runinfo
-from experiments.config import PATH_FIELDS, TrainConfig, add_arguments, from_args
-from experiments.loop import Loop
-from experiments.metrics import NullWriter, TensorBoardWriter, WireMeter, Writer
-from experiments.models import parameter_count
-from experiments.optim import make_optimizer, make_schedule
-from experiments.tasks import build_task
-from experiments.validate import check_hook, check_network
+from gradcomp import hooks
+from gradcomp.experiments import checkpoint, runinfo
+from gradcomp.experiments.config import PATH_FIELDS, TrainConfig, add_arguments, from_args
+from gradcomp.experiments.loop import Loop
+from gradcomp.experiments.metrics import NullWriter, TensorBoardWriter, WireMeter, Writer
+from gradcomp.experiments.models import parameter_count
+from gradcomp.experiments.optim import make_optimizer, make_schedule
+from gradcomp.experiments.tasks import build_task
+from gradcomp.experiments.validate import check_hook, check_network
 from gradcomp.launch import RankError, spawn
 from gradcomp.netem import NetemError
 

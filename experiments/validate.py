@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import hooks
-from gradcomp import netem
+from gradcomp import hooks, netem
 
 
 def check_hook(spec: str) -> None:

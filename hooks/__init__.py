@@ -10,6 +10,6 @@ gradient itself, as DDP's default) and ``noop`` (no communication at all: the co
 benchmarks; training with it does not average anything). See ``docs/hooks.md``.
 """
 
-from hooks.ddp import HookState, check, make, register
+from gradcomp.hooks.ddp import HookState, check, make, register
 
 __all__ = ["HookState", "check", "make", "register"]

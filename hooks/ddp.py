@@ -13,7 +13,7 @@ from torch.distributed import GradBucket
 from gradcomp.collectives.executor import Handle
 from gradcomp.compressors.registry import Spec, SpecLike, split_spec
 from gradcomp.engine import Engine, check_options
-from gradcomp.stats import per_step, write_trace
+from gradcomp.engine.stats import per_step, write_trace
 
 Hook = Callable[["HookState", GradBucket], torch.futures.Future[Tensor]]
 

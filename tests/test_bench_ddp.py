@@ -6,9 +6,9 @@ import statistics
 
 import pytest
 
-from experiments import bench_ddp
-from experiments.bench_ddp import NOOP, TORCH_ALLREDUCE, TORCH_FP16, Row, format_table, split_hooks
 from gradcomp.cli import main
+from gradcomp.experiments import bench_ddp
+from gradcomp.experiments.bench_ddp import NOOP, TORCH_ALLREDUCE, TORCH_FP16, Row, format_table, split_hooks
 from gradcomp.launch import RankError
 
 MLP_GRADIENT_MB = 6_316_042 * 4 / 1e6

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import hooks
+from gradcomp import hooks
 from gradcomp.launch import spawn
 
 STEPS = 400

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gradcomp import cost_model
-from gradcomp.cost_model import Network, all_reduce_seconds, busbw, bytes_sent, fastest
+from gradcomp.collectives import cost_model
+from gradcomp.collectives.cost_model import Network, all_reduce_seconds, busbw, bytes_sent, fastest
 
 SLOW = Network(alpha=1e-3, beta=1e-9)  # 1 ms latency, 1 GB/s
 

@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-from experiments import models
-from experiments.config import TrainConfig
-from experiments.tasks import build_task, parse_task
-from experiments.tasks.classify import load as load_dataset
-from experiments.tasks.signal import generate
-from experiments.train import launch, main
+from gradcomp.experiments import models
+from gradcomp.experiments.config import TrainConfig
+from gradcomp.experiments.tasks import build_task, parse_task
+from gradcomp.experiments.tasks.classify import load as load_dataset
+from gradcomp.experiments.tasks.signal import generate
+from gradcomp.experiments.train import launch, main
 
 # -- models -------------------------------------------------------------------------------------
 
@@ -347,7 +347,7 @@ def test_a_resumed_run_continues_its_curves_without_duplicates(runs: dict[str, A
 
 
 def test_resuming_with_other_settings_is_refused(runs: dict[str, Any]) -> None:
-    from experiments import checkpoint
+    from gradcomp.experiments import checkpoint
 
     path = str(runs["root"] / "straight" / "checkpoint.pt")
     other = TrainConfig(**{**SETTINGS, "lr": 0.1}, out=str(runs["root"] / "straight"))

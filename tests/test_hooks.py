@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-import hooks
+from gradcomp import hooks
 from gradcomp.launch import spawn
 
 

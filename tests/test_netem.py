@@ -226,8 +226,8 @@ def test_netem_commands(capsys: pytest.CaptureFixture[str]) -> None:
 def test_a_training_run_behind_a_shaped_link(tmp_path: Path) -> None:
     """``experiments.train`` over 10 Mbit: the run finishes, records its network, and its steps take
     at least the link time of the bytes they sent (the ranks really talked through the shaped ports)."""
-    from experiments.config import TrainConfig
-    from experiments.train import launch
+    from gradcomp.experiments.config import TrainConfig
+    from gradcomp.experiments.train import launch
 
     config = TrainConfig(task="digits", steps=12, batch_size=32, hook="allreduce", ranks=2, network="10mbit",
                          eval_every=12, log_every=4, out=str(tmp_path / "run"), timeout=120)  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gradcomp.stats import BucketRecord, per_step, wire_bytes
+from gradcomp.engine.stats import BucketRecord, per_step, wire_bytes
 
 
 def _step(sent: int | None, payload: int) -> dict[str, object]:

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from experiments import plan, runinfo, sweep
-from experiments.plan import Run
+from gradcomp.experiments import plan, runinfo, sweep
+from gradcomp.experiments.plan import Run
 
 CONFIG = """
 [sweep]

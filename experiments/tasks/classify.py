@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from experiments.models import MLP, ResNet18, SignalCNN, SmallCNN
-from experiments.tasks.base import ClassificationTask, TaskSpec, count_classes, mlp_hidden, split
+from gradcomp.experiments.models import MLP, ResNet18, SignalCNN, SmallCNN
+from gradcomp.experiments.tasks.base import ClassificationTask, TaskSpec, count_classes, mlp_hidden, split
 
 
 @dataclasses.dataclass(frozen=True)

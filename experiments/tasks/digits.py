@@ -17,8 +17,8 @@ import numpy
 import torch
 from torch import Tensor, nn
 
-from experiments.models import MLP, SmallCNN
-from experiments.tasks.base import ClassificationTask, TaskSpec, mlp_hidden, split
+from gradcomp.experiments.models import MLP, SmallCNN
+from gradcomp.experiments.tasks.base import ClassificationTask, TaskSpec, mlp_hidden, split
 
 HELD_OUT = 397
 

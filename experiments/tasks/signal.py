@@ -21,8 +21,8 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from experiments.models import MLP, SignalCNN
-from experiments.tasks.base import ClassificationTask, TaskSpec, mlp_hidden, split
+from gradcomp.experiments.models import MLP, SignalCNN
+from gradcomp.experiments.tasks.base import ClassificationTask, TaskSpec, mlp_hidden, split
 
 CLASSES = 10
 MAX_SAMPLES = 100_000

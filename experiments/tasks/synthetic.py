@@ -15,8 +15,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from experiments.models import MLP, ResNet18
-from experiments.tasks.base import Batch, ClassificationTask, TaskSpec
+from gradcomp.experiments.models import MLP, ResNet18
+from gradcomp.experiments.tasks.base import Batch, ClassificationTask, TaskSpec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,8 +21,8 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from experiments.models import CharTransformer
-from experiments.tasks.base import Batch, Task, TaskSpec, generator
+from gradcomp.experiments.models import CharTransformer
+from gradcomp.experiments.tasks.base import Batch, Task, TaskSpec, generator
 
 MODULES = (
     "argparse.py",

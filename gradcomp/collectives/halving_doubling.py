@@ -22,7 +22,7 @@ from torch import Tensor
 from gradcomp.collectives.link import Link, segments
 from gradcomp.collectives.ops import ReduceOp
 from gradcomp.collectives.ring import SEGMENT_BYTES, chunk_bounds
-from gradcomp.compressors.workspace import Workspace
+from gradcomp.workspace import Workspace
 
 _scratch = Workspace()
 

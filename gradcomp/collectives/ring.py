@@ -15,7 +15,7 @@ from torch import Tensor
 
 from gradcomp.collectives.link import Link, segments
 from gradcomp.collectives.ops import ReduceOp
-from gradcomp.compressors.workspace import Workspace
+from gradcomp.workspace import Workspace
 
 SEGMENT_BYTES = 4 << 20
 """Default segment size: small enough to overlap reductions with transfers on large tensors, large

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from gradcomp.collectives.link import Link
 from gradcomp.collectives.ops import ReduceOp
-from gradcomp.compressors.workspace import Workspace
+from gradcomp.workspace import Workspace
 
 _scratch = Workspace()
 

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from gradcomp.compressors import chunks
-from gradcomp.compressors.workspace import Workspace
+from gradcomp.workspace import Workspace
 
 
 def _magic(dtype: torch.dtype) -> float:

@@ -39,7 +39,7 @@ Input policy (the same for every compressor, tested in ``tests/test_input_policy
   step. Casts to fp16/bf16 turn finite values beyond the target range into Inf, as a cast does.
 
 Threads: a compressor reuses scratch buffers between calls, one set per calling thread (see
-:class:`~gradcomp.compressors.workspace.Workspace`). One thread may compress a key while another
+:class:`~gradcomp.workspace.Workspace`). One thread may compress a key while another
 decompresses a different key (the engine does, to overlap buckets); never use one key from two
 threads at once.
 """
@@ -55,7 +55,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from gradcomp.compressors.workspace import Workspace
+from gradcomp.workspace import Workspace
 
 Payload = tuple[Tensor, ...]
 """The tensors that travel. Nothing else crosses the wire."""
@@ -144,6 +144,18 @@ class Compressor(ABC):
     @property
     def unbiased(self) -> bool:
         """True when E[decompress(compress(x))] == x (over the compressor's randomness)."""
+        return False
+
+    @property
+    def codec(self) -> Compressor:
+        """The compressor that encodes this one's payloads: itself, or for a wrapper (error
+        feedback) the compressor it wraps. Its ``decompress`` and ``decompress_sum`` read any
+        rank's payload from a :class:`Meta` context, without this compressor's state."""
+        return self
+
+    @property
+    def has_feedback(self) -> bool:
+        """True when this compressor keeps an error-feedback residual (``ef=true``)."""
         return False
 
     # -- the codec ---------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from gradcomp.compressors.base import (
     flat_out,
 )
 from gradcomp.compressors.registry import register
-from gradcomp.compressors.workspace import Workspace
+from gradcomp.workspace import Workspace
 
 Format = Literal["e4m3", "e5m2"]
 DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}

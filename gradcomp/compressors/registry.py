@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypeVar, Union
 
 from gradcomp.compressors.base import Compressor, CompressorConfig, spec_text
+from gradcomp.compressors.feedback import ErrorFeedback
 
 REGISTRY: dict[str, type[Compressor]] = {}
 """Every registered compressor, by name."""
@@ -94,8 +95,6 @@ def make_compressor(spec: SpecLike, *, seed: int = 0, rank: int = 0) -> Compress
     parsed = parse_spec(spec)
     compressor = REGISTRY[parsed.name](parsed.config, seed=seed, rank=rank)
     if parsed.ef:
-        from gradcomp.feedback import ErrorFeedback
-
         return ErrorFeedback(compressor)
     return compressor
 

@@ -63,6 +63,14 @@ class ErrorFeedback(Compressor):
     def unbiased(self) -> bool:
         return False
 
+    @property
+    def codec(self) -> Compressor:
+        return self.inner.codec
+
+    @property
+    def has_feedback(self) -> bool:
+        return True
+
     def residual(self, key: Key, like: Tensor) -> Tensor:
         """The residual of ``key`` (zeros the first time), checked against the new gradient."""
         residual = self.residuals.get(key)

@@ -23,10 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradcomp import transport
 from gradcomp.collectives.ring import chunk_bounds
 from gradcomp.compressors import Compressor, Key, Meta, Payload
-from gradcomp.feedback import ErrorFeedback
+from gradcomp.engine import transport
 
 
 def reduce(
@@ -40,7 +39,7 @@ def reduce(
 ) -> int:
     """Replace every tensor of ``parts`` (views into a bucket) by the sum over ranks, compressed
     twice; return the payload bytes this rank produced."""
-    base = compressor.inner if isinstance(compressor, ErrorFeedback) else compressor
+    base = compressor.codec  # decompresses payloads without this rank's context or state
     flats = [part.reshape(-1) for part in parts]
     bounds = [chunk_bounds(flat.numel(), world) for flat in flats]
     device = flats[0].device if flats else torch.device("cpu")

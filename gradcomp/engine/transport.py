@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradcomp import collectives, packing
+from gradcomp import collectives
 from gradcomp.collectives.link import Traffic
 from gradcomp.compressors import Payload
+from gradcomp.engine import packing
 
 Meter = Callable[[Traffic | None], None]
 """Receives the traffic of every collective (None where the backend does not report it)."""

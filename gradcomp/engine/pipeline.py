@@ -38,13 +38,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradcomp import collectives, transport, two_phase
+from gradcomp import collectives
 from gradcomp.collectives.executor import Handle, executor
 from gradcomp.collectives.link import Traffic
 from gradcomp.compressors import REGISTRY, Aggregation, Compressor, Key, Payload, make_compressor, parse_spec
 from gradcomp.compressors.cast import Identity
 from gradcomp.compressors.registry import Spec, SpecLike
-from gradcomp.stats import BucketRecord
+from gradcomp.engine import transport, two_phase
+from gradcomp.engine.stats import BucketRecord
 
 ALGORITHMS = tuple(a for a in collectives.ALGORITHMS if a != "hierarchical")
 """All-reduce algorithms for ``sum`` payloads (hierarchical needs a local size: not yet offered)."""
