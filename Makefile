@@ -17,7 +17,7 @@ install: $(STAMP)
 # The main job: the quick sweep (5 ways to average gradients x 3 seeds, 2 ranks, digits; a few minutes).
 # Resumable: a second `make demo` skips finished runs. Then: $(BIN)/tensorboard --logdir runs/quick
 demo: $(STAMP)
-	$(BIN)/gradcomp sweep experiments/configs/quick.toml --out runs/quick
+	$(BIN)/gradcomp sweep quick --out runs/quick
 
 lint: $(STAMP)
 	$(BIN)/ruff check gradcomp hooks experiments tests

@@ -1,11 +1,15 @@
-"""Experiments: real training runs that compare gradient compression by convergence, and sweeps of them.
+"""Experiments (``gradcomp.experiments``): real training runs that compare gradient compression by
+convergence, sweeps of them, and the DDP step-time benchmark.
 
-- ``experiments.train``: one run, under ``torchrun`` or on ranks it starts itself (optionally behind an
-  emulated network); TensorBoard scalars and HParams, ``run.json``, a checkpoint it resumes from exactly.
-- ``experiments.sweep`` (``gradcomp sweep CONFIG.toml``): grids of runs from a TOML config
-  (``experiments.plan``), resumable; ``experiments/configs/`` holds the quick and the full study.
-- ``experiments.tasks``: digits, generated signals, a character LM on Python's own source, synthetic
-  data for step times, and your own data; ``experiments.models``: the models they train.
+- ``training/``: one run, under ``torchrun`` or on ranks it starts itself (optionally behind an
+  emulated network); TensorBoard scalars and HParams, ``run.json``, a checkpoint it resumes from
+  exactly. ``train.py`` is its command (``torchrun experiments/train.py ...``).
+- ``sweep/`` (``gradcomp sweep CONFIG``): grids of runs from a TOML config, resumable; ``configs/``
+  holds the quick and the full study.
+- ``bench/`` (``gradcomp bench ddp``): DDP step time of gradcomp's hooks beside PyTorch's own.
+- ``tasks/``: digits, generated signals, a character LM on Python's own source, synthetic data for
+  step times, and your own data; ``models.py``: the models they train.
 
-Depends on ``hooks`` and ``gradcomp``, never the reverse. Guide: ``docs/experiments.md``.
+Needs ``pip install 'gradcomp[experiments]'`` (scikit-learn for the digits, tqdm for sweeps).
+Depends on ``gradcomp.hooks`` and the core, never the reverse. Guide: ``docs/experiments.md``.
 """

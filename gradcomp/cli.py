@@ -23,8 +23,8 @@ from importlib.metadata import entry_points
 
 import torch
 
-from gradcomp import netem
-from gradcomp.bench.collectives import DEFAULT_ALGOS
+from gradcomp import __version__, collectives, netem
+from gradcomp.bench.units import ACCEPTED, parse_sizes
 from gradcomp.compressors import REGISTRY
 from gradcomp.compressors.base import format_value
 from gradcomp.compressors.registry import WRAPPER_OPTIONS
@@ -47,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gradcomp", description="Gradient compression for PyTorch.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    parser.add_argument("--version", action="version", version=f"gradcomp {__version__} (torch {torch.__version__})")
     commands = parser.add_subparsers(dest="command", required=True)
 
     listing = commands.add_parser("compressors", help="list the registered compressors and their options")
@@ -54,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     kernels = bench.add_parser("compressors", help="compress + decompress time against one fp16 cast")
-    kernels.add_argument("--sizes", default="1M,25M", help="comma-separated element counts (K, M, G suffixes)")
+    kernels.add_argument("--sizes", default="1M,25M", help=f"comma-separated tensor sizes: {SIZES_HELP}")
     kernels.add_argument("--specs", default=None, help="semicolon-separated compressor specs (default: all)")
     kernels.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     kernels.add_argument("--repeats", type=int, default=5, help="timed runs per figure; the median is kept")
@@ -65,8 +66,12 @@ def _parser() -> argparse.ArgumentParser:
 
     links = bench.add_parser("collectives", help="all-reduce bus bandwidth per algorithm, beside the backend's")
     links.add_argument("--ranks", type=int, default=2, help="processes to start on this machine (default 2)")
-    links.add_argument("--sizes", default="4KiB,64KiB,1MiB,4MiB,16MiB", help="comma-separated bytes (K/M/G binary)")
-    links.add_argument("--algos", default=",".join(DEFAULT_ALGOS), help="comma-separated all-reduce algorithms")
+    links.add_argument(
+        "--sizes", default="4KiB,64KiB,1MiB,4MiB,16MiB", help=f"comma-separated tensor sizes: {SIZES_HELP}"
+    )
+    links.add_argument(
+        "--algos", default=",".join(collectives.ALGORITHMS), help="comma-separated all-reduce algorithms (default all)"
+    )
     links.add_argument("--local-size", type=int, default=None, help="ranks per group for hierarchical (default 2)")
     links.add_argument("--repeats", type=int, default=10, help="timed runs per figure; the median is kept")
     links.add_argument("--net", default="loopback", help=NET_HELP)
@@ -84,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_plugins(bench, "gradcomp.bench")
     return parser
 
+
+SIZES_HELP = f"{ACCEPTED}; elements are float32 (default %(default)s)"
 
 NET_HELP = (
     "comma-separated network profiles: loopback (default), a rate (100mbit, 1gbit, 10gbit), rate-delay "
@@ -124,12 +131,12 @@ def _type_name(hint: object) -> str:
 
 def _bench_compressors(args: argparse.Namespace) -> int:
     from gradcomp.bench import compressors as bench
-    from gradcomp.bench.timing import machine, write_report
+    from gradcomp.bench.report import machine, write_report
 
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
-    sizes = [bench.parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    sizes = [size.as_elements() for size in parse_sizes(args.sizes)]
     specs = [s.strip() for s in args.specs.split(";") if s.strip()] if args.specs else list(bench.DEFAULT_SPECS)
     references, rows = bench.run(sizes, specs, repeats=args.repeats, seed=args.seed, device=args.device)
     host = machine()
@@ -146,11 +153,13 @@ def _bench_compressors(args: argparse.Namespace) -> int:
 
 def _bench_collectives(args: argparse.Namespace) -> int:
     from gradcomp.bench import collectives as bench
-    from gradcomp.bench.timing import machine, write_report
+    from gradcomp.bench.report import machine, write_report
 
     if args.ranks < 1:
         raise ValueError(f"--ranks must be >= 1, got {args.ranks}")
-    sizes = [bench.parse_bytes(s) for s in args.sizes.split(",") if s.strip()]
+    sizes = [size.as_bytes() for size in parse_sizes(args.sizes)]
+    if min(sizes) < 4 or any(size % 4 for size in sizes):
+        raise ValueError(f"--sizes must be whole numbers of float32 values (multiples of 4 bytes), got {args.sizes}")
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
     networks = netem.parse_profiles(args.net)
     local_size = args.local_size or (2 if args.ranks % 2 == 0 else 1)

@@ -71,7 +71,7 @@ def spawn(
     if not profile.emulated:
         places = [Place(None, "127.0.0.1", None)] * world_size
         return _spawn(world_size, target, tuple(args), places, timeout, backend, group_timeout, threads)
-    with netem.Network(world_size, profile) as net:
+    with netem.EmulatedNetwork(world_size, profile) as net:
         places = [Place(net.namespace(r), net.address(0), netem.INTERFACE) for r in range(world_size)]
         return _spawn(world_size, target, tuple(args), places, timeout, backend, group_timeout, threads)
 

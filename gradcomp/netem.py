@@ -2,7 +2,7 @@
 
 Whether compression pays off depends on the link. This module makes the link a parameter::
 
-    with Network(4, "1gbit") as net:           # 4 namespaces, each with a shaped 1 Gbit port
+    with EmulatedNetwork(4, "1gbit") as net:           # 4 namespaces, each with a shaped 1 Gbit port
         ...                                    # ranks enter net.namespace(r), meet at net.address(0)
 
 or, for whole runs, ``gradcomp.launch.spawn(p, target, network="1gbit")``.
@@ -12,7 +12,7 @@ of a bridge in a hub namespace, like hosts on one switch. Each port is shaped in
 ``tbf`` at the profile's rate (the rank's uplink on its ``eth0``, its downlink on the hub's port), so a
 rank can neither send nor receive faster than its NIC, incast included. Delay and jitter go in a
 ``netem`` qdisc on the rank's ``eth0`` (one-way latency between two ranks = ``delay``): the kernel must
-have ``sch_netem``, and :func:`Network` says clearly when it does not (bandwidth-only profiles still work).
+have ``sch_netem``, and :func:`EmulatedNetwork` says clearly when it does not (bandwidth-only profiles still work).
 
 Costs and limits: building a network takes eight ``ip``/``tc`` calls per rank (0.12 s for 4 ranks
 here); it needs root (CAP_NET_ADMIN). Addresses are 10.213.0.0/16 inside the namespaces this module created:
@@ -143,7 +143,29 @@ def unavailable() -> str | None:
     return None
 
 
-class Network:
+def check(profile: str) -> Profile:
+    """The parsed profile, or a ValueError if it does not parse or names an emulated network this
+    machine cannot build (that needs root and iproute2; a delay needs the kernel's netem qdisc). An
+    emulated profile is built once, for two ranks, and torn down (a fraction of a second) to find out:
+    commands call this before starting any rank."""
+    try:
+        parsed = Profile.parse(profile)
+    except ValueError as error:
+        raise ValueError(f"network {profile!r}: {error}") from None
+    if not parsed.emulated:
+        return parsed
+    reason = unavailable()
+    if reason:
+        raise ValueError(f"network {profile!r}: {reason}")
+    try:
+        with EmulatedNetwork(2, parsed):
+            pass
+    except NetemError as error:
+        raise ValueError(f"network {profile!r}: {error}") from None
+    return parsed
+
+
+class EmulatedNetwork:
     """``world_size`` namespaces on a shaped star; a context manager that always tears down.
 
     Use :meth:`namespace` and :meth:`address` to place rank ``r`` (or :func:`enter` in the rank's own
@@ -172,7 +194,7 @@ class Network:
         host = rank + 1  # .0 and .255 are never hosts
         return f"{SUBNET}.{host // 254}.{host % 254 + 1}"
 
-    def __enter__(self) -> Network:
+    def __enter__(self) -> EmulatedNetwork:
         reason = unavailable()
         if reason:
             raise NetemError(reason)

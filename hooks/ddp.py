@@ -1,7 +1,6 @@
 """``hooks.make`` and ``hooks.register``: every gradcomp compressor as a DDP communication hook."""
 
 # No ``from __future__ import annotations`` here: DDP checks a hook's annotations at run time.
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -11,14 +10,11 @@ from torch import Tensor
 from torch.distributed import GradBucket
 
 from gradcomp.collectives.executor import Handle
-from gradcomp.compressors.registry import Spec, SpecLike, split_spec
-from gradcomp.engine import Engine, check_options
+from gradcomp.engine import Engine
+from gradcomp.engine.spec import HookSpec, HookSpecLike
 from gradcomp.engine.stats import per_step, write_trace
 
 Hook = Callable[["HookState", GradBucket], torch.futures.Future[Tensor]]
-
-ALIASES = {"allreduce": "none"}
-"""Hook names for specs: ``allreduce`` is the uncompressed gradient (torch's default hook)."""
 
 
 class HookState:
@@ -78,12 +74,8 @@ def _gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future
     return future
 
 
-ENGINE_OPTIONS = ("algo", "aggregation", "seed")
-"""Options a hook spec may carry besides the compressor's: ``"topk:ratio=0.01,aggregation=two_phase"``."""
-
-
 def make(
-    spec: SpecLike,
+    spec: HookSpecLike,
     *,
     group: dist.ProcessGroup | None = None,
     algo: str = "native",
@@ -93,58 +85,21 @@ def make(
     """A (state, hook) pair for ``ddp_model.register_comm_hook``. A bad spec fails here, before training.
 
     Args:
-        spec: a compressor spec, ``allreduce`` or ``noop``; it may also set ``algo``,
-            ``aggregation`` and ``seed`` (``"fp16:algo=ring"``), which then override the arguments.
+        spec: a hook spec (:class:`HookSpec` or its text): a compressor spec, ``allreduce`` or
+            ``noop``; it may also set ``algo``, ``aggregation`` and ``seed``
+            (``"fp16:algo=ring"``), which then override the arguments below.
         group: the process group (default: DDP's, the world).
         algo: all-reduce algorithm for summable payloads: native, ring, tree or halving_doubling.
         aggregation: for the other compressors: gather, two_phase, or auto (two-phase from 8 ranks).
         seed: seed of the compressor's generators; the same on every rank.
     """
-    compressor, engine_options = _resolve(spec, algo=algo, aggregation=aggregation, seed=seed)
-    if compressor is None:
+    parsed = HookSpec.parse(spec, algo=algo, aggregation=aggregation, seed=seed)
+    if parsed.noop:
         return HookState(None), _gradcomp_hook
-    return HookState(Engine(compressor, group=group, **engine_options)), _gradcomp_hook
+    return HookState(Engine(parsed, group=group)), _gradcomp_hook
 
 
-def check(spec: SpecLike, *, algo: str = "native", aggregation: str = "auto", seed: int = 0) -> None:
-    """Raise ValueError if :func:`make` would refuse ``spec``; needs no process group (for configs
-    and command lines, to fail before any rank starts)."""
-    _resolve(spec, algo=algo, aggregation=aggregation, seed=seed)
-
-
-def _resolve(
-    spec: SpecLike, *, algo: str, aggregation: str, seed: int
-) -> tuple[tuple[str, dict[str, Any]] | None, dict[str, Any]]:
-    """The compressor's (name, options), None for noop, and the engine's options, all validated."""
-    name, options = _split(spec)
-    engine_options: dict[str, Any] = {"algo": algo, "aggregation": aggregation, "seed": seed}
-    for key in ENGINE_OPTIONS:
-        if key in options:
-            engine_options[key] = options.pop(key)
-    try:
-        engine_options["seed"] = int(engine_options["seed"])
-    except (TypeError, ValueError):
-        raise ValueError(f"seed must be an integer, got {engine_options['seed']!r}") from None
-    if name == "noop":
-        if options:
-            raise ValueError(f"noop takes no options, got {sorted(options)}")
-        return None, engine_options
-    compressor = (ALIASES.get(name, name), options)
-    check_options(compressor, algo=engine_options["algo"], aggregation=engine_options["aggregation"])
-    return compressor, engine_options
-
-
-def _split(spec: SpecLike) -> tuple[str, dict[str, Any]]:
-    if isinstance(spec, str):
-        return split_spec(spec)
-    if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str):
-        return spec[0].strip(), dict(spec[1])
-    if isinstance(spec, Spec):
-        return spec.name, {**dataclasses.asdict(spec.config), "ef": spec.ef}
-    raise TypeError(f"a hook spec is a string or a (name, options) pair, got {spec!r}")
-
-
-def register(model: torch.nn.parallel.DistributedDataParallel, spec: SpecLike, **options: Any) -> HookState:
+def register(model: torch.nn.parallel.DistributedDataParallel, spec: HookSpecLike, **options: Any) -> HookState:
     """``make`` and ``model.register_comm_hook`` in one call; returns the state (for checkpoints)."""
     state, hook = make(spec, **options)
     model.register_comm_hook(state, hook)

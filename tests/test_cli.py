@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gradcomp.bench.compressors import DEFAULT_SPECS, Row, format_table, parse_size, run
+from gradcomp.bench.compressors import DEFAULT_SPECS, Row, format_table, run
 from gradcomp.cli import main
 from gradcomp.compressors import REGISTRY
 
@@ -28,7 +28,7 @@ def test_bench_compressors_writes_a_table_and_json(tmp_path: Path, capsys: pytes
         == 0
     )
     out = capsys.readouterr().out
-    assert "| `fp16` |" in out and "topk:ratio=0.1" in out
+    assert "| `fp16` " in out and "topk:ratio=0.1" in out
     data = json.loads(report.read_text())
     assert data["machine"]["threads"] == 1
     assert [r["numel"] for r in data["references"]] == [4096, 10_000]
@@ -46,19 +46,8 @@ def test_bench_compressors_writes_a_table_and_json(tmp_path: Path, capsys: pytes
 def test_default_specs_all_parse_and_run_on_a_small_tensor() -> None:
     references, rows = run([1000], DEFAULT_SPECS, repeats=1)
     assert {r.spec.split(":")[0] for r in rows} == set(REGISTRY)
-    assert "| compressor |" in format_table(references, rows)
+    assert format_table(references, rows).splitlines()[4].startswith("| compressor ")
     assert all(isinstance(r, Row) and r.wire_bytes > 0 for r in rows)
-
-
-@pytest.mark.parametrize(("text", "value"), [("1M", 10**6), ("25m", 25 * 10**6), ("4096", 4096), ("1.5K", 1500)])
-def test_parse_size(text: str, value: int) -> None:
-    assert parse_size(text) == value
-
-
-@pytest.mark.parametrize("text", ["lots", "1.5", "-3", "2Q"])
-def test_parse_size_refuses_nonsense(text: str) -> None:
-    with pytest.raises(ValueError, match="size"):
-        parse_size(text)
 
 
 def test_bad_arguments_exit_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
@@ -72,15 +61,17 @@ def test_bad_arguments_exit_with_a_message(capsys: pytest.CaptureFixture[str]) -
 
 def test_bench_collectives_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     report = tmp_path / "collectives.json"
-    argv = ["bench", "collectives", "--ranks", "2", "--sizes", "4KiB,256K", "--algos", "ring,tree"]
+    argv = ["bench", "collectives", "--ranks", "2", "--sizes", "4KiB,64K", "--algos", "ring,tree"]
     assert main([*argv, "--repeats", "2", "--json", str(report)]) == 0
-    out = capsys.readouterr().out
-    assert "| 256 KiB | native |" in out and "| 4 KiB | tree |" in out
+    cells = [[c.strip() for c in line.split("|")[1:3]] for line in capsys.readouterr().out.splitlines() if "|" in line]
+    assert ["250 KiB", "native"] in cells and ["4 KiB", "tree"] in cells  # 64K float32 = 256,000 bytes
     data = json.loads(report.read_text())
     assert data["ranks"] == 2 and data["networks"] == ["loopback"]
     rows = data["rows"]
     assert {(r["algo"], r["size_bytes"]) for r in rows} == {
-        (a, s) for a in ("native", "ring", "tree") for s in (4096, 256 * 1024)
+        (a, s)
+        for a in ("native", "ring", "tree")
+        for s in (4096, 64_000 * 4)  # 64K elements: float32
     }
     for row in rows:
         assert row["time_ms"] > 0
@@ -92,8 +83,9 @@ def test_bench_collectives_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixt
     ("argv", "message"),
     [
         (["--algos", "butterfly"], "unknown algorithm"),
-        (["--sizes", "3"], "at least 4"),
-        (["--sizes", "4XB"], "not a number of bytes"),
+        (["--sizes", "6B"], "multiples of 4 bytes"),
+        (["--sizes", "4XB"], "is not one of: N, NK"),
+        (["--sizes", "4Mi"], "is not one of: N, NK"),
         (["--ranks", "3", "--algos", "hierarchical", "--local-size", "2"], "does not divide"),
         (["--net", "loopback,fast"], "bad rate"),
         (["--net", ","], "at least one network"),

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from gradcomp.collectives import cost_model
-from gradcomp.collectives.cost_model import Network, all_reduce_seconds, busbw, bytes_sent, fastest
+from gradcomp.collectives.cost_model import LinkCosts, all_reduce_seconds, busbw, bytes_sent, fastest
 
-SLOW = Network(alpha=1e-3, beta=1e-9)  # 1 ms latency, 1 GB/s
+SLOW = LinkCosts(alpha=1e-3, beta=1e-9)  # 1 ms latency, 1 GB/s
 
 
 def test_ring_matches_design_formula() -> None:
@@ -27,7 +27,7 @@ def test_small_messages_prefer_few_messages_and_large_ones_bandwidth() -> None:
 
 
 def test_hierarchical_moves_a_local_size_th_across_groups() -> None:
-    fast, slow = Network(alpha=1e-5, beta=1e-11), Network(alpha=1e-3, beta=1e-9)
+    fast, slow = LinkCosts(alpha=1e-5, beta=1e-11), LinkCosts(alpha=1e-3, beta=1e-9)
     flat = all_reduce_seconds("ring", 1e9, 32, slow)
     two_level = all_reduce_seconds("hierarchical", 1e9, 32, fast, local_size=8, across=slow)
     assert two_level < flat / 4
@@ -48,6 +48,6 @@ def test_refuses_bad_input() -> None:
     with pytest.raises(ValueError, match="local_size"):
         all_reduce_seconds("hierarchical", 1, 6, SLOW, local_size=4)
     with pytest.raises(ValueError, match=">= 0"):
-        Network(alpha=-1, beta=0)
+        LinkCosts(alpha=-1, beta=0)
     assert all_reduce_seconds("ring", 1e6, 1, SLOW) == 0.0
-    assert set(cost_model.ALGORITHMS) <= {"ring", "tree", "halving_doubling", "hierarchical"}
+    assert set(cost_model.MODELED) == {"ring", "tree", "halving_doubling", "hierarchical"}

@@ -19,12 +19,13 @@ import numpy as np
 import pytest
 import torch
 
+from gradcomp.engine.spec import HookSpec
 from gradcomp.experiments import models
-from gradcomp.experiments.config import TrainConfig
 from gradcomp.experiments.tasks import build_task, parse_task
 from gradcomp.experiments.tasks.classify import load as load_dataset
 from gradcomp.experiments.tasks.signal import generate
-from gradcomp.experiments.train import launch, main
+from gradcomp.experiments.training.config import TrainConfig
+from gradcomp.experiments.training.run import launch, main
 
 # -- models -------------------------------------------------------------------------------------
 
@@ -261,7 +262,11 @@ def test_a_run_writes_hparams_with_its_settings_and_final_metrics(runs: dict[str
     content = _scalars(runs["root"] / "straight").PluginTagToContent("hparams")
     start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
     hparams = {k: getattr(v, v.WhichOneof("kind")) for k, v in start.session_start_info.hparams.items()}
-    assert hparams["hook"] == SETTINGS["hook"] and hparams["world_size"] == 2 and hparams["network"] == "loopback"
+    assert (
+        hparams["hook"] == str(HookSpec.parse(SETTINGS["hook"]))
+        and hparams["world_size"] == 2
+        and hparams["network"] == "loopback"
+    )
     assert hparams["lr"] == pytest.approx(0.05) and hparams["task"] == "digits"
     experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
     assert {"final/eval_accuracy", "final/wire_bytes", "final/train_time_s"} <= {
@@ -275,7 +280,7 @@ def test_run_json_says_what_ran_where_and_how_it_ended(runs: dict[str, Any]) -> 
         record = json.load(file)
     assert {k: v for k, v in record.items() if k != "updated"} == runs["straight"]
     assert record["status"] == "finished" and record["world_size"] == 2 and record["resumed_from"] is None
-    assert record["config"]["hook"] == SETTINGS["hook"] and record["config"]["steps"] == STEPS
+    assert record["config"]["hook"] == str(HookSpec.parse(SETTINGS["hook"])) and record["config"]["steps"] == STEPS
     assert record["environment"]["torch"] == torch.__version__ and record["environment"]["python"]
     assert (
         record["task"]["headline"] == "eval_accuracy" and record["task"]["parameters"] == 64 * 128 + 128 + 128 * 10 + 10
@@ -347,7 +352,7 @@ def test_a_resumed_run_continues_its_curves_without_duplicates(runs: dict[str, A
 
 
 def test_resuming_with_other_settings_is_refused(runs: dict[str, Any]) -> None:
-    from gradcomp.experiments import checkpoint
+    from gradcomp.experiments.training import checkpoint
 
     path = str(runs["root"] / "straight" / "checkpoint.pt")
     other = TrainConfig(**{**SETTINGS, "lr": 0.1}, out=str(runs["root"] / "straight"))

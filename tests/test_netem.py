@@ -17,7 +17,7 @@ import torch.distributed as dist
 from gradcomp import netem
 from gradcomp.cli import main
 from gradcomp.launch import RankError, spawn
-from gradcomp.netem import NetemError, Network, Profile
+from gradcomp.netem import EmulatedNetwork, NetemError, Profile
 
 needs_root = pytest.mark.skipif(netem.unavailable() is not None, reason=str(netem.unavailable()))
 
@@ -60,12 +60,12 @@ def test_bad_profiles_are_refused(text: str, message: str) -> None:
 
 def test_loopback_is_not_a_network() -> None:
     with pytest.raises(ValueError, match="loopback is not an emulated network"):
-        Network(2, "loopback")
+        EmulatedNetwork(2, "loopback")
 
 
 def test_without_root_the_error_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    with pytest.raises(NetemError, match="need root"), Network(2, "1gbit"):
+    with pytest.raises(NetemError, match="need root"), EmulatedNetwork(2, "1gbit"):
         pass
 
 
@@ -115,7 +115,7 @@ def test_a_crashing_rank_leaves_no_namespace() -> None:
 
 @needs_root
 def test_namespaces_exist_only_inside_the_block() -> None:
-    with Network(3, "1gbit") as net:
+    with EmulatedNetwork(3, "1gbit") as net:
         names = _ours()
         assert names == sorted([net.hub, *(net.namespace(r) for r in range(3))])
         assert len({net.address(r) for r in range(3)}) == 3
@@ -129,8 +129,8 @@ def test_namespaces_exist_only_inside_the_block() -> None:
 _HOLDER = textwrap.dedent(
     """
     import sys, time
-    from gradcomp.netem import Network
-    with Network(2, "1gbit") as net:
+    from gradcomp.netem import EmulatedNetwork
+    with EmulatedNetwork(2, "1gbit") as net:
         print(net.tag, flush=True)
         time.sleep(60)
     """
@@ -226,8 +226,8 @@ def test_netem_commands(capsys: pytest.CaptureFixture[str]) -> None:
 def test_a_training_run_behind_a_shaped_link(tmp_path: Path) -> None:
     """``experiments.train`` over 10 Mbit: the run finishes, records its network, and its steps take
     at least the link time of the bytes they sent (the ranks really talked through the shaped ports)."""
-    from gradcomp.experiments.config import TrainConfig
-    from gradcomp.experiments.train import launch
+    from gradcomp.experiments.training.config import TrainConfig
+    from gradcomp.experiments.training.run import launch
 
     config = TrainConfig(task="digits", steps=12, batch_size=32, hook="allreduce", ranks=2, network="10mbit",
                          eval_every=12, log_every=4, out=str(tmp_path / "run"), timeout=120)  # fmt: skip

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradcomp.compressors.registry import split_spec
 from gradcomp.experiments.tasks import classify, digits, signal, synthetic, text
 from gradcomp.experiments.tasks.base import Task, TaskSpec
+from gradcomp.options import split_spec
 
 TASKS: dict[str, TaskSpec] = {
     spec.name: spec for spec in (digits.SPEC, signal.SPEC, text.SPEC, synthetic.SPEC, classify.SPEC)

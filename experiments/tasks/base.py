@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from gradcomp.compressors.registry import options_from
+from gradcomp.options import options_from
 
 Batch = tuple[Tensor, Tensor]
 Kind = Literal["classification", "language_model", "synthetic"]

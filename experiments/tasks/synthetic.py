@@ -1,9 +1,11 @@
 """Random inputs and labels for step-time studies: the loss means nothing, the steps per second do.
 
 ``mlp`` is the benchmark MLP 1024-2048-2048-10 (6.32M parameters) on 1024-feature inputs;
-``resnet18`` the CIFAR-style ResNet-18 (11.2M) on 3x32x32 images. A small pool of random samples
-(generated once, seeded) is cycled through, so no time goes into making data. There is no
-evaluation; the headline metric is training steps per second.
+``resnet18`` the CIFAR-style ResNet-18 (11.2M) on 3x32x32 images; ``chartransformer`` a character
+transformer (4 layers of width 256, 3.2M) on windows of 128 random tokens, predicting the next
+token. A small pool of random samples (generated once, seeded) is cycled through, so no time goes
+into making data. There is no evaluation; the headline metric is training steps per second. The
+DDP benchmark (``gradcomp bench ddp``) trains these models.
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ from functools import partial
 import torch
 from torch import nn
 
-from gradcomp.experiments.models import MLP, ResNet18
+from gradcomp.experiments.models import MLP, CharTransformer, ResNet18
 from gradcomp.experiments.tasks.base import Batch, ClassificationTask, TaskSpec
+
+VOCABULARY, CONTEXT = 128, 128
+"""The character transformer's alphabet and window."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,14 +51,19 @@ class SyntheticTask(ClassificationTask):
         models: dict[str, Callable[[], nn.Module]] = {
             "mlp": partial(MLP, 1024, [2048, 2048], 10),
             "resnet18": partial(ResNet18, 10, 3),
+            "chartransformer": partial(CharTransformer, VOCABULARY, context=CONTEXT, d_model=256, heads=4, layers=4),
         }
         super().__init__("synthetic", (features, labels), (features[:0], labels[:0]), models, {"random": True})
 
     def build_model(self, name: str | None) -> torch.nn.Module:
-        if (name or self.default_model) == "resnet18":  # images only when asked for: they can be large
+        # Inputs for the model asked for (images can be large: only when asked).
+        generator = torch.Generator().manual_seed(1)
+        if (name or self.default_model) == "resnet18":
             side = self.options.image
-            generator = torch.Generator().manual_seed(1)
             self.train_x = torch.randn(self.options.samples, 3, side, side, generator=generator)
+        elif name == "chartransformer":
+            tokens = torch.randint(0, VOCABULARY, (self.options.samples, CONTEXT + 1), generator=generator)
+            self.train_x, self.train_y = tokens[:, :-1], tokens[:, 1:]
         return super().build_model(name)
 
     def batch(self, step: int, batch_size: int, seed: int) -> Batch:
@@ -67,4 +77,6 @@ def build(options: Options, data: str | None) -> SyntheticTask:
     return SyntheticTask(options)
 
 
-SPEC = TaskSpec("synthetic", Options, ("mlp", "resnet18"), build, summary="random data, for steps per second")
+SPEC = TaskSpec(
+    "synthetic", Options, ("mlp", "resnet18", "chartransformer"), build, summary="random data, for steps per second"
+)

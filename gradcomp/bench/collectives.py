@@ -11,7 +11,6 @@ busbw compares across world sizes and algorithms).
 from __future__ import annotations
 
 import dataclasses
-import re
 import statistics
 import time
 from collections.abc import Sequence
@@ -21,10 +20,13 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import collectives
+from gradcomp.bench.report import markdown_table
+from gradcomp.bench.units import format_bytes
+from gradcomp.collectives.cost_model import ring_traffic
 from gradcomp.launch import spawn
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
-DEFAULT_ALGOS = ("native", "ring", "tree", "halving_doubling", "hierarchical")
+"""Bytes: 4 KiB to 16 MiB."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +48,7 @@ class Row:
     @property
     def busbw(self) -> float:
         """GB/s per rank on the wire for an optimal algorithm: algbw * 2 (p - 1) / p."""
-        return self.algbw * 2 * (self.ranks - 1) / self.ranks if self.ranks > 1 else 0.0
+        return self.algbw * ring_traffic(self.ranks)
 
     @property
     def vs_native(self) -> float:
@@ -90,7 +92,7 @@ def measure(
 def run(
     ranks: int,
     sizes: Sequence[int] = DEFAULT_SIZES,
-    algos: Sequence[str] = DEFAULT_ALGOS,
+    algos: Sequence[str] = collectives.ALGORITHMS,
     repeats: int = 10,
     local_size: int | None = None,
     network: str = "loopback",
@@ -116,36 +118,10 @@ def run(
 
 def format_table(rows: Sequence[Row], local_size: int | None = None) -> str:
     """A Markdown table: one line per size and algorithm."""
-    lines = [
-        "| size | algorithm | time ms | algbw GB/s | busbw GB/s | x native busbw |",
-        "|---:|---|---:|---:|---:|---:|",
-    ]
+    header = ("size", "algorithm", "time ms", "algbw GB/s", "busbw GB/s", "x native busbw")
+    lines = []
     for row in rows:
         name = f"hierarchical (local_size={local_size})" if row.algo == "hierarchical" and local_size else row.algo
-        lines.append(
-            f"| {format_bytes(row.size_bytes)} | {name} | {row.time_ms:.3f} | {row.algbw:.3f} | {row.busbw:.3f} "
-            f"| {row.vs_native:.2f} |"
-        )
-    return "\n".join(lines)
-
-
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GIB": 1 << 30}
-
-
-def parse_bytes(text: str) -> int:
-    """``"4MiB"`` or ``"4M"`` -> 4194304 (binary units); a bare number is bytes. Multiples of 4."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).upper() if match else ""
-    if not match or unit not in _UNITS:
-        raise ValueError(f"size {text!r} is not a number of bytes with an optional K, KiB, M, MiB, G or GiB")
-    value = float(match.group(1)) * _UNITS[unit]
-    if value < 4 or value != int(value):
-        raise ValueError(f"size {text!r} must be a whole number of bytes, at least 4 (one float32)")
-    return int(value)
-
-
-def format_bytes(size: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if size >= scale and size % scale == 0:
-            return f"{size // scale} {unit}"
-    return f"{size} B"
+        lines.append((format_bytes(row.size_bytes), name, f"{row.time_ms:.3f}", f"{row.algbw:.3f}", f"{row.busbw:.3f}",
+                      f"{row.vs_native:.2f}"))  # fmt: skip
+    return markdown_table(header, lines, right=[True, False, True, True, True, True])

@@ -18,7 +18,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradcomp.bench.report import markdown_table
 from gradcomp.bench.timing import median_seconds
+from gradcomp.bench.units import format_elements
 from gradcomp.compressors import Aggregation, Compressor, make_compressor, parse_spec
 from gradcomp.compressors.sparse import kept
 
@@ -194,45 +196,21 @@ def run(
 
 def format_table(references: Sequence[Reference], rows: Sequence[Row]) -> str:
     """A Markdown table per size: the anchors first, then every compressor."""
-    lines = []
+    header = ("compressor", "compress ms", "decompress ms", "total ms", "GB/s", "ratio", "fp16 cast ms",
+              "x fp16 cast", "x cast into buffer")  # fmt: skip
+    sections = []
     for ref in references:
-        lines += [
-            f"### {_count(ref.numel)} float32 elements ({4 * ref.numel / 1e6:.0f} MB)",
-            "",
+        lines = [
+            (f"`{row.spec}`", f"{row.compress_ms:.1f}", f"{row.decompress_ms:.1f}", f"{row.total_ms:.1f}",
+             f"{row.gbps:.2f}", f"{row.ratio:.1f}", f"{row.floor_ms:.1f}", f"{row.vs_floor:.2f}",
+             f"{row.vs_floor_into:.1f}")
+            for row in rows
+            if row.numel == ref.numel
+        ]  # fmt: skip
+        sections.append(
+            f"### {format_elements(ref.numel)} float32 elements ({4 * ref.numel / 1e6:.0f} MB)\n\n"
             f"Before the rows: fp16 cast {ref.fp16_cast_ms:.1f} ms (into a preallocated buffer: "
             f"{ref.fp16_cast_into_ms:.1f} ms); torch.topk at ratio 0.01: {ref.torch_topk_ms:.1f} ms. "
-            "Each row's ratio uses the fp16 cast timed between its own runs.",
-            "",
-            "| compressor | compress ms | decompress ms | total ms | GB/s | ratio "
-            "| fp16 cast ms | x fp16 cast | x cast into buffer |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for row in (r for r in rows if r.numel == ref.numel):
-            lines.append(
-                f"| `{row.spec}` | {row.compress_ms:.1f} | {row.decompress_ms:.1f} | {row.total_ms:.1f} | "
-                f"{row.gbps:.2f} | {row.ratio:.1f} | {row.floor_ms:.1f} | {row.vs_floor:.2f} | "
-                f"{row.vs_floor_into:.1f} |"
-            )
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _count(numel: int) -> str:
-    for unit, size in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
-        if numel >= size and numel % size == 0:
-            return f"{numel // size}{unit}"
-    return str(numel)
-
-
-def parse_size(text: str) -> int:
-    """``"25M"`` -> 25_000_000 (K, M, G are powers of ten; a bare number is an element count)."""
-    text = text.strip().upper()
-    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
-    digits = text[:-1] if scale > 1 else text
-    try:
-        value = float(digits) * scale
-    except ValueError:
-        raise ValueError(f"size {text!r} is not a number with an optional K, M or G suffix") from None
-    if value < 0 or value != int(value):
-        raise ValueError(f"size {text!r} is not a whole, non-negative number of elements")
-    return int(value)
+            "Each row's ratio uses the fp16 cast timed between its own runs.\n\n" + markdown_table(header, lines) + "\n"
+        )
+    return "\n".join(sections)

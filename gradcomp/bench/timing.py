@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,26 +30,3 @@ def median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int = 5
         synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def machine() -> dict[str, Any]:
-    """What the numbers were measured on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "cpu": cpu,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
-
-
-def write_report(path: str, host: dict[str, Any], **figures: Any) -> None:
-    """``--json FILE`` of every benchmark: the machine, the command line, then ``figures``."""
-    with open(path, "w") as file:
-        json.dump({"machine": host, "command": " ".join(sys.argv), **figures}, file, indent=2)

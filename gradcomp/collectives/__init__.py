@@ -14,6 +14,7 @@ See ``docs/collectives.md`` for the algorithms, their costs, and when to choose 
 
 from gradcomp.collectives.api import (
     ALGORITHMS,
+    FLAT_ALGORITHMS,
     all_gather,
     all_gatherv,
     all_reduce,
@@ -28,6 +29,7 @@ from gradcomp.collectives.ops import ReduceOp
 
 __all__ = [
     "ALGORITHMS",
+    "FLAT_ALGORITHMS",
     "Handle",
     "ReduceOp",
     "Traffic",

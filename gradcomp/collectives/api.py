@@ -14,14 +14,19 @@ from gradcomp.collectives.executor import Handle, executor
 from gradcomp.collectives.link import Link, Traffic
 from gradcomp.collectives.ops import ReduceOp
 
-ALGORITHMS = ("native", "ring", "tree", "halving_doubling", "hierarchical")
-"""All-reduce algorithms, by name."""
+FlatAllReduce = Callable[[Link, Tensor, ReduceOp, int], None]
+"""An all-reduce over one flat group of ranks: ``(link, flat tensor, op, segment bytes)``, in place."""
 
-_INTER: dict[str, Callable[[Link, Tensor, ReduceOp], None]] = {
+FLAT_ALGORITHMS: dict[str, FlatAllReduce] = {
     "ring": ring.all_reduce,
-    "halving_doubling": halving_doubling.all_reduce,
     "tree": tree.all_reduce,
+    "halving_doubling": halving_doubling.all_reduce,
 }
+"""gradcomp's own all-reduce algorithms over one flat group, by name; ``hierarchical`` runs one of
+them across groups (its ``inter``)."""
+
+ALGORITHMS = ("native", *FLAT_ALGORITHMS, "hierarchical")
+"""Every all-reduce algorithm, by name: the backend's own, gradcomp's flat ones, and hierarchical."""
 
 T = TypeVar("T")
 Group = dist.ProcessGroup | None
@@ -87,8 +92,8 @@ def all_reduce(
         if local_size is None:
             raise ValueError("algo='hierarchical' needs local_size, the number of ranks per group")
         hierarchical.check_local_size(world, local_size)
-        if inter not in _INTER:
-            raise ValueError(f"unknown inter-group algorithm {inter!r}; valid: {', '.join(_INTER)}")
+        if inter not in FLAT_ALGORITHMS:
+            raise ValueError(f"unknown inter-group algorithm {inter!r}; valid: {', '.join(FLAT_ALGORITHMS)}")
 
     def operation() -> tuple[Tensor, Traffic | None]:
         link = Link(group)
@@ -99,15 +104,11 @@ def all_reduce(
             if algo == "native":
                 dist.all_reduce(flat, op=reduce_op.to_torch(), group=group)
                 traffic = None
-            elif algo == "ring":
-                ring.all_reduce(link, flat, reduce_op, segment_bytes)
-            elif algo == "tree":
-                tree.all_reduce(link, flat, reduce_op)
-            elif algo == "halving_doubling":
-                halving_doubling.all_reduce(link, flat, reduce_op, segment_bytes)
-            else:
+            elif algo == "hierarchical":
                 assert local_size is not None
-                hierarchical.all_reduce(link, flat, reduce_op, local_size, _INTER[inter], segment_bytes)
+                hierarchical.all_reduce(link, flat, reduce_op, local_size, FLAT_ALGORITHMS[inter], segment_bytes)
+            else:
+                FLAT_ALGORITHMS[algo](link, flat, reduce_op, segment_bytes)
             reduce_op.finish(flat, world)
 
         _in_place(tensor, body)

@@ -23,13 +23,22 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from gradcomp.collectives.api import ALGORITHMS, FLAT_ALGORITHMS
 from gradcomp.collectives.halving_doubling import SHORT_BYTES
 
-ALGORITHMS = ("ring", "tree", "halving_doubling", "hierarchical")
+MODELED = tuple(a for a in ALGORITHMS if a != "native")
+"""The algorithms this model predicts (the backend's own is not modeled here)."""
+
+
+def ring_traffic(p: int) -> float:
+    """Bytes one rank sends, per byte of the tensor, in a bandwidth-optimal all-reduce of ``p`` ranks
+    (a ring; halving-doubling for powers of two): ``2 (p - 1) / p``. Also the factor from algorithm
+    bandwidth to bus bandwidth (nccl-tests), and what gloo's and NCCL's ring all-reduces send."""
+    return 2 * (p - 1) / p if p > 1 else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
-class Network:
+class LinkCosts:
     """alpha: seconds per message; beta: seconds per byte sent; gamma: seconds per byte reduced."""
 
     alpha: float
@@ -49,9 +58,9 @@ def all_reduce_seconds(
     algo: str,
     n_bytes: float,
     p: int,
-    network: Network,
+    network: LinkCosts,
     local_size: int | None = None,
-    across: Network | None = None,
+    across: LinkCosts | None = None,
 ) -> float:
     """Predicted time of one all-reduce of ``n_bytes`` on ``p`` ranks.
 
@@ -63,7 +72,7 @@ def all_reduce_seconds(
         return 0.0
     a, b, g = network.alpha, network.beta, network.gamma
     if algo == "ring":
-        return 2 * (p - 1) * a + 2 * (p - 1) / p * n_bytes * b + (p - 1) / p * n_bytes * g
+        return 2 * (p - 1) * a + ring_traffic(p) * n_bytes * b + (p - 1) / p * n_bytes * g
     if algo == "tree":
         rounds = math.ceil(math.log2(p))
         return 2 * rounds * (a + n_bytes * b) + rounds * n_bytes * g
@@ -73,20 +82,20 @@ def all_reduce_seconds(
         fold = 0.0 if power == p else 2 * (a + n_bytes * b) + n_bytes * g
         if n_bytes <= SHORT_BYTES:
             return rounds * (a + n_bytes * b + n_bytes * g) + fold
-        return 2 * rounds * a + 2 * (power - 1) / power * n_bytes * b + (power - 1) / power * n_bytes * g + fold
+        return 2 * rounds * a + ring_traffic(power) * n_bytes * b + (power - 1) / power * n_bytes * g + fold
     if algo == "hierarchical":
         if local_size is None or local_size < 1 or p % local_size:
             raise ValueError(f"hierarchical needs a local_size dividing p={p}, got {local_size}")
         inside = all_reduce_seconds("ring", n_bytes, local_size, network) if local_size > 1 else 0.0
         return inside + all_reduce_seconds("ring", n_bytes / local_size, p // local_size, across or network)
-    raise ValueError(f"unknown algorithm {algo!r}; valid: {', '.join(ALGORITHMS)}")
+    raise ValueError(f"unknown algorithm {algo!r}; valid: {', '.join(MODELED)}")
 
 
 def bytes_sent(algo: str, n_bytes: int, p: int) -> float:
     """Bytes one rank sends in one all-reduce (ring, halving-doubling for powers of two), or all
     ranks together (tree, whose ranks send different amounts)."""
     if algo == "ring" or (algo == "halving_doubling" and n_bytes > SHORT_BYTES and p == _power_below(p)):
-        return 2 * (p - 1) / p * n_bytes
+        return ring_traffic(p) * n_bytes
     if algo == "tree":
         return 2 * (p - 1) * n_bytes
     raise ValueError(f"no closed form for {algo!r} here")
@@ -94,9 +103,9 @@ def bytes_sent(algo: str, n_bytes: int, p: int) -> float:
 
 def busbw(n_bytes: float, p: int, seconds: float) -> float:
     """Bus bandwidth as nccl-tests reports it: (n / t) * 2 (p - 1) / p, bytes per second."""
-    return n_bytes / seconds * 2 * (p - 1) / p
+    return n_bytes / seconds * ring_traffic(p)
 
 
-def fastest(n_bytes: float, p: int, network: Network) -> str:
+def fastest(n_bytes: float, p: int, network: LinkCosts) -> str:
     """The flat algorithm (ring, tree or halving-doubling) the model predicts fastest."""
-    return min(("ring", "tree", "halving_doubling"), key=lambda a: all_reduce_seconds(a, n_bytes, p, network))
+    return min(FLAT_ALGORITHMS, key=lambda a: all_reduce_seconds(a, n_bytes, p, network))

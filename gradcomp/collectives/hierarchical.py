@@ -54,10 +54,11 @@ def all_reduce(
     flat: Tensor,
     op: ReduceOp,
     local_size: int,
-    inter: Callable[[Link, Tensor, ReduceOp], None],
+    inter: Callable[[Link, Tensor, ReduceOp, int], None],
     segment_bytes: int = ring.SEGMENT_BYTES,
 ) -> None:
-    """In place; ``inter`` all-reduces the shards across groups (ring or halving-doubling)."""
+    """In place; ``inter`` (a flat all-reduce: ring, tree or halving-doubling) all-reduces the shards
+    across groups."""
     check_local_size(link.size, local_size)
     if link.size == 1:
         return
@@ -66,7 +67,7 @@ def all_reduce(
     bounds = ring.chunk_bounds(flat.numel(), local_size)
     ring.reduce_scatter(intra, flat, op, bounds, segment_bytes)
     start, stop = bounds[intra.rank]
-    inter(across, flat[start:stop], op)
+    inter(across, flat[start:stop], op, segment_bytes)
     ring.all_gather(intra, flat, bounds, segment_bytes)
     link.traffic += intra.traffic
     link.traffic += across.traffic

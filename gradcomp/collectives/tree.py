@@ -52,7 +52,8 @@ def broadcast(link: Link, flat: Tensor, root: int = 0) -> None:
         mask >>= 1
 
 
-def all_reduce(link: Link, flat: Tensor, op: ReduceOp) -> None:
-    """Binomial reduce to rank 0, then binomial broadcast from it."""
+def all_reduce(link: Link, flat: Tensor, op: ReduceOp, segment_bytes: int = 0) -> None:
+    """Binomial reduce to rank 0, then binomial broadcast from it. Whole tensors travel (no segments:
+    ``segment_bytes`` is ignored), as the tree is for small tensors."""
     reduce(link, flat, op)
     broadcast(link, flat)

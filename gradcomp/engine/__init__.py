@@ -1,5 +1,6 @@
 """The per-bucket pipeline: (error feedback) -> compress -> communicate -> decompress -> average.
 
+- :mod:`~gradcomp.engine.spec`: :class:`HookSpec`, the compressor and the engine's options, parsed once.
 - :mod:`~gradcomp.engine.pipeline`: :class:`Engine`, which averages a bucket of tensors over a group.
 - :mod:`~gradcomp.engine.transport` and :mod:`~gradcomp.engine.packing`: a bucket's payloads in one
   collective (many tensors as one byte buffer, sizes first).
@@ -8,6 +9,7 @@
 - :mod:`~gradcomp.engine.stats`: what each bucket cost, per step, and Chrome/Perfetto traces.
 """
 
-from gradcomp.engine.pipeline import AGGREGATIONS, ALGORITHMS, TWO_PHASE_FROM, Engine, check_options
+from gradcomp.engine.pipeline import TWO_PHASE_FROM, Engine
+from gradcomp.engine.spec import HookSpec, HookSpecLike
 
-__all__ = ["AGGREGATIONS", "ALGORITHMS", "TWO_PHASE_FROM", "Engine", "check_options"]
+__all__ = ["TWO_PHASE_FROM", "Engine", "HookSpec", "HookSpecLike"]

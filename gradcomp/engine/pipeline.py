@@ -41,14 +41,11 @@ from torch import Tensor
 from gradcomp import collectives
 from gradcomp.collectives.executor import Handle, executor
 from gradcomp.collectives.link import Traffic
-from gradcomp.compressors import REGISTRY, Aggregation, Compressor, Key, Payload, make_compressor, parse_spec
+from gradcomp.compressors import Aggregation, Compressor, Key, Payload, make_compressor
 from gradcomp.compressors.cast import Identity
-from gradcomp.compressors.registry import Spec, SpecLike
 from gradcomp.engine import transport, two_phase
+from gradcomp.engine.spec import HookSpec, HookSpecLike
 from gradcomp.engine.stats import BucketRecord
-
-ALGORITHMS = tuple(a for a in collectives.ALGORITHMS if a != "hierarchical")
-"""All-reduce algorithms for ``sum`` payloads (hierarchical needs a local size: not yet offered)."""
 
 
 class Engine:
@@ -57,33 +54,25 @@ class Engine:
     Create engines on every rank in the same order: each creates a process group.
 
     Args:
-        spec: a compressor spec (``"topk:ratio=0.01,ef=true"``).
+        spec: a hook spec (:class:`~gradcomp.engine.spec.HookSpec` or its text, e.g.
+            ``"topk:ratio=0.01,ef=true,algo=ring"``): the compressor, the all-reduce algorithm for
+            ``sum`` payloads, how ``gather`` payloads travel (``aggregation``: all-gathered, or
+            two-phase, :mod:`gradcomp.engine.two_phase`; ``auto``: two-phase from
+            ``TWO_PHASE_FROM`` ranks on) and the seed of the compressor's generators.
         group: the ranks to average over (default: the world).
-        algo: all-reduce algorithm for ``sum`` payloads.
-        seed: seed of the compressor's generators; the same on every rank.
-        aggregation: for ``gather`` compressors: ``gather`` (all-gather every payload: (p - 1)
-            compressed tensors sent per rank), ``two_phase`` (compressed reduce-scatter and
-            all-gather, :mod:`gradcomp.two_phase`: about 2 (p - 1) / p, at the price of a second
-            compression error), or ``auto``: two-phase from ``TWO_PHASE_FROM`` ranks on.
-        history: how many bucket records (:mod:`gradcomp.stats`) to keep, the latest.
+        history: how many bucket records (:mod:`gradcomp.engine.stats`) to keep, the latest.
     """
 
-    def __init__(
-        self,
-        spec: SpecLike,
-        *,
-        group: dist.ProcessGroup | None = None,
-        algo: str = "native",
-        seed: int = 0,
-        aggregation: str = "auto",
-        history: int = 10_000,
-    ) -> None:
-        parsed = check_options(spec, algo=algo, aggregation=aggregation)  # before touching any process group
-        # what every rank must agree on, checked at the first step
-        self.spec = f"{parsed} algo={algo} aggregation={aggregation} seed={seed}"
-        self.algo = algo
+    def __init__(self, spec: HookSpecLike, *, group: dist.ProcessGroup | None = None, history: int = 10_000) -> None:
+        self.spec = HookSpec.parse(spec)  # before touching any process group: a bad spec fails first
+        if self.spec.compressor is None:
+            raise ValueError("noop sends nothing: it needs no engine (gradcomp.hooks.make handles it)")
+        self.algo = self.spec.algo
         self.world = dist.get_world_size(group)
-        self.compressor: Compressor = make_compressor(parsed, seed=seed, rank=dist.get_rank(group))
+        self.compressor: Compressor = make_compressor(
+            self.spec.compressor, seed=self.spec.seed, rank=dist.get_rank(group)
+        )
+        aggregation = self.spec.aggregation
         self.two_phase = self.compressor.aggregation is Aggregation.GATHER and (
             aggregation == "two_phase" or (aggregation == "auto" and self.world >= TWO_PHASE_FROM)
         )
@@ -255,7 +244,7 @@ class Engine:
         return [list(parts) for parts in zip(*per_rank, strict=True)]
 
     def _check_same_spec(self, device: torch.device) -> None:
-        mine = torch.tensor(list(self.spec.encode()), dtype=torch.uint8, device=device)
+        mine = torch.tensor(list(str(self.spec).encode()), dtype=torch.uint8, device=device)
         specs = [bytes(p.tolist()).decode() for p in collectives.all_gatherv(mine, group=self.group).wait()]
         if len(set(specs)) > 1:
             listing = "; ".join(f"rank {r}: {s!r}" for r, s in enumerate(specs))
@@ -267,8 +256,6 @@ TWO_PHASE_FROM = 8
 (p - 1) = 7 compressed tensors per rank against two-phase's 2 (p - 1) / p ~ 2, and skips the second
 compression error; from 8 ranks on, bytes dominate."""
 
-AGGREGATIONS = ("auto", "gather", "two_phase")
-
 
 def _views(buffer: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
     """The bucket's tensors, as views of it."""
@@ -277,22 +264,6 @@ def _views(buffer: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
         parts.append(buffer[start : start + math.prod(shape)].view(shape))
         start += math.prod(shape)
     return parts
-
-
-def check_options(spec: SpecLike, *, algo: str = "native", aggregation: str = "auto") -> Spec:
-    """Validate an engine's arguments without a process group (a bad one fails before training)."""
-    if algo not in ALGORITHMS:
-        raise ValueError(f"unknown all-reduce algorithm {algo!r}; valid: {', '.join(ALGORITHMS)}")
-    parsed = parse_spec(spec)
-    _check_aggregation(aggregation, parsed.name)
-    return parsed
-
-
-def _check_aggregation(aggregation: str, name: str) -> None:
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
-    if aggregation == "two_phase" and REGISTRY[name].aggregation is Aggregation.SUM:
-        raise ValueError(f"two_phase is for gather compressors; {name} sums its payloads (all-reduce)")
 
 
 def _private_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:

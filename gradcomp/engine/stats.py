@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from gradcomp.collectives.cost_model import ring_traffic
 from gradcomp.collectives.link import Traffic
 
 
@@ -81,7 +82,7 @@ def wire_bytes(step: dict[str, Any], world_size: int) -> float:
     native all-reduce moved the payload (unobservable), what its ring sends: 2 (p - 1) / p x payload."""
     if step["sent_bytes"] is not None:
         return float(step["sent_bytes"])
-    return step["payload_bytes"] * 2 * (world_size - 1) / world_size
+    return step["payload_bytes"] * ring_traffic(world_size)
 
 
 def write_trace(records: Iterable[BucketRecord], path: str | os.PathLike[str], rank: int = 0) -> None:

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from gradcomp.experiments.config import TrainConfig
-from gradcomp.experiments.metrics import WireMeter, Writer
 from gradcomp.experiments.tasks import Task
 from gradcomp.experiments.tasks.base import batches
+from gradcomp.experiments.training.config import TrainConfig
+from gradcomp.experiments.training.metrics import WireMeter, Writer
 
 logger = logging.getLogger(__name__)
 

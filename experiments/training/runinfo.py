@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gradcomp.bench.timing import machine
+from gradcomp.bench.report import machine
 
 STATUSES = ("running", "finished", "stopped", "failed")
 

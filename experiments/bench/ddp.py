@@ -12,8 +12,12 @@ Variants: always ``noop`` (no communication: the compute floor) and torch's defa
 (DDP's built-in C++ path); by default also torch's Python ``allreduce_hook`` (the same all-reduce
 through the hook interface, which a gradcomp hook also goes through), ``fp16_compress_hook``, and
 ``powerSGD_hook`` (rank 4, error feedback, from step 2). PowerSGD runs in ranks of its own: on gloo
-it aborts or hangs whenever the model has more than one bucket (``../shared/design.md`` section 3,
-rule 3), and that is reported as such in the table instead of taking the other figures with it.
+it aborts or hangs whenever the model has more than one bucket (it issues its second all-reduce from
+the first one's callback: the rule "one ordered path" of ``docs/architecture.md``), and that is
+reported as such in the table instead of taking the other figures with it.
+
+Models and data come from the ``synthetic`` task (random data: the loss means nothing, the step
+time does): each preset is one of its models at a batch size.
 
 Wire bytes are what one rank sends per step: measured by gradcomp where it moves the bytes itself,
 else the ring all-reduce's 2 (p - 1) / p x payload (gloo's and NCCL's all-reduce are rings); for
@@ -29,7 +33,7 @@ import functools
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -39,8 +43,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from gradcomp import hooks
+from gradcomp.bench.report import markdown_table
+from gradcomp.collectives.cost_model import ring_traffic
+from gradcomp.engine.spec import HookSpec
 from gradcomp.engine.stats import wire_bytes
-from gradcomp.experiments.models import MLP, CharTransformer, ResNet18
+from gradcomp.experiments.tasks import Task, build_task
 from gradcomp.launch import RankError, spawn
 
 NOOP, TORCH_ALLREDUCE, TORCH_FP16, TORCH_POWERSGD = "noop", "torch allreduce", "torch fp16", "torch powersgd"
@@ -58,37 +65,21 @@ _COUNTED_AT_ALL_REDUCE = (TORCH_PYTHON_ALLREDUCE, TORCH_FP16, TORCH_POWERSGD)
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
-    """A model and a synthetic batch for it (inputs, integer targets)."""
+    """A model of the ``synthetic`` task, and the batch each rank trains it on."""
 
     name: str
-    build: Callable[[], nn.Module]
-    batch: Callable[[int, torch.Generator], tuple[Tensor, Tensor]]
+    model: str
+    """The synthetic task's model name."""
     batch_size: int
+    """Samples per rank and step."""
     about: str
 
 
-def _images(size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    return torch.randn(size, 3, 32, 32, generator=generator), torch.randint(0, 10, (size,), generator=generator)
-
-
-def _vectors(size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    return torch.randn(size, 1024, generator=generator), torch.randint(0, 10, (size,), generator=generator)
-
-
-def _text(size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    tokens = torch.randint(0, 128, (size, 129), generator=generator)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
 PRESETS = {
-    "mlp": Preset("mlp", lambda: MLP(1024, [2048, 2048], 10), _vectors, 32, "MLP 1024-2048-2048-10, 6.32M parameters"),
-    "cnn": Preset("cnn", lambda: ResNet18(10), _images, 8, "ResNet-18 (32x32 inputs), 11.2M parameters"),
+    "mlp": Preset("mlp", "mlp", 32, "MLP 1024-2048-2048-10, 6.32M parameters"),
+    "cnn": Preset("cnn", "resnet18", 8, "ResNet-18 (32x32 inputs), 11.2M parameters"),
     "transformer": Preset(
-        "transformer",
-        lambda: CharTransformer(128, context=128, d_model=256, heads=4, layers=4),
-        _text,
-        8,
-        "character transformer, 4 layers of width 256, 3.2M parameters",
+        "transformer", "chartransformer", 8, "character transformer, 4 layers of width 256, 3.2M parameters"
     ),
 }
 
@@ -122,9 +113,9 @@ def split_hooks(text: str) -> list[str]:
     return specs
 
 
-def _make_ddp(preset: Preset, variant: str, seed: int) -> tuple[DistributedDataParallel, Any]:
+def _make_ddp(task: Task, preset: Preset, variant: str, seed: int) -> tuple[DistributedDataParallel, Any]:
     torch.manual_seed(seed)  # the same initial weights for every variant (DDP broadcasts rank 0's anyway)
-    model = DistributedDataParallel(preset.build())
+    model = DistributedDataParallel(task.build_model(preset.model))
     state: Any = None
     if variant == NOOP:
         state, hook = hooks.make("noop")
@@ -139,7 +130,7 @@ def _make_ddp(preset: Preset, variant: str, seed: int) -> tuple[DistributedDataP
         )
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif variant != TORCH_ALLREDUCE:
-        state, hook = hooks.make(variant)
+        state, hook = hooks.make(variant, seed=seed)
         model.register_comm_hook(state, hook)
     return model, state
 
@@ -171,8 +162,9 @@ def measure(
 ) -> dict[str, dict[str, Any]]:
     """Inside every rank: per variant, every timed step's time (slowest rank) and wire bytes."""
     preset = PRESETS[preset_name]
-    batch = preset.batch(preset.batch_size, torch.Generator().manual_seed(seed + rank))
-    setups = {v: _make_ddp(preset, v, seed) for v in variants}
+    task = build_task("synthetic")
+    setups = {v: _make_ddp(task, preset, v, seed) for v in variants}
+    batch = task.batch(rank, preset.batch_size, seed)  # each rank its own samples of the pool
     optimizers = {v: torch.optim.SGD(m.parameters(), lr=1e-3) for v, (m, _) in setups.items()}
     gradient_bytes = sum(p.numel() * p.element_size() for p in setups[variants[0]][0].parameters())
     times: dict[str, list[float]] = {v: [] for v in variants}
@@ -221,7 +213,7 @@ def _slowest(times: dict[str, list[float]], world: int) -> dict[str, list[float]
 
 def _wire(variant: str, state: Any, timed: int, torch_payload: int, gradient_bytes: int, world: int) -> float:
     """Bytes one rank sends per step for ``variant`` (see the module's docstring)."""
-    ring = 2 * (world - 1) / world
+    ring = ring_traffic(world)
     if variant == NOOP:
         return 0.0
     if variant == TORCH_ALLREDUCE:  # DDP's reducer calls the backend from C++: count the gradients
@@ -257,7 +249,7 @@ def run(
     if unknown:
         raise ValueError(f"unknown torch hook(s) {unknown}; valid: {', '.join(TORCH_HOOKS)}")
     for spec in specs:
-        hooks.check(spec)  # a bad spec fails here, before any rank starts
+        HookSpec.parse(spec)  # a bad spec fails here, before any rank starts
     baselines = [NOOP, TORCH_ALLREDUCE, *(TORCH_HOOKS[h] for h in torch_hooks)]
     shared = [v for v in baselines if v != TORCH_POWERSGD] + list(specs)
     settings = (steps, warmup, rounds, seed)
@@ -295,19 +287,16 @@ def format_table(rows: Sequence[Row]) -> str:
     """Markdown: ms/step, speedup over torch's all-reduce, ratio to the noop floor, wire MB per step."""
     by_name = {r.variant: r for r in rows}
     reference, floor = by_name[TORCH_ALLREDUCE].ms_per_step, by_name[NOOP].ms_per_step
-    lines = [
-        "| hook | ms/step | speedup vs torch allreduce | x noop floor | wire MB/step | status |",
-        "|---|---:|---:|---:|---:|---|",
-    ]
+    header = ("hook", "ms/step", "speedup vs torch allreduce", "x noop floor", "wire MB/step", "status")
+    lines = []
     for row in rows:
         if row.ms_per_step is None:
-            lines.append(f"| {row.variant} | - | - | - | - | {row.status} |")
+            lines.append((row.variant, "-", "-", "-", "-", row.status))
             continue
         speedup = f"{reference / row.ms_per_step:.2f}x" if reference else "-"
         ratio = f"{row.ms_per_step / floor:.2f}" if floor else "-"
-        wire = f"{row.wire_mb_per_step:.2f}"
-        lines.append(f"| {row.variant} | {row.ms_per_step:.1f} | {speedup} | {ratio} | {wire} | {row.status} |")
-    return "\n".join(lines)
+        lines.append((row.variant, f"{row.ms_per_step:.1f}", speedup, ratio, f"{row.wire_mb_per_step:.2f}", row.status))
+    return markdown_table(header, lines, right=[False, True, True, True, True, False])
 
 
 def add_command(commands: argparse._SubParsersAction) -> None:
@@ -338,7 +327,7 @@ def add_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
-    from gradcomp.bench.timing import machine, write_report
+    from gradcomp.bench.report import machine, write_report
     from gradcomp.netem import Profile, describe, parse_profiles
 
     networks = parse_profiles(args.net)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradcomp.experiments.config import RESUMABLE_CHANGES, TrainConfig
+from gradcomp.experiments.training.config import RESUMABLE_CHANGES, TrainConfig
 
 FORMAT = 1
 

@@ -15,8 +15,10 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gradcomp.experiments.optim import OPTIMIZERS, SCHEDULES
+from gradcomp.engine.spec import HookSpec
 from gradcomp.experiments.tasks import parse_task
+from gradcomp.experiments.training.optim import OPTIMIZERS, SCHEDULES
+from gradcomp.options import convert
 
 BACKENDS = ("gloo", "nccl")
 
@@ -51,7 +53,8 @@ class TrainConfig:
     seed: int = 0
     """Seeds the model, the data order and (unless the spec sets one) the hook's generators."""
     hook: str = "allreduce"
-    """DDP communication hook spec (``hooks.make``): allreduce, noop, fp16, topk:ratio=0.01,ef=true, ..."""
+    """DDP communication hook spec (``gradcomp.hooks.make``): allreduce, noop, fp16, topk:ratio=0.01,ef=true,
+    ...; kept in its canonical text (``HookSpec``), which names the run's directory in sweeps."""
     backend: str = "gloo"
     """gloo (CPU) or nccl (GPU: one device per rank)."""
     ranks: int = 1
@@ -106,10 +109,17 @@ class TrainConfig:
         _choice("backend", self.backend, BACKENDS)
         if self.batch_size % self.ranks:
             raise ValueError(f"batch_size {self.batch_size} does not split evenly over {self.ranks} ranks")
-        if not self.hook.strip():
-            raise ValueError("hook must be a spec such as allreduce or topk:ratio=0.01,ef=true")
+        try:
+            object.__setattr__(self, "hook", str(HookSpec.parse(self.hook)))  # frozen: set once, canonical
+        except ValueError as error:
+            raise ValueError(f"hook {self.hook!r}: {error}") from None
         if not self.network.strip():
             raise ValueError("network must be a profile such as loopback or 1gbit")
+
+    @property
+    def hook_spec(self) -> HookSpec:
+        """The hook spec, its generators seeded by :attr:`seed` unless the spec sets a seed."""
+        return HookSpec.parse(self.hook, seed=self.seed)
 
     @property
     def checkpoint_path(self) -> str:
@@ -158,24 +168,10 @@ def from_mapping(values: Mapping[str, Any], where: str = "config") -> TrainConfi
     if unknown:
         raise ValueError(f"{where}: unknown setting(s) {unknown}; valid: {', '.join(field_names())}")
     hints = typing.get_type_hints(TrainConfig)
-    checked = {key: _check_type(key, value, hints[key], where) for key, value in values.items()}
     try:
-        return TrainConfig(**checked)
+        return TrainConfig(**{key: convert(key, value, hints[key]) for key, value in values.items()})
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
-
-
-def _check_type(key: str, value: Any, hint: Any, where: str) -> Any:
-    optional = typing.get_origin(hint) in (typing.Union, types.UnionType)
-    if optional:
-        if value is None:
-            return None
-        hint = next(m for m in typing.get_args(hint) if m is not type(None))
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise ValueError(f"{where}: {key} must be {hint.__name__}, got {value!r}")
-    return value
 
 
 # -- the command line ---------------------------------------------------------------------------

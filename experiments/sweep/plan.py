@@ -35,9 +35,9 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from gradcomp.experiments.config import TrainConfig, field_names, from_mapping
+from gradcomp import netem
 from gradcomp.experiments.tasks import parse_task
-from gradcomp.experiments.validate import check_hook, check_network
+from gradcomp.experiments.training.config import TrainConfig, field_names, from_mapping
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -64,6 +64,24 @@ class Run:
 def settings_names() -> list[str]:
     """The TrainConfig fields a sweep config may set ([sweep], [[tasks]], or as [grid] axes)."""
     return [f for f in field_names() if f not in RUNNER_FIELDS and f not in AXES.values()]
+
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+"""The sweep configs that ship with gradcomp (in the wheel too): ``gradcomp sweep quick`` finds them by name."""
+
+
+def shipped() -> list[str]:
+    """Names of the shipped configs (``quick``, ``full``)."""
+    return sorted(name[: -len(".toml")] for name in os.listdir(CONFIGS) if name.endswith(".toml"))
+
+
+def find_config(name_or_path: str) -> str:
+    """The path of a config file, or of the shipped config of that name (a file of that name wins)."""
+    if os.path.isfile(name_or_path):
+        return name_or_path
+    if name_or_path in shipped():
+        return os.path.join(CONFIGS, name_or_path + ".toml")
+    raise ValueError(f"no sweep config {name_or_path!r}: give a TOML file, or one of {', '.join(shipped())}")
 
 
 def load(path: str, out: str) -> list[Run]:
@@ -102,10 +120,8 @@ def expand(document: Mapping[str, Any], out: str, base: str = ".", where: str = 
         axes = {**DEFAULT_AXES, **grid, **own_axes}
         runs += _expand_entry(values, axes, entry.get("name"), out, base, place)
     _check_unique(runs, where)
-    for hook in dict.fromkeys(run.config.hook for run in runs):
-        check_hook(hook)
     for network in dict.fromkeys(run.config.network for run in runs):
-        check_network(network)
+        netem.check(network)
     return runs
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks that train models: ``gradcomp bench ddp`` (:mod:`~gradcomp.experiments.bench.ddp`)."""

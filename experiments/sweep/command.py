@@ -1,0 +1,69 @@
+"""``gradcomp sweep CONFIG``: the command (also ``python -m gradcomp.experiments.sweep CONFIG``)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from gradcomp.experiments.sweep import plan
+from gradcomp.experiments.sweep.runner import Progress, existing, format_summary, run_sweep
+
+
+def add_command(commands: argparse._SubParsersAction) -> None:
+    """Add ``gradcomp sweep`` (an entry point of the group ``gradcomp.commands``)."""
+    parser = commands.add_parser(
+        "sweep",
+        help="run a grid of trainings from a TOML config",
+        description="Run every training of a sweep config, skipping finished runs (see docs/experiments.md).",
+    )
+    _add_arguments(parser)
+    parser.set_defaults(run=_command)
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "config",
+        help=f"a sweep config (TOML file), or the name of one that ships with gradcomp: {', '.join(plan.shipped())}",
+    )
+    parser.add_argument("--out", help="directory of the runs (default: runs/<config name>)")
+    parser.add_argument("--dry-run", action="store_true", help="check the config and list the runs; run nothing")
+
+
+def _command(args: argparse.Namespace) -> int:
+    path = plan.find_config(args.config)
+    out = args.out or os.path.join("runs", os.path.splitext(os.path.basename(path))[0])
+    runs = plan.load(path, out)
+    if args.dry_run:
+        statuses = existing(runs)
+        for run in runs:
+            sys.stdout.write(f"{run.name}  {statuses[run.name] or 'not started'}\n")
+        sys.stdout.write(f"{len(runs)} runs in {out}\n")
+        return 0
+    try:
+        rows = run_sweep(runs, Progress(sys.stderr))
+    except KeyboardInterrupt:
+        sys.stderr.write("\nsweep interrupted: run the same command again to continue where it stopped\n")
+        return 130
+    sys.stdout.write("\n" + format_summary(rows))
+    with open(os.path.join(out, "summary.json"), "w") as file:
+        json.dump({"config": os.path.abspath(path), "runs": [dataclasses.asdict(r) for r in rows]}, file, indent=2)
+    sys.stdout.write(f"\nTensorBoard: tensorboard --logdir {out}\n")
+    return 0 if all(r.status == "finished" for r in rows) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m gradcomp.experiments.sweep CONFIG``: the same as ``gradcomp sweep``."""
+    parser = argparse.ArgumentParser(prog="python -m gradcomp.experiments.sweep", description=__doc__.split("\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    _add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return _command(args)
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")

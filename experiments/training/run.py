@@ -1,0 +1,285 @@
+"""Train a model with DDP and a gradcomp communication hook, logging what compression costs and buys.
+
+    torchrun --nproc-per-node 2 experiments/train.py --task digits --hook topk:ratio=0.01,ef=true --out runs/topk
+
+On several machines (the same command on each; HOST:PORT is the first machine's address):
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id RUN \\
+        experiments/train.py --backend nccl --task charlm --hook powersgd:rank=4,ef=true --steps 2000 --out runs/lm
+
+Without torchrun, on this machine, starting the ranks itself (optionally behind an emulated network):
+
+    python -m gradcomp.experiments.train --ranks 2 --network 1gbit --task digits --hook fp16 --steps 400
+
+``gradcomp sweep CONFIG`` runs grids of these (:mod:`gradcomp.experiments.sweep`). Every option is a
+field of :class:`~gradcomp.experiments.training.config.TrainConfig`; ``--help`` lists them. A run writes
+to ``--out``: TensorBoard events (:mod:`~gradcomp.experiments.training.metrics` lists the tags),
+``run.json`` and ``checkpoint.pt`` (``--resume auto`` continues from it, exactly). See
+``docs/experiments.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from gradcomp import hooks, netem
+from gradcomp.experiments.models import parameter_count
+from gradcomp.experiments.tasks import build_task
+from gradcomp.experiments.training import checkpoint, runinfo
+from gradcomp.experiments.training.config import PATH_FIELDS, TrainConfig, add_arguments, from_args
+from gradcomp.experiments.training.loop import Loop
+from gradcomp.experiments.training.metrics import NullWriter, TensorBoardWriter, WireMeter, Writer
+from gradcomp.experiments.training.optim import make_optimizer, make_schedule
+from gradcomp.launch import RankError, spawn
+from gradcomp.netem import NetemError
+
+logger = logging.getLogger(__name__)
+
+
+def train(rank: int, world: int, config: TrainConfig) -> dict[str, Any] | None:
+    """One rank of a run, in an initialised process group; rank 0 returns the run record.
+
+    Every rank builds the same task and model; each step every rank takes its shard of the global
+    batch, DDP averages the gradients through the hook, and the optimizer steps.
+    """
+    device = _device(config.backend, rank)
+    task = build_task(config.task, config.data)
+    total = config.total_steps(task.steps_per_epoch(config.batch_size))
+    torch.manual_seed(config.seed)  # the same initial model on every rank (DDP also broadcasts rank 0's)
+    model = task.build_model(config.model).to(device)
+    resume = _resume_path(config)
+    saved = checkpoint.load(resume, config, world, device) if resume else None
+    if saved is not None:
+        model.load_state_dict(saved["model"])
+    ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    state, hook = hooks.make(config.hook_spec)
+    ddp.register_comm_hook(state, hook)
+    optimizer = make_optimizer(config.optimizer, ddp.parameters(), config.lr, config.momentum, config.weight_decay)
+    schedule = make_schedule(optimizer, config.schedule, total, config.warmup_steps)
+    torch.manual_seed(config.seed + 7919 * (rank + 1))  # each rank's own stream (dropout and the like)
+    progress = {"elapsed_s": 0.0, "wire_bytes": 0, "wire_estimated": False, "origin": time.time()}
+    start = 0
+    if saved is not None:
+        state.load_state_dict(saved["hooks"][rank])
+        optimizer.load_state_dict(saved["optimizer"])
+        schedule.load_state_dict(saved["scheduler"])
+        checkpoint.set_rng_state(saved["rng"][rank], device)
+        progress, start = dict(saved["progress"]), int(saved["step"])
+        if saved["config"].get("steps") != config.steps and config.schedule != "constant":
+            logger.warning("resuming with a different length changes the %s schedule from here on", config.schedule)
+        del saved
+    record = _record(config, task, model, world, start if resume else None)
+    writer: Writer = NullWriter()
+    if rank == 0:
+        runinfo.write(config.out, {**record, "status": "running"})
+        writer = TensorBoardWriter(config.out, float(progress["origin"]), progress["elapsed_s"] if resume else None)
+    meter = WireMeter(state, world, int(progress["wire_bytes"]), bool(progress["wire_estimated"]))
+
+    def save(step: int, elapsed: float) -> None:
+        meter.collect()
+        progress.update(elapsed_s=elapsed, wire_bytes=meter.total, wire_estimated=meter.estimated)
+        _save(config, model, optimizer, schedule, state, device, step, world, progress)
+        writer.flush()
+
+    loop = Loop(config, task, ddp, optimizer, schedule, meter, writer, rank, world, device, total, save)
+    try:
+        result = loop.run(start, float(progress["elapsed_s"]))
+        save(loop.step, loop.elapsed)
+        status = "finished" if loop.step >= total else "stopped"
+        if status == "finished":
+            final = {f"final/{k}": result[k] for k in result if k.startswith("eval_") or k in HPARAM_METRICS}
+            writer.hparams(_hparams(config, world), final, loop.step, loop.elapsed)
+    finally:
+        writer.close()
+    if rank != 0:
+        return None
+    record.update(status=status, metrics=result, ended=runinfo.now())
+    runinfo.write(config.out, record)
+    return record
+
+
+HPARAM_METRICS = ("train_loss", "wire_bytes", "compression_ratio", "train_time_s", "steps_per_s")
+"""Final metrics shown in TensorBoard's HParams dashboard (as ``final/<name>``), besides every ``eval_*``."""
+
+
+def _device(backend: str, rank: int) -> torch.device:
+    if backend != "nccl":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def _resume_path(config: TrainConfig) -> str | None:
+    if config.resume is None:
+        return None
+    if config.resume == "auto":
+        return config.checkpoint_path if os.path.isfile(config.checkpoint_path) else None
+    if not os.path.isfile(config.resume):
+        raise ValueError(f"no checkpoint at {config.resume!r} to resume from")
+    return config.resume
+
+
+def _save(
+    config: TrainConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LRScheduler,
+    state: hooks.HookState,
+    device: torch.device,
+    step: int,
+    world: int,
+    progress: dict[str, Any],
+) -> None:
+    """A checkpoint, with every rank's hook and generator state (a collective: all ranks call it)."""
+    hook_states = checkpoint.gather(state.state_dict())
+    rng = checkpoint.gather(checkpoint.rng_state(device))
+    if dist.get_rank() == 0:
+        checkpoint.save(
+            config.checkpoint_path,
+            {
+                "step": step,
+                "world_size": world,
+                "config": config.to_dict(),
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": schedule.state_dict(),
+                "hooks": hook_states,
+                "rng": rng,
+                "progress": progress,
+            },
+        )
+
+
+def _record(config: TrainConfig, task: Any, model: nn.Module, world: int, resumed_from: int | None) -> dict[str, Any]:
+    previous = runinfo.read(config.out) if resumed_from is not None else None
+    return {
+        "name": os.path.basename(os.path.normpath(config.out)),
+        "config": config.to_dict(),
+        "world_size": world,
+        "task": {
+            "name": task.name,
+            "kind": task.kind,
+            "model": config.model or task.default_model,
+            "parameters": parameter_count(model),
+            "headline": _headline(task),
+            **task.info,
+        },
+        "environment": runinfo.environment(world, config.backend, config.network, config.threads),
+        "started": (previous or {}).get("started", runinfo.now()),
+        "resumed_from": resumed_from,
+    }
+
+
+def _headline(task: Any) -> str:
+    """The final metric a summary shows for this task (a key of the run's ``metrics``)."""
+    return str(task.metric) if not task.evaluates else f"eval_{task.metric}"
+
+
+def _hparams(config: TrainConfig, world: int) -> dict[str, Any]:
+    """The settings shown in TensorBoard's HParams dashboard (what a run computes, not how it is driven)."""
+    skip = {*PATH_FIELDS, "ranks", "log_every", "eval_every", "checkpoint_every", "group_timeout"}
+    values = {k: ("" if v is None else v) for k, v in config.to_dict().items() if k not in skip}
+    return {**values, "world_size": world}
+
+
+# -- launching ----------------------------------------------------------------------------------
+
+
+def launch(config: TrainConfig, *, verbose: bool = False) -> dict[str, Any]:
+    """Start ``config.ranks`` ranks on this machine (behind ``config.network``), run, return rank 0's
+    run record. A failure is recorded in run.json (status ``failed``) and raised (``RankError``, or
+    ``NetemError`` where the network cannot be built)."""
+    try:
+        results = spawn(
+            config.ranks,
+            _rank_main,
+            (config, verbose),
+            timeout=config.timeout,
+            backend=config.backend,
+            group_timeout=config.group_timeout,
+            threads=config.threads,
+            network=config.network,
+        )
+    except (RankError, NetemError) as error:
+        runinfo.record_failure(config.out, os.path.basename(os.path.normpath(config.out)), config.to_dict(), str(error))
+        raise
+    record: dict[str, Any] = results[0]
+    return record
+
+
+def _rank_main(rank: int, world: int, config: TrainConfig, verbose: bool) -> dict[str, Any] | None:
+    if verbose and rank == 0:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return train(rank, world, config)
+
+
+def _torchrun(config: TrainConfig) -> dict[str, Any] | None:
+    """Under torchrun: join the group it describes (RANK, WORLD_SIZE, MASTER_ADDR, ...) and train."""
+    if config.network != "loopback":
+        raise ValueError("--network emulates links between ranks started here; under torchrun the network is real")
+    dist.init_process_group(config.backend, timeout=_timedelta(config.group_timeout))
+    rank = dist.get_rank()
+    try:
+        torch.set_num_threads(config.threads)
+        return train(rank, dist.get_world_size(), config)
+    except BaseException:
+        if rank == 0:
+            name = os.path.basename(os.path.normpath(config.out))
+            runinfo.record_failure(config.out, name, config.to_dict(), traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _timedelta(seconds: float) -> Any:
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="experiments/train.py",
+        description="Train with DDP and a gradcomp hook (under torchrun, or starting --ranks here).",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        config = from_args(args)
+        under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        if not under_torchrun:
+            netem.check(config.network)
+            record = launch(config, verbose=args.verbose)
+        else:
+            maybe = _torchrun(config)
+            if maybe is None:
+                return 0
+            record = maybe
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    except (RankError, NetemError) as error:
+        sys.stderr.write(f"{parser.prog}: the run failed (recorded in {runinfo.path(config.out)}):\n{error}\n")
+        return 1
+    metrics = record.get("metrics", {})
+    headline = record["task"]["headline"]
+    sys.stdout.write(
+        f"{record['name']}: {record['status']} at step {metrics.get('step')}, {headline} "
+        f"{metrics.get(headline, float('nan')):.4g}, {metrics.get('wire_bytes', 0) / 1e6:.1f} MB sent per rank, "
+        f"{metrics.get('train_time_s', 0):.1f} s training; {config.out}\n"
+    )
+    return 0

@@ -1,0 +1,51 @@
+"""What every benchmark reports besides its figures: the machine, a Markdown table, a JSON file."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]], right: Sequence[bool] | None = None) -> str:
+    """A Markdown table, its columns padded so that it also reads as plain text. ``right[i]``:
+    right-align column i (numbers); by default every column but the first."""
+    right = list(right) if right is not None else [False, *[True] * (len(header) - 1)]
+    if len(right) != len(header) or any(len(row) != len(header) for row in rows):
+        raise ValueError(f"every row needs {len(header)} cells, as the header")
+    cells = [[str(c) for c in header], *[[str(c) for c in row] for row in rows]]
+    widths = [max(3, *(len(row[i]) for row in cells)) for i in range(len(header))]
+
+    def line(row: list[str]) -> str:
+        padded = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(row, widths, right, strict=True)]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "|" + "|".join(("-" * (w + 1) + ":") if r else ("-" * (w + 2)) for w, r in zip(widths, right, strict=True))
+    return "\n".join([line(cells[0]), rule + "|", *(line(row) for row in cells[1:])])
+
+
+def write_report(path: str, host: dict[str, Any], **figures: Any) -> None:
+    """``--json FILE`` of every benchmark: the machine, the command line, then ``figures``."""
+    with open(path, "w") as file:
+        json.dump({"machine": host, "command": " ".join(sys.argv), **figures}, file, indent=2)

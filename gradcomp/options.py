@@ -1,0 +1,100 @@
+"""The ``name:key=value,...`` syntax and typed options, shared by every spec gradcomp reads.
+
+Compressor specs (``"topk:ratio=0.01"``), hook specs (``"topk:ratio=0.01,algo=ring"``), experiment
+task specs (``"signal:samples=50000"``) and the settings of training runs (TOML sweep configs, the
+command line) all go through here, so a value means the same wherever it is written: strings are
+converted to the type the option declares, typed values (TOML, Python) are checked against it, and
+anything else is a ValueError that names the option and what it takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, TypeVar, Union
+
+Options = TypeVar("Options")
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def split_spec(text: str) -> tuple[str, dict[str, str]]:
+    """``"name:key=value,..."`` -> (name, {key: value}), values still strings."""
+    name, _, rest = text.strip().partition(":")
+    options: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"spec option {item!r} in {text!r} is not of the form key=value")
+        if key.strip() in options:
+            raise ValueError(f"option {key.strip()!r} given twice in {text!r}")
+        options[key.strip()] = value.strip()
+    return name.strip(), options
+
+
+def options_from(cls: type[Options], options: Mapping[str, Any], owner: str, also_valid: Sequence[str] = ()) -> Options:
+    """The options dataclass ``cls`` built from ``options`` (strings, as in specs, or typed values),
+    each converted to its field's type by :func:`convert`. Unknown keys, wrong types and values that
+    ``cls`` refuses are ValueErrors naming ``owner`` and the valid options (``also_valid``: options
+    the caller takes besides the fields, listed with them)."""
+    fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        valid = ", ".join([*sorted(fields), *also_valid]) or "none"
+        raise ValueError(f"unknown option(s) {unknown} for {owner}; valid options: {valid}")
+    hints = typing.get_type_hints(cls)
+    values = {key: convert(key, value, hints[key]) for key, value in options.items()}
+    try:
+        return cls(**values)
+    except ValueError as error:
+        raise ValueError(f"invalid options for {owner}: {error}") from None
+
+
+def convert(key: str, value: Any, hint: Any) -> Any:
+    """``value`` as the type ``hint`` declares (bool, int, float, str, a Literal of choices, or an
+    Optional of one of them). Strings are parsed (``"true"``, ``"0.01"``, ``"none"`` for None);
+    typed values must already fit (an int where a float is due is widened; a bool is never a number)."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ValueError(f"option {key!r} must be one of {', '.join(map(str, choices))}; got {value!r}")
+        return value
+    if origin in (Union, types.UnionType):
+        members = [m for m in typing.get_args(hint) if m is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() == "none"):
+            return None
+        return convert(key, value, members[0])
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise ValueError(f"option {key!r} must be true or false; got {value!r}")
+    if hint in (int, float):
+        return _number(key, value, hint)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ValueError(f"option {key!r} must be a string; got {value!r}")
+        return value
+    raise TypeError(f"option {key!r} has an unsupported type {hint!r}")
+
+
+def _number(key: str, value: Any, hint: type) -> int | float:
+    what = "an integer" if hint is int else "a number"
+    if isinstance(value, bool):
+        raise ValueError(f"option {key!r} must be {what}; got {value!r}")
+    if isinstance(value, str):
+        try:
+            value = float(value) if hint is float else int(value, 10)
+        except ValueError:
+            raise ValueError(f"option {key!r} must be {what}; got {value!r}") from None
+    if hint is int and not isinstance(value, int):
+        raise ValueError(f"option {key!r} must be an integer; got {value!r}")
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"option {key!r} must be a finite number; got {value!r}")
+    return int(value) if hint is int else float(value)
