@@ -1,18 +1,23 @@
 """Many tensors as one byte buffer, so that a bucket's payloads travel in one collective.
 
-Each tensor's bytes start at a multiple of 8 (so that they can be viewed as their dtype again); the
-receiver knows the dtypes and trailing dimensions from its own payloads, and gets the element
-counts, which may differ between ranks (sparse payloads), as a separate int64 header.
+Each tensor's bytes start at a multiple of 8 (so that they can be viewed as their dtype again). The
+receiver knows the dtypes from its own payloads (the same structure on every rank) and gets the
+shapes, which may differ between ranks and between the shards of a tensor (a sparse payload's
+length, a per-chunk scale's number of chunks), as a separate int64 header: :func:`header` and
+:func:`shapes` encode and decode it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 ALIGN = 8
+
+Shape = tuple[int, ...]
 
 
 def aligned(nbytes: int) -> int:
@@ -29,17 +34,32 @@ def pack(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
     return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
 
 
-def packed_bytes(numels: Sequence[int], like: Sequence[Tensor]) -> int:
-    """Size of :func:`pack` of tensors with ``numels`` elements and the dtypes of ``like``."""
-    return sum(aligned(n * t.element_size()) for n, t in zip(numels, like, strict=True))
+def packed_bytes(shapes: Sequence[Shape], like: Sequence[Tensor]) -> int:
+    """Size of :func:`pack` of tensors of ``shapes`` with the dtypes of ``like``."""
+    return sum(aligned(math.prod(shape) * t.element_size()) for shape, t in zip(shapes, like, strict=True))
 
 
-def unpack(raw: Tensor, numels: Sequence[int], like: Sequence[Tensor]) -> list[Tensor]:
-    """Views of ``raw`` as tensors of ``numels`` elements, with the dtypes and trailing dimensions of
-    ``like`` (the first dimension is what varies between ranks)."""
+def header(tensors: Sequence[Tensor]) -> list[int]:
+    """Every tensor's dimensions, one after the other: what a receiver needs besides the dtypes."""
+    return [size for tensor in tensors for size in tensor.shape]
+
+
+def shapes(values: Sequence[int], like: Sequence[Tensor]) -> list[Shape]:
+    """Cut a :func:`header` back into shapes, with the numbers of dimensions of ``like``."""
+    result, offset = [], 0
+    for tensor in like:
+        result.append(tuple(int(v) for v in values[offset : offset + tensor.dim()]))
+        offset += tensor.dim()
+    if offset != len(values):
+        raise ValueError(f"a header of {len(values)} sizes does not describe {len(like)} tensors")
+    return result
+
+
+def unpack(raw: Tensor, shapes: Sequence[Shape], like: Sequence[Tensor]) -> list[Tensor]:
+    """Views of ``raw`` as tensors of ``shapes``, with the dtypes of ``like``."""
     tensors, offset = [], 0
-    for n, local in zip(numels, like, strict=True):
-        piece = raw[offset : offset + n * local.element_size()].view(local.dtype)
-        tensors.append(piece.view(-1, *local.shape[1:]) if local.dim() > 1 else piece)
-        offset += aligned(n * local.element_size())
+    for shape, local in zip(shapes, like, strict=True):
+        nbytes = math.prod(shape) * local.element_size()
+        tensors.append(raw[offset : offset + nbytes].view(local.dtype).view(shape))
+        offset += aligned(nbytes)
     return tensors

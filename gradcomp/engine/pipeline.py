@@ -215,10 +215,8 @@ class Engine:
     ) -> None:
         buffer.div_(self.world)
         with record.phase("communicate"):  # compression and communication interleave here
-            record.payload_bytes = two_phase.reduce(
-                self.compressor, _views(buffer, shapes), keys, dist.get_rank(self.group), self.world, self.group,
-                record.add_traffic,
-            )  # fmt: skip
+            exchange = transport.GroupExchange(self.group, record.add_traffic)
+            record.payload_bytes = two_phase.reduce(self.compressor, _views(buffer, shapes), keys, exchange)
 
     def _sum(self, payloads: list[Payload], record: BucketRecord) -> list[Payload]:
         """All-reduce (sum) every tensor of every payload: one all-reduce per dtype."""
@@ -240,7 +238,8 @@ class Engine:
     def _gather(self, payloads: list[Payload], record: BucketRecord) -> list[list[Payload]]:
         """Every rank's payloads, per tensor then rank: two all-gathers (sizes, then bytes)."""
         device = payloads[0][0].device if payloads and payloads[0] else torch.device("cpu")
-        per_rank = transport.all_gather_payloads(payloads, device, self.group, record.add_traffic)
+        exchange = transport.GroupExchange(self.group, record.add_traffic)
+        per_rank = transport.all_gather_payloads(payloads, device, exchange)
         return [list(parts) for parts in zip(*per_rank, strict=True)]
 
     def _check_same_spec(self, device: torch.device) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from gradcomp.collectives.ring import chunk_bounds
@@ -28,18 +27,11 @@ from gradcomp.compressors import Compressor, Key, Meta, Payload
 from gradcomp.engine import transport
 
 
-def reduce(
-    compressor: Compressor,
-    parts: Sequence[Tensor],
-    keys: Sequence[Key],
-    rank: int,
-    world: int,
-    group: dist.ProcessGroup,
-    traffic: transport.Meter,
-) -> int:
-    """Replace every tensor of ``parts`` (views into a bucket) by the sum over ranks, compressed
-    twice; return the payload bytes this rank produced."""
-    base = compressor.codec  # decompresses payloads without this rank's context or state
+def reduce(compressor: Compressor, parts: Sequence[Tensor], keys: Sequence[Key], exchange: transport.Exchange) -> int:
+    """Replace every tensor of ``parts`` (views into a bucket) by the sum over the ranks of
+    ``exchange``, compressed twice; return the payload bytes this rank produced."""
+    rank, world = exchange.rank, exchange.world
+    base = compressor.codec  # decompresses any rank's payload without this rank's context or state
     flats = [part.reshape(-1) for part in parts]
     bounds = [chunk_bounds(flat.numel(), world) for flat in flats]
     device = flats[0].device if flats else torch.device("cpu")
@@ -52,7 +44,7 @@ def reduce(
         ]
         for j in range(world)
     ]
-    received = transport.all_to_all_payloads(outgoing, device, group, traffic)
+    received = transport.all_to_all_payloads(outgoing, device, exchange)
     reduced = []
     for i, (flat, b) in enumerate(zip(flats, bounds, strict=True)):
         start, stop = b[rank]
@@ -64,7 +56,7 @@ def reduce(
     produced += sum(compressor.wire_bytes(p) for p in reduced)
 
     # Phase 2: everyone gets every rank's reduced shards.
-    for s, payloads in enumerate(transport.all_gather_payloads(reduced, device, group, traffic)):
+    for s, payloads in enumerate(transport.all_gather_payloads(reduced, device, exchange)):
         for (flat, b), payload in zip(zip(flats, bounds, strict=True), payloads, strict=True):
             start, stop = b[s]
             target = flat[start:stop]

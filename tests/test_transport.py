@@ -1,0 +1,62 @@
+"""Transport of a bucket's payloads (sizes first, then packed bytes), on ranks simulated as threads:
+every rank receives exactly what every other rank sent, in rank order, and the bytes on the wire are
+the header plus the packed payloads, nothing more."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradcomp.compressors import Payload, make_compressor
+from gradcomp.engine import packing, transport
+from tests.fake_group import ThreadExchange, on_threads
+
+SPECS = ["threshold:tau=1.0", "quantize:bits=3,chunk=16", "topk:ratio=0.1", "fp8"]
+"""Variable-size (threshold keeps a different count on every rank), bit-packed, sparse, scaled."""
+SHAPES = [(37,), (8, 5), (0,), (1,)]
+
+
+def payloads(rank: int, salt: int = 0) -> list[Payload]:
+    """This rank's payloads: one per (spec, shape), from tensors that differ between ranks."""
+    result = []
+    for i, (spec, shape) in enumerate((s, sh) for s in SPECS for sh in SHAPES):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(1000 * rank + 10 * salt + i))
+        result.append(make_compressor(spec, rank=rank).compress(x, key=i)[0])
+    return result
+
+
+def same(a: list[Payload], b: list[Payload]) -> bool:
+    return all(
+        len(p) == len(q) and all(s.dtype == t.dtype and torch.equal(s, t) for s, t in zip(p, q, strict=True))
+        for p, q in zip(a, b, strict=True)
+    )
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_all_gather_delivers_every_ranks_payloads_in_rank_order(world: int) -> None:
+    def rank_body(exchange: ThreadExchange) -> tuple[bool, int, int]:
+        mine = payloads(exchange.rank)
+        everyone = transport.all_gather_payloads(mine, torch.device("cpu"), exchange)
+        correct = len(everyone) == world and all(same(everyone[r], payloads(r)) for r in range(world))
+        tensors = [t for p in mine for t in p]
+        own = len(packing.header(tensors)) + packing.packed_bytes([t.shape for t in tensors], tensors)
+        return correct, exchange.sent_elements, own
+
+    for correct, sent, own in on_threads(world, rank_body):
+        assert correct
+        assert sent == (world - 1) * own  # the header's shapes and the packed bytes, to every other rank
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_all_to_all_delivers_what_each_rank_sent_to_this_one(world: int) -> None:
+    def rank_body(exchange: ThreadExchange) -> bool:
+        outgoing = [payloads(exchange.rank, salt=j) for j in range(world)]  # different payloads per destination
+        received = transport.all_to_all_payloads(outgoing, torch.device("cpu"), exchange)
+        return len(received) == world and all(same(received[s], payloads(s, salt=exchange.rank)) for s in range(world))
+
+    assert all(on_threads(world, rank_body))
+
+
+def test_regroup_cuts_a_flat_list_back_into_payloads() -> None:
+    a, b, c = torch.zeros(1), torch.ones(2), torch.full((3,), 2.0)
+    assert transport.regroup([(a, b), (), (c,)], [c, a, b]) == [(c, a), (), (b,)]
