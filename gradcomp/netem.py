@@ -14,8 +14,8 @@ rank can neither send nor receive faster than its NIC, incast included. Delay an
 ``netem`` qdisc on the rank's ``eth0`` (one-way latency between two ranks = ``delay``): the kernel must
 have ``sch_netem``, and :func:`EmulatedNetwork` says clearly when it does not (bandwidth-only profiles still work).
 
-Costs and limits: building a network takes eight ``ip``/``tc`` calls per rank (0.12 s for 4 ranks
-here); it needs root (CAP_NET_ADMIN). Addresses are 10.213.0.0/16 inside the namespaces this module created:
+Costs and limits: building a network takes eight ``ip``/``tc`` calls per rank (a fraction of a second
+for a few ranks); it needs root (CAP_NET_ADMIN). Addresses are 10.213.0.0/16 inside the namespaces this module created:
 no other address is ever used. Namespaces are named ``gradcomp-<pid>-<token>-...`` and removed on exit,
 on exceptions and on SIGTERM/SIGHUP; after a SIGKILL, ``gradcomp netem cleanup`` removes the leftovers.
 """

@@ -1,9 +1,9 @@
 """Scratch buffers reused between calls.
 
-Allocating a fresh 100 MB tensor costs more than the arithmetic done on it: on the reference
-machine ``x.abs()`` on 25M floats takes 51 ms allocating and 9 ms into an existing buffer (page
-faults dominate). Compressors therefore keep their temporaries here. Payload tensors are never
-workspace buffers: they must stay valid while they are in flight, after the next call began.
+Allocating a fresh 100 MB tensor costs more than the arithmetic done on it (page faults dominate:
+``docs/benchmarks.md``, "Why the kernels look as they do"). Compressors therefore keep their
+temporaries here. Payload tensors are never workspace buffers: they must stay valid while they are
+in flight, after the next call began.
 Buffers belong to the calling thread: the engine compresses in DDP's backward thread while its
 executor decompresses the previous bucket, and the two must never share a scratch buffer.
 """

@@ -23,7 +23,7 @@ class HookState:
     A parameter's key is its index, numbered in the order DDP first hands parameters to the hook.
     DDP's first iteration always sees the same order, so keys are the same in every run (a
     checkpoint's state finds its tensors again), and since the engine keeps state per parameter,
-    DDP's bucket rebuild after the first iteration changes nothing (design rule 6).
+    DDP's bucket rebuild after the first iteration changes nothing (rule "state per tensor").
     """
 
     def __init__(self, engine: Engine | None) -> None:
@@ -78,22 +78,23 @@ def make(
     spec: HookSpecLike,
     *,
     group: dist.ProcessGroup | None = None,
-    algo: str = "native",
-    aggregation: str = "auto",
-    seed: int = 0,
+    algo: str | None = None,
+    aggregation: str | None = None,
+    seed: int | None = None,
 ) -> tuple[HookState, Hook]:
     """A (state, hook) pair for ``ddp_model.register_comm_hook``. A bad spec fails here, before training.
 
     Args:
         spec: a hook spec (:class:`HookSpec` or its text): a compressor spec, ``allreduce`` or
-            ``noop``; it may also set ``algo``, ``aggregation`` and ``seed``
+            ``noop``; its text may also set ``algo``, ``aggregation`` and ``seed``
             (``"fp16:algo=ring"``), which then override the arguments below.
         group: the process group (default: DDP's, the world).
-        algo: all-reduce algorithm for summable payloads: native, ring, tree or halving_doubling.
-        aggregation: for the other compressors: gather, two_phase, or auto (two-phase from 8 ranks).
-        seed: seed of the compressor's generators; the same on every rank.
+        algo: all-reduce algorithm for summable payloads: native (default), ring, tree or halving_doubling.
+        aggregation: for the other compressors: gather, two_phase, or auto (default: two-phase from 8 ranks).
+        seed: seed of the compressor's generators (default 0); the same on every rank.
     """
-    parsed = HookSpec.parse(spec, algo=algo, aggregation=aggregation, seed=seed)
+    given = {"algo": algo, "aggregation": aggregation, "seed": seed}
+    parsed = HookSpec.parse(spec, **{key: value for key, value in given.items() if value is not None})
     if parsed.noop:
         return HookState(None), _gradcomp_hook
     return HookState(Engine(parsed, group=group)), _gradcomp_hook

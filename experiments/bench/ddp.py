@@ -328,9 +328,11 @@ def add_command(commands: argparse._SubParsersAction) -> None:
 
 def _command(args: argparse.Namespace) -> int:
     from gradcomp.bench.report import machine, write_report
-    from gradcomp.netem import Profile, describe, parse_profiles
+    from gradcomp.netem import Profile, check, describe, parse_profiles
 
     networks = parse_profiles(args.net)
+    for network in networks:
+        check(network)  # an emulated network this machine cannot build fails before any rank starts
     specs = split_hooks(args.hooks)
     torch_hooks = [h.strip() for h in args.torch_hooks.split(",") if h.strip() and h.strip() != "none"]
     host, preset, rows = machine(), PRESETS[args.model], []

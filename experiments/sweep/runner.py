@@ -22,7 +22,10 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from tqdm import tqdm
+try:
+    from tqdm import tqdm
+except ImportError as error:  # the core installs without it
+    raise ImportError("gradcomp sweep shows its progress with tqdm: pip install 'gradcomp[experiments]'") from error
 
 from gradcomp.bench.report import markdown_table
 from gradcomp.experiments.sweep.plan import Run

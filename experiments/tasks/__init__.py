@@ -1,14 +1,14 @@
 """Training tasks, by name: data (embedded, generated or your own), the models that fit them, metrics.
 
-=============  ==========================================================  =======================
+=============  ==========================================================  ===============================
 task           data                                                        models (default first)
-=============  ==========================================================  =======================
+=============  ==========================================================  ===============================
 ``digits``     scikit-learn's bundled handwritten digits (real, 8x8)        mlp, smallcnn
 ``signal``     generated noisy chirps, 10 classes, up to 100k samples       signalcnn, mlp
 ``charlm``     Python's own stdlib source, or ``data=`` a text file         chartransformer
-``synthetic``  random inputs, for steps per second                          mlp, resnet18
+``synthetic``  random inputs, for steps per second                          mlp, resnet18, chartransformer
 ``classify``   ``data=`` a ``.pt``/``.npz`` file of your own (x, y)          mlp, signalcnn, ...
-=============  ==========================================================  =======================
+=============  ==========================================================  ===============================
 
 A task is named by a spec, the same syntax as compressor specs: ``"signal:samples=50000,noise=1.5"``.
 """

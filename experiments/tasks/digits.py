@@ -21,6 +21,7 @@ from gradcomp.experiments.models import MLP, SmallCNN
 from gradcomp.experiments.tasks.base import ClassificationTask, TaskSpec, mlp_hidden, split
 
 HELD_OUT = 397
+EXTRA = "pip install 'gradcomp[experiments]' (or scikit-learn)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +42,7 @@ def load() -> tuple[Tensor, Tensor]:
     """
     spec = importlib.util.find_spec("sklearn")
     if spec is None or spec.origin is None:
-        raise ValueError("the digits task needs scikit-learn installed (it ships the data)")
+        raise ValueError(f"the digits task reads the data scikit-learn ships: {EXTRA}")
     path = os.path.join(os.path.dirname(spec.origin), "datasets", "data", "digits.csv.gz")
     table = torch.from_numpy(numpy.loadtxt(path, delimiter=",", dtype=numpy.float32))
     return table[:, :-1].reshape(-1, 1, 8, 8) / 16.0, table[:, -1].long()

@@ -10,7 +10,6 @@ import argparse
 import dataclasses
 import math
 import os
-import types
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -25,22 +24,23 @@ BACKENDS = ("gloo", "nccl")
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """One training run. ``steps`` or ``epochs`` (not both) says how long; everything else has a default."""
+    """One training run. ``steps`` or ``epochs`` (not both) says how long (the command line: 200 steps
+    unless it says); everything else has a default."""
 
     task: str = "digits"
     """Task spec: digits, signal, charlm, synthetic or classify, with options (``signal:samples=50000``)."""
     model: str | None = None
-    """Model name (``experiments.models.MODELS``); default: the task's first."""
+    """Model name (``gradcomp.experiments.models``); default: the task's first."""
     data: str | None = None
     """Your own dataset (.pt/.npz for classify, a text file for charlm)."""
     steps: int | None = None
-    """Optimizer steps in all (the learning-rate schedule spans them); the command line's default is 200."""
+    """Optimizer steps in all (the learning-rate schedule spans them)."""
     epochs: float | None = None
     """Or: passes over the training set."""
     batch_size: int = 64
     """Global batch per step, split evenly over the ranks (so runs at any world size see the same data)."""
     optimizer: str = "sgd"
-    """sgd, nesterov, adam or adamw (``experiments.optim``)."""
+    """sgd, nesterov, adam or adamw (``gradcomp.experiments.training.optim``)."""
     lr: float = 0.1
     """Peak learning rate."""
     momentum: float = 0.0
@@ -178,31 +178,38 @@ def from_mapping(values: Mapping[str, Any], where: str = "config") -> TrainConfi
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One option per field: ``--batch-size`` for ``batch_size``, with its default and help."""
-    hints = typing.get_type_hints(TrainConfig)
+    """One option per field: ``--batch-size`` for ``batch_size``, with its default and help. Values stay
+    text here; :func:`from_args` converts them by the field's type, as sweep configs are."""
     docs = _field_docs()
     for field in dataclasses.fields(TrainConfig):
-        hint = hints[field.name]
-        if typing.get_origin(hint) in (typing.Union, types.UnionType):
-            hint = next(m for m in typing.get_args(hint) if m is not type(None))
-        default = field.default
+        default = COMMAND_LINE_STEPS if field.name == "steps" else field.default
+        text = docs.get(field.name, "").replace("``", "")  # plain text on a terminal
         parser.add_argument(
             "--" + field.name.replace("_", "-"),
-            type=hint,
             default=None,
             metavar=field.name.upper(),
-            help=f"{docs.get(field.name, '')} (default: {default})".strip(),
+            help=text if default is None else f"{text} (default: {default})",
         )
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:
-    values = {name: getattr(args, name) for name in field_names() if getattr(args, name) is not None}
+    """The config the command line gives (200 steps unless it says how long)."""
+    hints = typing.get_type_hints(TrainConfig)
+    values = {}
+    for name in field_names():
+        text = getattr(args, name)
+        if text is not None:
+            try:
+                values[name] = convert(name, text, hints[name])
+            except ValueError as error:
+                raise ValueError(f"--{name.replace('_', '-')}: {error}") from None
     if "steps" not in values and "epochs" not in values:
-        values["steps"] = 200
-    try:
-        return TrainConfig(**values)
-    except ValueError as error:
-        raise ValueError(str(error)) from None
+        values["steps"] = COMMAND_LINE_STEPS
+    return TrainConfig(**values)
+
+
+COMMAND_LINE_STEPS = 200
+"""How long a run started from the command line trains when it says neither steps nor epochs."""
 
 
 def _field_docs() -> dict[str, str]:

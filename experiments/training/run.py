@@ -252,7 +252,7 @@ def _timedelta(seconds: float) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="experiments/train.py",
+        prog="gradcomp.experiments.train",
         description="Train with DDP and a gradcomp hook (under torchrun, or starting --ranks here).",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")

@@ -71,7 +71,7 @@ def measure(
     """Inside every rank: the median of the slowest rank's time, per (size, algorithm)."""
     rows = []
     for size in sizes:
-        tensor = torch.randn(max(1, size // 4), generator=torch.Generator().manual_seed(rank))
+        tensor = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
         times: dict[str, list[float]] = {algo: [] for algo in algos}
         for repeat in range(repeats + 1):  # the first round warms up
             # rotate the order, so that no algorithm always runs right after the same one
@@ -107,6 +107,8 @@ def run(
             raise ValueError(f"--local-size {local_size} does not divide --ranks {ranks}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if not sizes or min(sizes) < 4 or any(size % 4 for size in sizes):
+        raise ValueError(f"sizes must be whole numbers of float32 values (multiples of 4 bytes), got {list(sizes)}")
     ordered = ["native", *[a for a in algos if a != "native"]]
     measured = spawn(ranks, measure, (list(sizes), ordered, repeats, local_size), timeout=3600, network=network)[0]
     native = {r["size_bytes"]: r["time_s"] for r in measured if r["algo"] == "native"}

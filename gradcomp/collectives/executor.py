@@ -1,4 +1,5 @@
-"""One ordered path for all of gradcomp's communication in a process (design rule 3).
+"""One ordered path for all of gradcomp's communication in a process (rule "one ordered path",
+``docs/architecture.md``).
 
 Every collective, synchronous or not, runs on a single worker thread in submission order. Since
 every rank submits the same collectives in the same order, every rank runs them in the same order,
@@ -35,7 +36,7 @@ class Handle(Generic[T]):
 
     def then(self, callback: Callable[[Handle[T]], None]) -> None:
         """Call ``callback(handle)`` once the operation finished (at once if it has), on the thread
-        that finishes it. Keep it short, and never communicate from it (design rule 3)."""
+        that finishes it. Keep it short, and never communicate from it (rule "one ordered path")."""
         self._future.add_done_callback(lambda _: callback(self))
 
     @property

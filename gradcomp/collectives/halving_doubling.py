@@ -29,7 +29,8 @@ _scratch = Workspace()
 SHORT_BYTES = 64 << 10
 """Up to this size, whole-tensor recursive doubling (lg p messages of n) beats halving-doubling
 (2 lg p messages of n/2, n/4, ...): the latency terms dominate (MPICH switches at 2 KiB on fast
-networks; on loopback here messages cost about 0.1-1 ms each, so the crossover is higher)."""
+networks; a message costs more on loopback between processes, so the crossover is higher: see
+``docs/benchmarks.md``)."""
 
 
 def all_reduce(

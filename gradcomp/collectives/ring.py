@@ -19,8 +19,7 @@ from gradcomp.workspace import Workspace
 
 SEGMENT_BYTES = 4 << 20
 """Default segment size: small enough to overlap reductions with transfers on large tensors, large
-enough that per-message latency (about 0.1 ms on loopback here) stays small: 4 MiB measured best
-among 0.25, 1, 4 MiB and unsegmented at 2 and 4 ranks (docs/collectives.md)."""
+enough that per-message latency stays small; the best of the sizes measured (``docs/collectives.md``)."""
 
 _scratch = Workspace()
 

@@ -14,9 +14,10 @@ share the offset, which correlates them by at most 1/256.
 
 Rounding uses the float32 "magic number": adding 2**23 + 256 to y in [-256, 2**23) leaves round(y)
 (to nearest, ties to even) plus 256 in the mantissa, so the uint8 code is the low byte of each float,
-copied out with one strided read. That replaces a float -> uint8 conversion (8x dearer than the
-add). Cost per element: the map (two passes), the rounding add, the byte copy, and for stochastic
-rounding 1 random byte, its conversion and an add; temporaries live in the compressor's workspace.
+copied out with one strided read. That replaces a float -> uint8 conversion (several times dearer
+than the add: ``docs/benchmarks.md``, "Why the kernels look as they do"). Cost per element: the map
+(two passes), the rounding add, the byte copy, and for stochastic rounding 1 random byte, its
+conversion and an add; temporaries live in the compressor's workspace.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ The protocol, for one tensor on every rank (``simulate.py`` runs it for p ranks 
     result = c.decompress_sum(finals, ctx)    # GATHER: the same, from the list of payloads
 
 The engine never averages inside a compressor: it divides before summing where precision demands
-it (design rule 5) and averages exactly once.
+it (rule "divide before sum", ``docs/architecture.md``) and averages exactly once.
 
 Input policy (the same for every compressor, tested in ``tests/test_input_policy.py``):
 

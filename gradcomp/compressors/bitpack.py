@@ -7,8 +7,8 @@ the first in the lowest bits. The planes together hold ``(n // 8) * b`` bytes; t
 follow as one little-endian bit string, so the total is exactly ceil(n * b / 8) bytes.
 
 Planar rather than interleaved, because every step is then a shift or a mask over *contiguous*
-slices: packing 25M 4-bit codes takes about 1 ms on one core, where interleaving within each byte
-(strided reads and writes) takes 12-20 ms.
+slices, where interleaving within each byte needs strided reads and writes, an order of magnitude
+slower (measured: ``docs/benchmarks.md``, "Why the kernels look as they do").
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ class Fp16(Cast):
 
     Wire: 2 bytes per element. Error: relative 2**-11 for |x| in [6.1e-5, 65504]; smaller values
     lose precision (subnormals) and larger ones overflow to Inf, so the engine divides by the world
-    size *before* the cast and the sum (design rule 5). Deterministic, biased only by rounding.
+    size *before* the cast and the sum (rule "divide before sum"). Deterministic, biased only by rounding.
     When: always worth trying first on a slow link: 2x fewer bytes for one memory pass.
     """
 

@@ -95,7 +95,8 @@ class Fp8(Compressor):
 
 
 def as_half(codes: Tensor, format: str, workspace: Workspace) -> Tensor:
-    """fp8 bytes as float16, by moving bits (torch's own e4m3 -> float cast is 4x slower on CPU).
+    """fp8 bytes as float16, by moving bits (torch's own e4m3 -> float cast is several times slower
+    on CPU: ``docs/benchmarks.md``, "Why the kernels look as they do").
 
     e5m2 is the top byte of a float16. e4m3 (bias 7) placed at float16's bits 7..14 (bias 15) reads
     as its value times 2**-8, subnormals included; NaN codes (0x7F, 0xFF) read as finite numbers,

@@ -204,9 +204,8 @@ class PowerSGD(Compressor):
 
 
 def _times(matrix: Tensor, thin: Tensor) -> Tensor:
-    """matrix @ thin, computed as (thin^T @ matrix^T)^T: several times faster for a thin right
-    factor on CPU BLAS (31 ms against 17 ms for 5000 x 5000 by 5000 x 4, and 144 ms against 13 ms
-    for the transposed matrix), and the same numbers."""
+    """matrix @ thin, computed as (thin^T @ matrix^T)^T: faster for a thin right factor on CPU BLAS
+    (up to 10x, for a transposed matrix: ``docs/benchmarks.md``), and the same numbers."""
     return thin.t().matmul(matrix.t()).t()
 
 

@@ -3,19 +3,20 @@
 One :class:`Engine` per process group and compressor spec. ``reduce(buffer, keys, shapes)``
 averages a bucket (the concatenation of several tensors) over the group in place, asynchronously,
 on the collectives' ordered executor, so every round of every bucket runs in the same order on
-every rank and nothing communicates from a backend's callback thread (design rule 3).
+every rank and nothing communicates from a backend's callback thread (rule "one ordered path",
+``docs/architecture.md``).
 
 - **Each tensor is compressed on its own**, with its own key: its state (error-feedback residual,
   PowerSGD memory, random streams) follows the tensor, not the bucket, so results do not depend on
   how DDP groups tensors into buckets, which changes after DDP's first iteration and again when a
-  run resumes (design rule 6), and top-k or quantization act per layer.
+  run resumes (rule "state per tensor"), and top-k or quantization act per layer.
 - **Communication is per bucket**: ``sum`` payloads of all the bucket's tensors are concatenated by
   dtype and all-reduced at once (``algo``: native or any gradcomp algorithm; every round of a
   multi-round compressor); ``gather`` payloads are packed into one byte buffer, with a header of
   their sizes, and all-gathered with variable sizes, then ``decompress_sum`` adds every rank's
   contribution in rank order.
 - The bucket is divided by the world size *before* compression, so that low-precision sums cannot
-  overflow (design rule 5) and the average is taken exactly once.
+  overflow (rule "divide before sum") and the average is taken exactly once.
 - Compression runs in the caller's thread (DDP's backward), communication and decompression on the
   executor, so one bucket's compression overlaps the previous one's communication. An uncompressed
   bucket on the native algorithm goes straight to the backend's asynchronous all-reduce, issued in

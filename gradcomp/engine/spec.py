@@ -62,10 +62,11 @@ class HookSpec:
 
     @classmethod
     def parse(cls, spec: HookSpecLike, **defaults: Any) -> HookSpec:
-        """Parse a hook spec; ``defaults`` (``algo``, ``aggregation``, ``seed``) apply where the spec
-        does not set them. Raises ValueError naming what is wrong and the valid choices."""
+        """Parse a hook spec; ``defaults`` (``algo``, ``aggregation``, ``seed``) apply where the spec's
+        text does not set them (a :class:`HookSpec` sets them all: it comes back as it is). Raises
+        ValueError naming what is wrong and the valid choices."""
         if isinstance(spec, HookSpec):
-            return dataclasses.replace(spec, **defaults) if defaults else spec
+            return spec
         unknown = sorted(set(defaults) - set(ENGINE_OPTIONS))
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; valid: {', '.join(ENGINE_OPTIONS)}")

@@ -1,0 +1,62 @@
+"""Hook specs, parsed once: every spelling of one spec gives one HookSpec, whose text is canonical
+(it parses back to an equal spec), and a bad spec is refused with the valid choices."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradcomp.compressors import parse_spec
+from gradcomp.engine.spec import HookSpec
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["allreduce", "noop", "fp16", "topk:ratio=0.05,ef=true,algo=ring", "quantize:bits=2,aggregation=two_phase,seed=7"],
+)
+def test_the_text_is_canonical(spec: str) -> None:
+    parsed = HookSpec.parse(spec)
+    assert HookSpec.parse(str(parsed)) == parsed
+    assert str(HookSpec.parse(str(parsed))) == str(parsed)
+
+
+def test_every_spelling_of_a_spec_is_one_spec() -> None:
+    spellings = [
+        "topk:ratio=0.05,ef=true,algo=ring",
+        " topk : ef = true , ratio=0.050, algo=ring ",
+        ("topk", {"ratio": 0.05, "ef": True, "algo": "ring"}),
+        HookSpec(parse_spec("topk:ratio=0.05,ef=true"), algo="ring"),
+    ]
+    parsed = {HookSpec.parse(s) for s in spellings}
+    assert len(parsed) == 1
+    assert str(parsed.pop()) == "topk:ratio=0.05,method=exact,tolerance=0.2,ef=true,algo=ring"
+    assert HookSpec.parse("none") == HookSpec.parse("allreduce") and str(HookSpec.parse("none")) == "allreduce"
+
+
+def test_engine_options_at_their_defaults_are_left_out_of_the_text() -> None:
+    assert str(HookSpec.parse("fp16:algo=native,aggregation=auto,seed=0")) == "fp16"
+    assert str(HookSpec.parse("noop:seed=3")) == "noop:seed=3"
+
+
+def test_defaults_apply_where_the_text_is_silent() -> None:
+    assert HookSpec.parse("fp16", seed=5, algo="tree") == HookSpec.parse("fp16:seed=5,algo=tree")
+    assert HookSpec.parse("fp16:seed=1", seed=5).seed == 1
+    ring = HookSpec.parse("fp16:algo=ring")
+    assert HookSpec.parse(ring, algo="tree") is ring  # a parsed spec already says everything
+    with pytest.raises(TypeError, match="unknown engine option"):
+        HookSpec.parse("fp16", ratio=0.1)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("topq", "unknown compressor 'topq'; valid hook names: allreduce, noop, bf16"),
+        ("fp16:aggregation=two_phase", "two_phase is for gather compressors"),
+        ("topk:algo=hierarchical", "unknown all-reduce algorithm 'hierarchical'; valid: native, ring, tree"),
+        ("noop:ratio=1", "noop takes no options"),
+        ("sign:seed=1.5", "seed must be an integer"),
+        ("topk:ratio=2", "invalid options for 'topk'"),
+    ],
+)
+def test_bad_specs_are_refused_with_the_valid_choices(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        HookSpec.parse(spec)
