@@ -129,19 +129,24 @@ def _prepare(run: Run) -> None:
 
 
 class Progress:
-    """A progress bar over the runs to do (tqdm: done / total, elapsed, estimated rest) on ``stream``,
-    and a line per finished run with its status and duration, which stays when the bar moves on."""
+    """Where a sweep stands, on ``stream``: on a terminal, a tqdm bar (runs done / to do, elapsed,
+    estimated rest) under a line per finished run; elsewhere (a log file, CI) no bar, and each run's
+    line starts with the same figures, so that the log reads line by line."""
+
+    COUNTS = "{n_fmt}/{total_fmt}  elapsed {elapsed}  ETA {remaining}"
 
     def __init__(self, stream: TextIO) -> None:
         self.stream = stream
         self.bar: tqdm[Any] | None = None
-        self.run_began = 0.0
+        self.began = self.run_began = 0.0
+        self.done_count = self.total = 0
 
     def begin(self, runs: int, todo: int) -> None:
+        self.began, self.total = time.monotonic(), todo
         self.stream.write(f"sweep: {runs} runs, {runs - todo} finished before, {todo} to run\n")
         self.bar = tqdm(
-            total=todo, file=self.stream, unit="run", dynamic_ncols=True,
-            bar_format="{bar:24} {n_fmt}/{total_fmt}  elapsed {elapsed}  ETA {remaining}  {desc}",
+            total=todo, file=self.stream, unit="run", dynamic_ncols=True, disable=not self.stream.isatty(),
+            bar_format="{bar:24} " + self.COUNTS + "  {desc}",
         )  # fmt: skip
 
     def start(self, run: Run) -> None:
@@ -150,10 +155,17 @@ class Progress:
             self.bar.set_description_str(f"running {run.name}")
 
     def done(self, run: Run, status: str) -> None:
-        if self.bar is not None:
-            self.bar.write(f"{status} {run.name} ({time.monotonic() - self.run_began:.1f} s)", file=self.stream)
-            self.bar.set_description_str("")
-            self.bar.update()
+        if self.bar is None:
+            return
+        self.done_count += 1
+        line = f"{status} {run.name} ({time.monotonic() - self.run_began:.1f} s)"
+        if self.bar.disable:
+            elapsed = time.monotonic() - self.began
+            counts = tqdm.format_meter(self.done_count, self.total, elapsed, bar_format=self.COUNTS)
+            line = f"{counts}  {line}"
+        self.bar.write(line, file=self.stream)
+        self.bar.set_description_str("")
+        self.bar.update()
 
     def close(self) -> None:
         if self.bar is not None:

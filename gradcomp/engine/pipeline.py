@@ -13,7 +13,7 @@ every rank and nothing communicates from a backend's callback thread (rule "one 
 - **Communication is per bucket**: ``sum`` payloads of all the bucket's tensors are concatenated by
   dtype and all-reduced at once (``algo``: native or any gradcomp algorithm; every round of a
   multi-round compressor); ``gather`` payloads are packed into one byte buffer, with a header of
-  their sizes, and all-gathered with variable sizes, then ``decompress_sum`` adds every rank's
+  their shapes, and all-gathered with variable sizes, then ``decompress_sum`` adds every rank's
   contribution in rank order.
 - The bucket is divided by the world size *before* compression, so that low-precision sums cannot
   overflow (rule "divide before sum") and the average is taken exactly once.
