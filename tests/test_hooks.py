@@ -26,7 +26,10 @@ def compare_with_torch(rank: int, world: int) -> dict[str, Any]:
     ours, _ = train(rank, "allreduce", 8)
     ring, _ = train(rank, "none", 8)
     failures.expect(all(torch.equal(a, b) for a, b in zip(default, ours, strict=True)), "allreduce differs from DDP's")
-    failures.expect(all(torch.allclose(a, b, atol=1e-6) for a, b in zip(default, ring, strict=True)), "none not close")
+    failures.expect(
+        all(torch.allclose(a, b, atol=1e-6) for a, b in zip(default, ring, strict=True)),
+        "none (gradcomp's ring) not close to DDP's default",
+    )
     failures.expect(parameters_identical_on_all_ranks(ours), SAME_MODEL)
     fp16_torch, fp16_ours = gradients(rank, TORCH_FP16)[0], gradients(rank, "fp16")[0]
     return {
@@ -139,7 +142,10 @@ class TwoHeads(nn.Module):
         return self.used(torch.relu(self.body(x)))
 
 
-def run_options(rank: int, options: dict[str, Any], hook: str | None, dtype: str, accumulate: int) -> list:
+def run_options(
+    rank: int, options: dict[str, Any], hook: str | None, dtype: str, accumulate: int
+) -> list[torch.Tensor]:
+    """The parameters after 6 optimizer steps, each over ``accumulate`` batches (no_sync between)."""
     net = TwoHeads() if options.get("find_unused_parameters") else toy_model()
     ddp, _ = wrap(net.to(getattr(torch, dtype)), hook, ddp_options=options)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)

@@ -79,8 +79,3 @@ def gradients(
     x, y = toy_batches(rank, 1)[0]
     nn.functional.cross_entropy(ddp(x), y).backward()
     return [p.grad.clone() for p in ddp.parameters()], state
-
-
-def parameter_sums(parameters: Sequence[torch.Tensor]) -> list[float]:
-    """Each parameter's sum in float64: a fingerprint to compare across ranks or runs."""
-    return [p.double().sum().item() for p in parameters]
