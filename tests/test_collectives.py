@@ -150,11 +150,13 @@ def test_all_reduce(case: Case, ranks: Callable[[int], list[dict[str, Any]]]) ->
     ids=[f"w{w}-{a}" for w in WORLDS for a in algorithms(w)],
 )
 def test_all_reduce_3mib(world: int, algo: Algo, ranks: Callable[[int], list[dict[str, Any]]]) -> None:
+    """A float32 sum of about 3 MiB: close to torch's, bitwise identical on every rank."""
     assert_no_failures([result["big"][str(algo)] for result in ranks(world)])
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"w{w}")
 def test_non_contiguous_input_is_reduced_in_place(world: int, ranks: Callable[[int], list[dict[str, Any]]]) -> None:
+    """A transposed matrix, reduced by the ring in place: as torch's all-reduce of a contiguous copy."""
     assert_no_failures([result["non_contiguous"] for result in ranks(world)])
 
 
