@@ -11,40 +11,47 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import collectives
-from gradcomp.launch import spawn
+from tests.distributed import Failures, identical_on_all_ranks, run_checks, spawn_ranks
 
 
 def data(rank: int, numel: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(-50, 50, (numel,), generator=torch.Generator().manual_seed(97 * rank + seed + numel))
 
 
-def check_exchanges(rank: int, world: int) -> list[str]:
-    failures: list[str] = []
+def torch_all_gather(x: torch.Tensor) -> torch.Tensor:
+    """torch's own all-gather of ``x`` (the same size on every rank), in rank order: the reference."""
+    pieces = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, x)
+    return torch.cat(pieces)
 
-    def expect(ok: bool, what: str) -> None:
-        if not ok:
-            failures.append(what)
 
+def check_exchanges(rank: int, world: int) -> Failures:
+    failures = Failures()
+    expect = failures.expect
     for block in (0, 1, 5, 1000, 300_000):  # 300k int64: several MiB per call
         # reduce-scatter: block r of the sum, against a local recomputation of every rank's input
         inputs = [data(r, world * block) for r in range(world)]
         out = torch.empty(block, dtype=torch.int64)
         handle = collectives.reduce_scatter(out, inputs[rank].clone(), "sum")
         expect(torch.equal(out, sum(inputs).view(world, block)[rank]), f"reduce_scatter block={block}")
-        expect(handle.traffic is not None and handle.traffic.sent == (world - 1) * block * 8, "reduce_scatter bytes")
+        expect(
+            handle.traffic is not None and handle.traffic.sent == (world - 1) * block * 8,
+            f"reduce_scatter bytes block={block}",
+        )
         # all-gather against torch's
         mine = data(rank, block, seed=1)
         gathered = torch.empty(world * block, dtype=torch.int64)
         collectives.all_gather(gathered, mine)
-        expected = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(expected, mine)
-        expect(torch.equal(gathered, torch.cat(expected)), f"all_gather block={block}")
+        expect(torch.equal(gathered, torch_all_gather(mine)), f"all_gather block={block}")
         # all-to-all: block j of every rank's input lands on rank j
         source = data(rank, world * block, seed=2)
         received = torch.empty_like(source)
         collectives.all_to_all(received, source)
         everyone = [data(r, world * block, seed=2).view(world, block) for r in range(world)]
-        expect(torch.equal(received.view(world, block), torch.stack([e[rank] for e in everyone])), "all_to_all")
+        expect(
+            torch.equal(received.view(world, block), torch.stack([e[rank] for e in everyone])),
+            f"all_to_all block={block}",
+        )
 
     # all-gatherv: a different size on every rank, zero included
     sizes = [(3 * r) % 7 for r in range(world)]
@@ -76,14 +83,12 @@ def check_exchanges(rank: int, world: int) -> list[str]:
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
 def test_exchanges_deliver_every_block(world: int) -> None:
-    results = spawn(world, check_exchanges, timeout=300)
-    failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
-    assert not failures, "\n".join(failures[:20])
+    run_checks(world, check_exchanges, timeout=240)
 
 
-def interleave(rank: int, world: int) -> list[str]:
+def interleave(rank: int, world: int) -> Failures:
     """gradcomp collectives in flight while the main thread runs torch's on the same group."""
-    failures = []
+    failures = Failures()
     for step in range(20):
         ours = torch.full((50_000,), float(rank + step))
         theirs = torch.full((1000,), float(rank * step))
@@ -104,12 +109,11 @@ def interleave(rank: int, world: int) -> list[str]:
 
 
 def test_interleaving_with_native_collectives_on_the_same_group() -> None:
-    results = spawn(3, interleave, timeout=300)
-    assert results == [[], [], []]
+    run_checks(3, interleave, timeout=240)
 
 
-def refuse_bad_arguments(rank: int, world: int) -> list[str]:
-    refused = []
+def refuse_bad_arguments(rank: int, world: int) -> Failures:
+    refused = Failures()
     x = torch.ones(10)
     cases = [
         (lambda: collectives.all_reduce(x, "median"), ValueError, "unknown reduce op 'median'"),
@@ -135,7 +139,7 @@ def refuse_bad_arguments(rank: int, world: int) -> list[str]:
 
 
 def test_bad_arguments_are_refused_before_any_communication() -> None:
-    assert spawn(2, refuse_bad_arguments, timeout=120) == [[], []]
+    run_checks(2, refuse_bad_arguments, timeout=120)
 
 
 def lose_a_peer(rank: int, world: int) -> dict[str, Any]:
@@ -151,38 +155,29 @@ def lose_a_peer(rank: int, world: int) -> dict[str, Any]:
 
 def test_a_dead_peer_is_an_error_not_a_hang() -> None:
     group_timeout = 10
-    results = spawn(3, lose_a_peer, timeout=90, group_timeout=group_timeout)
+    results = spawn_ranks(3, lose_a_peer, timeout=90, group_timeout=group_timeout)
     assert results[2] == {"left": True}
     for survivor in results[:2]:
         assert survivor["error"] is not None, "the collective completed without its third rank"
         assert survivor["seconds"] < group_timeout + 10
 
 
-def reduce_every_dtype(rank: int, world: int) -> list[str]:
+def reduce_every_dtype(rank: int, world: int) -> Failures:
     """Any dtype: gradcomp's algorithms only move bytes and reduce with torch, whatever the backend."""
-    failures = []
+    failures = Failures()
     for dtype in (torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int8, torch.uint8):
         everyone = [
             torch.randint(0, 4, (5000,), generator=torch.Generator().manual_seed(r)).to(dtype) for r in range(world)
         ]
-        expected = everyone[0].double() + everyone[1].double() + everyone[2].double()
+        expected = sum(e.double() for e in everyone)
         for algo in ("ring", "tree", "halving_doubling"):
             mine = everyone[rank].clone()
             collectives.all_reduce(mine, "sum", algo=algo)
             if mine.dtype != dtype or not torch.equal(mine.double(), expected):  # small integers: exact
                 failures.append(f"{algo} {dtype}")
-            if not identical(mine):
-                failures.append(f"{algo} {dtype}: not identical on all ranks")
+            failures.expect(identical_on_all_ranks(mine), f"{algo} {dtype}: not identical on all ranks")
     return failures
 
 
-def identical(tensor: torch.Tensor) -> bool:
-    """Bitwise equality on every rank, compared as int32 words (gloo gathers no 1- or 2-byte types)."""
-    raw = tensor.contiguous().view(torch.uint8).view(torch.int32)
-    copies = [torch.empty_like(raw) for _ in range(dist.get_world_size())]
-    dist.all_gather(copies, raw)
-    return all(torch.equal(copy, raw) for copy in copies)
-
-
 def test_every_dtype_reduces_exactly_on_small_integers() -> None:
-    assert spawn(3, reduce_every_dtype, timeout=120) == [[], [], []]
+    run_checks(3, reduce_every_dtype, timeout=120)

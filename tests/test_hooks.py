@@ -2,65 +2,38 @@
 
 from __future__ import annotations
 
+import io
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from gradcomp import hooks
-from gradcomp.launch import spawn
+from tests.distributed import Failures, parameters_identical_on_all_ranks, run_checks, spawn_ranks
+from tests.helpers import SPECS
+from tests.toy_ddp import TORCH_FP16, gradients, sgd_steps, toy_batches, toy_model, train, wrap
 
-
-def model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)  # the same initial weights on every rank
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-
-
-def batches(rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(100 + rank)
-    return [(torch.randn(16, 32, generator=generator), torch.randint(0, 10, (16,), generator=generator))
-            for _ in range(steps)]  # fmt: skip
-
-
-def train(rank: int, hook: Any, steps: int, bucket_cap_mb: float = 0.005) -> tuple[list[torch.Tensor], Any]:
-    """Train a copy with DDP (small buckets: several per step) and return its parameters."""
-    ddp = DistributedDataParallel(model(), bucket_cap_mb=bucket_cap_mb)
-    state = None
-    if hook == "torch-fp16":
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif hook is not None:
-        state = hooks.register(ddp, hook)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    for x, y in batches(rank, steps):
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        optimizer.step()
-    return [p.detach().clone() for p in ddp.parameters()], state
-
-
-def gradients(rank: int, hook: Any) -> list[torch.Tensor]:
-    """One step's averaged gradients."""
-    ddp = DistributedDataParallel(model(), bucket_cap_mb=0.005)
-    if hook == "torch-fp16":
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    else:
-        hooks.register(ddp, hook)
-    x, y = batches(rank, 1)[0]
-    nn.functional.cross_entropy(ddp(x), y).backward()
-    return [p.grad.clone() for p in ddp.parameters()]
+SAME_MODEL = "parameters differ between ranks"
 
 
 def compare_with_torch(rank: int, world: int) -> dict[str, Any]:
+    failures = Failures()
     default, _ = train(rank, None, 8)
     ours, _ = train(rank, "allreduce", 8)
     ring, _ = train(rank, "none", 8)
-    fp16_torch, fp16_ours = gradients(rank, "torch-fp16"), gradients(rank, "fp16")
+    failures.expect(all(torch.equal(a, b) for a, b in zip(default, ours, strict=True)), "allreduce differs from DDP's")
+    failures.expect(
+        all(torch.allclose(a, b, atol=1e-6) for a, b in zip(default, ring, strict=True)),
+        "none (gradcomp's ring) not close to DDP's default",
+    )
+    failures.expect(parameters_identical_on_all_ranks(ours), SAME_MODEL)
+    fp16_torch, fp16_ours = gradients(rank, TORCH_FP16)[0], gradients(rank, "fp16")[0]
     return {
-        "allreduce exact": all(torch.equal(a, b) for a, b in zip(default, ours, strict=True)),
+        "failures": failures,
         # in units of the result's fp16 spacing (2**-10 relative, 2**-24 absolute below 2**-14)
         "fp16 difference": max(
             float(((a - b).abs() / (a.abs() * 2.0**-10).clamp_min(2.0**-24)).max())
@@ -68,49 +41,52 @@ def compare_with_torch(rank: int, world: int) -> dict[str, Any]:
         ),
         "fp16 identical elements": sum(int((a == b).sum()) for a, b in zip(fp16_torch, fp16_ours, strict=True))
         / sum(a.numel() for a in fp16_ours),
-        "none close": all(torch.allclose(a, b, atol=1e-6) for a, b in zip(default, ring, strict=True)),
-        "params": [p.sum().item() for p in ours],
     }
 
 
 def test_allreduce_and_fp16_hooks_match_torch() -> None:
-    """allreduce: bitwise DDP's default. fp16: torch's fp16_compress_hook, except that we divide by
-    the world size before the cast (design rule 5) and torch after it, in fp16, which rounds a
-    contribution in fp16's subnormal range (below 2**-14) once more; the sum can then round to the
-    neighbouring fp16 value. So: at most one fp16 spacing apart, and equal almost everywhere."""
-    results = spawn(2, compare_with_torch, timeout=300)
-    for result in results:
-        assert result["allreduce exact"], "allreduce hook differs from DDP's default"
+    """allreduce: bitwise DDP's default (and none, gradcomp's ring, close to it). fp16: torch's
+    fp16_compress_hook, except that we divide by the world size before the cast (design rule 5) and
+    torch after it, in fp16, which rounds a contribution in fp16's subnormal range (below 2**-14)
+    once more; the sum can then round to the neighbouring fp16 value. So: at most one fp16 spacing
+    apart, and equal almost everywhere."""
+    for result in run_checks(2, compare_with_torch, timeout=240):
         assert result["fp16 difference"] <= 1.0
         assert result["fp16 identical elements"] > 0.95
-        assert result["none close"]
-    assert results[0]["params"] == results[1]["params"]  # every rank holds the same model
 
 
-def train_many_buckets(rank: int, world: int, spec: str) -> list[float]:
+def train_many_buckets(rank: int, world: int, spec: str) -> Failures:
     params, _ = train(rank, spec, 200, bucket_cap_mb=0.002)
-    return [p.double().sum().item() for p in params]
+    failures = Failures()
+    failures.expect(parameters_identical_on_all_ranks(params), SAME_MODEL)
+    return failures
 
 
 @pytest.mark.parametrize("spec", ["powersgd:rank=2,ef=true", "topk:ratio=0.1,ef=true", "quantize:bits=4"])
 def test_multi_round_and_gather_compressors_run_200_steps_with_many_buckets(spec: str) -> None:
     """torch's powerSGD_hook aborts on gloo with more than one bucket; ours keeps every rank in step."""
-    results = spawn(2, train_many_buckets, (spec,), timeout=600)
-    assert results[0] == results[1]  # bitwise-identical parameters on every rank
+    run_checks(2, train_many_buckets, (spec,), timeout=240)
 
 
-def mismatched_specs(rank: int, world: int) -> str:
+def test_powersgd_runs_200_steps_at_4_ranks_with_many_buckets() -> None:
+    run_checks(4, train_many_buckets, ("powersgd:rank=1,ef=true",), timeout=240)
+
+
+def mismatched_specs(rank: int, world: int) -> Failures:
+    failures = Failures()
     try:
         train(rank, "topk:ratio=0.1" if rank == 0 else "topk:ratio=0.2", 1)
     except Exception as error:
-        return str(error)
-    return "trained"
+        message = str(error)
+        failures.expect("different compressor specs" in message, f"unexpected error: {message}")
+        failures.expect("topk:ratio=0.1" in message and "topk:ratio=0.2" in message, f"not both specs: {message}")
+    else:
+        failures.append("trained")
+    return failures
 
 
 def test_ranks_with_different_specs_fail_at_the_first_step_naming_both() -> None:
-    for message in spawn(2, mismatched_specs, timeout=120):
-        assert "different compressor specs" in message
-        assert "topk:ratio=0.1" in message and "topk:ratio=0.2" in message
+    run_checks(2, mismatched_specs, timeout=120)
 
 
 def test_a_bad_spec_fails_before_training() -> None:
@@ -118,30 +94,22 @@ def test_a_bad_spec_fails_before_training() -> None:
         hooks.make("topq:ratio=0.1")
 
 
-def resume(rank: int, world: int, spec: str) -> bool:
+def resume(rank: int, world: int, spec: str) -> Failures:
     """N steps, checkpoint (model, optimizer, hook state through torch.save / weights_only load),
     a fresh process state, M more steps == N + M steps uninterrupted, bitwise."""
-    import io
-
-    data = batches(rank, 10)
+    data = toy_batches(rank, 10)
 
     def fresh() -> tuple[DistributedDataParallel, torch.optim.Optimizer, hooks.HookState]:
-        ddp = DistributedDataParallel(model(), bucket_cap_mb=0.005)
-        state = hooks.register(ddp, spec, seed=3)
+        ddp, state = wrap(toy_model(), spec, seed=3)
+        assert state is not None
         return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), state
 
-    def steps(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer, chunk: list) -> None:
-        for x, y in chunk:
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(ddp(x), y).backward()
-            optimizer.step()
-
     ddp, optimizer, _ = fresh()
-    steps(ddp, optimizer, data)
+    sgd_steps(ddp, optimizer, data)
     uninterrupted = [p.detach().clone() for p in ddp.parameters()]
 
     ddp, optimizer, state = fresh()
-    steps(ddp, optimizer, data[:6])
+    sgd_steps(ddp, optimizer, data[:6])
     buffer = io.BytesIO()
     torch.save({"model": ddp.state_dict(), "optimizer": optimizer.state_dict(), "hook": state.state_dict()}, buffer)
     buffer.seek(0)
@@ -150,13 +118,16 @@ def resume(rank: int, world: int, spec: str) -> bool:
     ddp.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     state.load_state_dict(checkpoint["hook"])
-    steps(ddp, optimizer, data[6:])
-    return all(torch.equal(a, b) for a, b in zip(uninterrupted, ddp.parameters(), strict=True))
+    sgd_steps(ddp, optimizer, data[6:])
+    failures = Failures()
+    for index, (a, b) in enumerate(zip(uninterrupted, ddp.parameters(), strict=True)):
+        failures.expect(torch.equal(a, b), f"parameter {index} differs from the uninterrupted run's")
+    return failures
 
 
 @pytest.mark.parametrize("spec", ["topk:ratio=0.1,ef=true", "powersgd:rank=2,ef=true", "quantize:bits=2"])
 def test_checkpoint_and_resume_continue_exactly(spec: str) -> None:
-    assert spawn(2, resume, (spec,), timeout=300) == [True, True]
+    run_checks(2, resume, (spec,), timeout=240)
 
 
 class TwoHeads(nn.Module):
@@ -171,14 +142,14 @@ class TwoHeads(nn.Module):
         return self.used(torch.relu(self.body(x)))
 
 
-def run_options(rank: int, world: int, options: dict[str, Any], hook: Any, dtype: str, accumulate: int) -> list:
-    net = TwoHeads() if options.get("find_unused_parameters") else model()
-    net = net.to(getattr(torch, dtype))
-    ddp = DistributedDataParallel(net, bucket_cap_mb=0.005, **options)
-    if hook is not None:
-        hooks.register(ddp, hook)
+def run_options(
+    rank: int, options: dict[str, Any], hook: str | None, dtype: str, accumulate: int
+) -> list[torch.Tensor]:
+    """The parameters after 6 optimizer steps, each over ``accumulate`` batches (no_sync between)."""
+    net = TwoHeads() if options.get("find_unused_parameters") else toy_model()
+    ddp, _ = wrap(net.to(getattr(torch, dtype)), hook, ddp_options=options)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    for step, (x, y) in enumerate(batches(rank, 6 * accumulate)):
+    for step, (x, y) in enumerate(toy_batches(rank, 6 * accumulate)):
         loss = nn.functional.cross_entropy(ddp(x.to(getattr(torch, dtype))).float(), y)
         if (step + 1) % accumulate:
             with ddp.no_sync():  # accumulate locally, communicate every `accumulate` steps
@@ -200,19 +171,15 @@ OPTIONS = [
 ]
 
 
-def check_options(rank: int, world: int, index: int) -> list[str]:
+def check_options(rank: int, world: int, index: int) -> Failures:
     options, dtype, accumulate = OPTIONS[index]
-    failures = []
-    default = run_options(rank, world, options, None, dtype, accumulate)
-    ours = run_options(rank, world, options, "allreduce", dtype, accumulate)
-    if not all(torch.equal(a, b) for a, b in zip(default, ours, strict=True)):
-        failures.append("allreduce hook differs from DDP's default")
-    compressed = run_options(rank, world, options, "topk:ratio=0.2,ef=true", dtype, accumulate)
-    flat = torch.cat([p.view(-1) for p in compressed])
-    copies = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(copies, flat)
-    if not all(torch.equal(c, flat) for c in copies) or not torch.isfinite(flat).all():
-        failures.append("top-k hook left ranks apart or non-finite")
+    failures = Failures()
+    default = run_options(rank, options, None, dtype, accumulate)
+    ours = run_options(rank, options, "allreduce", dtype, accumulate)
+    failures.expect(all(torch.equal(a, b) for a, b in zip(default, ours, strict=True)), "allreduce differs from DDP's")
+    compressed = run_options(rank, options, "topk:ratio=0.2,ef=true", dtype, accumulate)
+    failures.expect(parameters_identical_on_all_ranks(compressed), f"top-k hook: {SAME_MODEL}")
+    failures.expect(all(torch.isfinite(p).all() for p in compressed), "top-k hook: non-finite parameters")
     return failures
 
 
@@ -220,27 +187,20 @@ def check_options(rank: int, world: int, index: int) -> list[str]:
 def test_ddp_options_and_half_precision_parameters(index: int) -> None:
     """One group of ranks per configuration, each comparing DDP's default, the allreduce hook and a
     compressed hook; find_unused_parameters makes DDP communicate on its own group during backward."""
-    assert spawn(2, check_options, (index,), timeout=300) == [[], []]
+    run_checks(2, check_options, (index,), timeout=240)
 
 
 def measure(rank: int, world: int, spec: str, trace: str) -> dict[str, Any]:
-    ddp = DistributedDataParallel(model(), bucket_cap_mb=0.005)
-    state = hooks.register(ddp, spec, algo="ring")
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    for x, y in batches(rank, 3):
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        optimizer.step()
+    params, state = train(rank, spec, 3, algo="ring")
+    assert state is not None
     state.write_trace(f"{trace}.{rank}")
-    return {"steps": state.steps(), "params": sum(p.numel() * 4 for p in ddp.parameters())}
+    return {"steps": state.steps(), "params": sum(p.numel() * 4 for p in params)}
 
 
 @pytest.mark.parametrize(("spec", "ratio"), [("fp16", 2.0), ("powersgd:rank=1", None), ("sign", None)])
-def test_statistics_and_trace(spec: str, ratio: float | None, tmp_path: Any) -> None:
-    import json
-
+def test_statistics_and_trace(spec: str, ratio: float | None, tmp_path: Path) -> None:
     trace = str(tmp_path / "trace.json")
-    results = spawn(2, measure, (spec, trace), timeout=300)
+    results = spawn_ranks(2, measure, (spec, trace), timeout=240)
     for rank, result in enumerate(results):
         steps = result["steps"]
         assert [s["step"] for s in steps] == [0, 1, 2]
@@ -270,19 +230,20 @@ LOSSY_BOUNDS = {  # worst error of the averaged gradient, relative to each param
 }
 
 
+def worst_relative_error(approx: list[torch.Tensor], exact: list[torch.Tensor]) -> float:
+    """The largest error of any parameter's gradient, relative to that gradient's largest |g|."""
+    return max(
+        float((a - e).abs().max() / e.abs().max()) for a, e in zip(approx, exact, strict=True) if e.abs().max() > 0
+    )
+
+
 def lossy_errors(rank: int, world: int) -> dict[str, float]:
-    exact = gradients(rank, "allreduce")
-    errors = {}
-    for spec in LOSSY_BOUNDS:
-        approx = gradients(rank, spec)
-        errors[spec] = max(
-            float((a - e).abs().max() / e.abs().max()) for a, e in zip(approx, exact, strict=True) if e.abs().max() > 0
-        )
-    return errors
+    exact, _ = gradients(rank, "allreduce")
+    return {spec: worst_relative_error(gradients(rank, spec)[0], exact) for spec in LOSSY_BOUNDS}
 
 
 def test_every_lossy_hook_stays_within_its_documented_bound() -> None:
-    for errors in spawn(2, lossy_errors, timeout=300):
+    for errors in spawn_ranks(2, lossy_errors, timeout=240):
         for spec, bound in LOSSY_BOUNDS.items():
             assert errors[spec] <= bound, f"{spec}: {errors[spec]} > {bound}"
         assert errors["fp16"] > 0  # and they do compress
@@ -294,13 +255,8 @@ def noop_training(rank: int, world: int) -> float:
 
 
 def test_noop_does_not_communicate() -> None:
-    first, second = spawn(2, noop_training, timeout=120)
+    first, second = spawn_ranks(2, noop_training, timeout=120)
     assert first != second  # each rank trained on its own data only
-
-
-def test_powersgd_runs_200_steps_at_4_ranks_with_many_buckets() -> None:
-    results = spawn(4, train_many_buckets, ("powersgd:rank=1,ef=true",), timeout=600)
-    assert all(r == results[0] for r in results)
 
 
 def test_make_accepts_string_and_tuple_specs_and_aliases() -> None:
@@ -312,39 +268,29 @@ def test_make_accepts_string_and_tuple_specs_and_aliases() -> None:
 
 
 def two_phase_against_exact(rank: int, world: int) -> dict[str, Any]:
-    exact = gradients(rank, "allreduce")
+    exact, _ = gradients(rank, "allreduce")
     result: dict[str, Any] = {}
     for aggregation in ("gather", "two_phase"):
-        ddp = DistributedDataParallel(model(), bucket_cap_mb=0.005)
-        state = hooks.register(ddp, "quantize:bits=8,rounding=nearest,chunk=64", aggregation=aggregation, algo="ring")
-        x, y = batches(rank, 1)[0]
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        grads = [p.grad for p in ddp.parameters()]
-        result[aggregation] = max(
-            float((g - e).abs().max() / e.abs().max()) for g, e in zip(grads, exact, strict=True) if e.abs().max() > 0
+        grads, state = gradients(
+            rank, "quantize:bits=8,rounding=nearest,chunk=64", aggregation=aggregation, algo="ring"
         )
+        assert state is not None
+        result[aggregation] = worst_relative_error(grads, exact)
         result[f"{aggregation} sent"] = state.steps()[0]["sent_bytes"]
-    ddp = DistributedDataParallel(model(), bucket_cap_mb=0.005)
-    hooks.register(ddp, "topk:ratio=0.2,ef=true", aggregation="two_phase")
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    for x, y in batches(rank, 20):
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        optimizer.step()
-    result["trained"] = [p.double().sum().item() for p in ddp.parameters()]
+    trained, _ = train(rank, "topk:ratio=0.2,ef=true", 20, aggregation="two_phase")
+    result["failures"] = Failures()
+    result["failures"].expect(parameters_identical_on_all_ranks(trained), f"two_phase training: {SAME_MODEL}")
     return result
 
 
 def test_two_phase_aggregation() -> None:
     """Two-phase: within two compression errors of the exact average, fewer bytes than all-gather
     at 4 ranks, and bitwise-identical models on every rank."""
-    results = spawn(4, two_phase_against_exact, timeout=600)
     step = 2.0 / 255  # 8-bit nearest rounding over a chunk's range: at most half a step, twice
-    for result in results:
+    for result in run_checks(4, two_phase_against_exact, timeout=240):
         assert result["gather"] <= step
         assert result["two_phase"] <= 2 * step
         assert result["two_phase sent"] < result["gather sent"]
-    assert all(r["trained"] == results[0]["trained"] for r in results)
 
 
 def test_two_phase_is_refused_for_summable_compressors() -> None:
@@ -352,24 +298,20 @@ def test_two_phase_is_refused_for_summable_compressors() -> None:
         hooks.make("fp16", aggregation="two_phase")
 
 
-def every_compressor(rank: int, world: int) -> dict[str, list[float]]:
-    from tests.helpers import SPECS
-
-    results = {}
-    specs = [*SPECS, *[f"{s}{',' if ':' in s else ':'}ef=true" for s in SPECS]]
+def every_compressor(rank: int, world: int) -> dict[str, Any]:
+    specs: list[Any] = [*SPECS, *[f"{s}{',' if ':' in s else ':'}ef=true" for s in SPECS]]
     specs += ["fp16:algo=ring", "sign:aggregation=two_phase,seed=5", ("topk", {"ratio": 0.1, "algo": "tree"})]
+    failures = Failures()
     for spec in specs:
         params, _ = train(rank, spec, 3)
-        results[str(spec)] = [p.double().sum().item() for p in params]
-    return results
+        failures.expect(parameters_identical_on_all_ranks(params), f"{spec}: {SAME_MODEL}")
+        failures.expect(all(abs(p.double().sum().item()) < 1e6 for p in params), f"{spec}: diverged")
+    return {"failures": failures, "specs": [str(spec) for spec in specs]}
 
 
 def test_every_compressor_with_and_without_error_feedback_trains_in_step() -> None:
-    first, second = spawn(2, every_compressor, timeout=600)
-    assert first.keys() == second.keys() and len(first) == 41
-    for spec, sums in first.items():
-        assert sums == second[spec], spec  # bitwise-identical models on both ranks
-        assert all(abs(s) < 1e6 for s in sums), spec  # finite, not diverged
+    first, second = run_checks(2, every_compressor, timeout=240)
+    assert first["specs"] == second["specs"] and len(set(first["specs"])) == 41
 
 
 @pytest.mark.parametrize(

@@ -16,8 +16,9 @@ import torch.distributed as dist
 
 from gradcomp import netem
 from gradcomp.cli import main
-from gradcomp.launch import RankError, spawn
+from gradcomp.launch import RankError
 from gradcomp.netem import EmulatedNetwork, NetemError, Profile
+from tests.distributed import spawn_ranks
 
 needs_root = pytest.mark.skipif(netem.unavailable() is not None, reason=str(netem.unavailable()))
 
@@ -93,7 +94,7 @@ def _ours() -> list[str]:
 def test_shaped_link_delivers_its_rate(world: int) -> None:
     """gloo's all-reduce over a 100 Mbit star reaches the link's rate within 15% (bus bandwidth)."""
     nbytes = 3 << 20
-    seconds = spawn(world, _busbw, (nbytes, 5), network="100mbit", timeout=120)[0]
+    seconds = spawn_ranks(world, _busbw, (nbytes, 5), network="100mbit", timeout=120)[0]
     busbw_bits = nbytes / seconds * 2 * (world - 1) / world * 8
     assert busbw_bits == pytest.approx(100e6, rel=0.15)
     assert busbw_bits <= 100e6  # shaped: never faster than the link
@@ -109,7 +110,7 @@ def _crash(rank: int, world: int) -> None:
 @needs_root
 def test_a_crashing_rank_leaves_no_namespace() -> None:
     with pytest.raises(RankError, match="fails on purpose"):
-        spawn(2, _crash, network="1gbit", timeout=60, group_timeout=10)
+        spawn_ranks(2, _crash, network="1gbit", timeout=60, group_timeout=10)
     assert _ours() == []
 
 
@@ -181,7 +182,7 @@ def test_delay_profile_adds_latency_or_says_why_not() -> None:
     """Where the kernel has netem, 2 ms one-way delay puts a round trip above 4 ms; where it has not,
     the profile is refused with the reason (this project's CI kernel has no sch_netem)."""
     try:
-        seconds = spawn(2, _round_trip, network="1gbit-2ms", timeout=60)[0]
+        seconds = spawn_ranks(2, _round_trip, network="1gbit-2ms", timeout=60)[0]
     except NetemError as error:
         assert "netem qdisc" in str(error)
         assert "bandwidth-only profiles" in str(error)

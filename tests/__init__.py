@@ -1,0 +1,1 @@
+"""gradcomp's test suite (a package, so that tests import their helpers as ``tests.<module>``)."""

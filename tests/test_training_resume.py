@@ -1,0 +1,79 @@
+"""Resuming a real 2-rank training run (tests.training_runs): stopped at step 17 and resumed, it must
+end bitwise where the run straight through does, continue its curves without duplicates, and refuse
+a checkpoint written with other settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from gradcomp.experiments.training.config import TrainConfig
+from gradcomp.experiments.training.run import launch
+from tests.training_runs import SETTINGS, STOP, TrainingRun, scalars, tensors
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The run stopped at STOP (its record and checkpoint), then resumed to the end (its record)."""
+    out = tmp_path_factory.mktemp("runs") / "resumed"
+    config = TrainConfig(**SETTINGS, out=str(out), resume="auto")
+    stopped = launch(dataclasses.replace(config, stop_at=STOP))
+    stopped_checkpoint = torch.load(config.checkpoint_path, weights_only=True)
+    return {"out": out, "stopped": stopped, "stopped_checkpoint": stopped_checkpoint, "resumed": launch(config)}
+
+
+@pytest.mark.timeout(240)
+def test_a_resumed_run_ends_bitwise_where_the_straight_run_does(
+    straight_run: TrainingRun, resumed: dict[str, Any]
+) -> None:
+    assert resumed["stopped"]["status"] == "stopped" and resumed["stopped"]["metrics"]["step"] == STOP
+    assert resumed["stopped_checkpoint"]["step"] == STOP
+    assert resumed["resumed"]["status"] == "finished" and resumed["resumed"]["resumed_from"] == STOP
+    straight = torch.load(straight_run.out / "checkpoint.pt", weights_only=True)
+    ended = torch.load(resumed["out"] / "checkpoint.pt", weights_only=True)
+    for name, tensor in straight["model"].items():
+        assert torch.equal(tensor, ended["model"][name]), name
+    for a, b in zip(tensors(straight["hooks"]), tensors(ended["hooks"]), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(tensors(straight["optimizer"]), tensors(ended["optimizer"]), strict=True):
+        assert torch.equal(a, b)
+    assert ended["progress"]["wire_bytes"] == straight["progress"]["wire_bytes"]
+    assert resumed["resumed"]["metrics"]["eval_accuracy"] == straight_run.record["metrics"]["eval_accuracy"]
+
+
+@pytest.mark.timeout(240)
+def test_a_resumed_run_continues_its_curves_without_duplicates(
+    straight_run: TrainingRun, resumed: dict[str, Any]
+) -> None:
+    events = scalars(resumed["out"])
+    for tag in ("train/loss", "eval/accuracy", "comm/wire_bytes"):
+        steps = [e.step for e in events.Scalars(tag)]
+        assert steps == sorted(set(steps)), (tag, steps)
+    assert [e.step for e in events.Scalars("eval/accuracy")] == [0, 10, STOP, 20, 30, 40]
+    wire = [e.step for e in events.Scalars("eval_vs_wire_bytes/accuracy")]
+    assert wire == sorted(wire) and wire[-1] == straight_run.record["metrics"]["wire_bytes"]
+    # the loss window that the stop split (steps 16-20) differs; all others are the straight run's
+    same = {5, 10, 15, 25, 30, 35, 40}
+    straight = scalars(straight_run.out)
+    assert [e.value for e in events.Scalars("train/loss") if e.step in same] == pytest.approx(
+        [e.value for e in straight.Scalars("train/loss") if e.step in same]
+    )
+    hparams = events.PluginTagToContent("hparams")
+    assert "_hparams_/session_start_info" in hparams  # written once, by the run that finished
+
+
+@pytest.mark.timeout(240)
+def test_resuming_with_other_settings_is_refused(straight_run: TrainingRun) -> None:
+    from gradcomp.experiments.training import checkpoint
+
+    path = str(straight_run.out / "checkpoint.pt")
+    other = TrainConfig(**{**SETTINGS, "lr": 0.1}, out=str(straight_run.out))
+    with pytest.raises(ValueError, match=r"other settings \(lr: 0.05 -> 0.1\)"):
+        checkpoint.load(path, other, 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="written by 2 ranks"):
+        checkpoint.load(path, TrainConfig(**SETTINGS), 4, torch.device("cpu"))
+    assert os.path.isfile(path)
