@@ -167,7 +167,7 @@ def traffic(results: list[dict[str, Any]], algo: str) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"w{w}")
 def test_ring_traffic(world: int, ranks: Callable[[int], list[dict[str, Any]]]) -> None:
-    """design.md section 4: a ring sends and receives 2 (p - 1) / p * n bytes per rank."""
+    """A ring sends and receives 2 (p - 1) / p * n bytes per rank (the cost formula of docs/collectives.md)."""
     share = 2 * (world - 1) * BIG * 4 // world
     assert traffic(ranks(world), "ring") == [(share, share)] * world
 

@@ -89,7 +89,7 @@ def test_aggregate_is_the_sum_of_contributions_and_identical_on_every_rank(spec:
     tolerance = {"fp16": 2.0**-10, "bf16": 2.0**-7}.get(spec, 1e-5)  # sums round in the payload dtype
     assert relative_error(results[0], expected) < tolerance
     for result in results[1:]:
-        assert torch.equal(result, results[0])  # design rule 4: bitwise-identical on all ranks
+        assert torch.equal(result, results[0])  # rule "bitwise-identical ranks"
 
 
 def test_casts_equal_torch_casts() -> None:

@@ -10,7 +10,7 @@ from gradcomp.collectives.cost_model import LinkCosts, all_reduce_seconds, busbw
 SLOW = LinkCosts(alpha=1e-3, beta=1e-9)  # 1 ms latency, 1 GB/s
 
 
-def test_ring_matches_design_formula() -> None:
+def test_ring_matches_the_alpha_beta_formula() -> None:
     n, p = 100e6, 8
     assert all_reduce_seconds("ring", n, p, SLOW) == pytest.approx(2 * 7 * 1e-3 + 2 * 7 / 8 * n * 1e-9)
 

@@ -46,7 +46,7 @@ def compare_with_torch(rank: int, world: int) -> dict[str, Any]:
 
 def test_allreduce_and_fp16_hooks_match_torch() -> None:
     """allreduce: bitwise DDP's default (and none, gradcomp's ring, close to it). fp16: torch's
-    fp16_compress_hook, except that we divide by the world size before the cast (design rule 5) and
+    fp16_compress_hook, except that we divide by the world size before the cast (rule "divide before sum") and
     torch after it, in fp16, which rounds a contribution in fp16's subnormal range (below 2**-14)
     once more; the sum can then round to the neighbouring fp16 value. So: at most one fp16 spacing
     apart, and equal almost everywhere."""
