@@ -22,7 +22,7 @@ import torch.distributed as dist
 from gradcomp import collectives
 from gradcomp.bench.report import markdown_table
 from gradcomp.bench.units import format_bytes
-from gradcomp.collectives.cost_model import ring_traffic
+from gradcomp.collectives.cost_model import busbw
 from gradcomp.launch import spawn
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
@@ -48,7 +48,7 @@ class Row:
     @property
     def busbw(self) -> float:
         """GB/s per rank on the wire for an optimal algorithm: algbw * 2 (p - 1) / p."""
-        return self.algbw * ring_traffic(self.ranks)
+        return busbw(self.size_bytes, self.ranks, self.time_ms * 1e-3) / 1e9
 
     @property
     def vs_native(self) -> float:
