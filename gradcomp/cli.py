@@ -26,9 +26,9 @@ import torch
 from gradcomp import __version__, collectives, netem
 from gradcomp.bench.units import ACCEPTED, parse_sizes
 from gradcomp.compressors import REGISTRY
-from gradcomp.compressors.base import format_value
 from gradcomp.compressors.registry import WRAPPER_OPTIONS
 from gradcomp.netem import NetemError
+from gradcomp.options import format_value
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,10 +1,12 @@
 """Start p ranks of a function on this machine, each in its own process with a gloo group.
 
-Used by ``gradcomp bench`` and by the distributed tests. Ranks meet on loopback at a port the OS
-picks; every rank's result (or traceback) comes back to the caller; a rank that hangs or dies is a
-clear error after ``timeout`` seconds, and every process is killed, never left behind.
-With ``network=`` (a :mod:`gradcomp.netem` profile) the ranks run inside emulated network namespaces
-and meet at rank 0's address there; the namespaces are gone when ``spawn`` returns.
+Used by ``gradcomp bench``, the training runs started here and the distributed tests. Ranks meet
+through a file store in a private temporary directory, so nothing listens for the rendezvous on
+any network, and gloo binds to loopback (``lo``): a local run exposes no port beyond this machine.
+Every rank's result (or traceback) comes back to the caller; a rank that hangs or dies is a clear
+error after ``timeout`` seconds, and every process is killed, never left behind. With ``network=``
+(a :mod:`gradcomp.netem` profile) the ranks run inside emulated network namespaces and gloo uses
+their interface there; the namespaces are gone when ``spawn`` returns.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import multiprocessing
 import os
 import queue
 import signal
-import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -31,19 +33,14 @@ class RankError(RuntimeError):
     """A rank raised, died or hung."""
 
 
-def free_port() -> int:
-    """A TCP port on loopback that was free a moment ago (bind to port 0: the OS chooses)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 class Place(NamedTuple):
-    """Where a rank runs: its network namespace (None: this machine's), the master's address, its NIC."""
+    """Where a rank runs: its network namespace (None: this machine's) and the interface gloo uses."""
 
     namespace: str | None
-    master: str
-    interface: str | None
+    interface: str
+
+
+LOOPBACK = "lo"
 
 
 def spawn(
@@ -69,10 +66,10 @@ def spawn(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     profile = network if isinstance(network, netem.Profile) else netem.Profile.parse(network)
     if not profile.emulated:
-        places = [Place(None, "127.0.0.1", None)] * world_size
+        places = [Place(None, LOOPBACK)] * world_size
         return _spawn(world_size, target, tuple(args), places, timeout, backend, group_timeout, threads)
     with netem.EmulatedNetwork(world_size, profile) as net:
-        places = [Place(net.namespace(r), net.address(0), netem.INTERFACE) for r in range(world_size)]
+        places = [Place(net.namespace(r), netem.INTERFACE) for r in range(world_size)]
         return _spawn(world_size, target, tuple(args), places, timeout, backend, group_timeout, threads)
 
 
@@ -86,13 +83,28 @@ def _spawn(
     group_timeout: float,
     threads: int,
 ) -> list[Any]:
+    with tempfile.TemporaryDirectory(prefix="gradcomp-store-") as directory:
+        store = os.path.join(directory, "store")  # private to this user (0700), removed at the end
+        return _run(world_size, target, args, places, store, timeout, backend, group_timeout, threads)
+
+
+def _run(
+    world_size: int,
+    target: Callable[..., Any],
+    args: tuple[Any, ...],
+    places: list[Place],
+    store: str,
+    timeout: float,
+    backend: str,
+    group_timeout: float,
+    threads: int,
+) -> list[Any]:
     context = multiprocessing.get_context("spawn")
     results: multiprocessing.Queue[tuple[int, str, Any]] = context.Queue()
-    port = free_port()
     processes = [
         context.Process(
             target=_rank_main,
-            args=(rank, world_size, places[rank], port, backend, group_timeout, threads, target, args, results),
+            args=(rank, world_size, places[rank], store, backend, group_timeout, threads, target, args, results),
             name=f"gradcomp-rank-{rank}",
         )
         for rank in range(world_size)
@@ -143,7 +155,7 @@ def _rank_main(
     rank: int,
     world_size: int,
     place: Place,
-    port: int,
+    store: str,
     backend: str,
     group_timeout: float,
     threads: int,
@@ -155,15 +167,14 @@ def _rank_main(
         # First, before torch starts any thread: a thread inherits its creator's network namespace.
         if place.namespace is not None:
             netem.enter(place.namespace)
-        if place.interface is not None:
-            os.environ["GLOO_SOCKET_IFNAME"] = place.interface
+        os.environ["GLOO_SOCKET_IFNAME"] = place.interface
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
         dist.init_process_group(
             backend,
-            init_method=f"tcp://{place.master}:{port}",
+            init_method=f"file://{store}",
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=group_timeout),

@@ -106,8 +106,25 @@ class Profile:
 
 
 def parse_profiles(text: str) -> list[str]:
-    """``"loopback,1gbit"`` -> both, each checked: a bad profile fails before anything runs."""
-    profiles = [p.strip() for p in text.split(",") if p.strip()]
+    """``"loopback,1gbit"`` -> both, each checked: a bad profile fails before anything runs.
+
+    Commas separate profiles, except inside a free-form one: ``rate=1gbit,delay=2ms,jitter=1ms,loopback``
+    is two profiles (a ``delay=`` or ``jitter=`` continues the free-form profile before it). A
+    semicolon always separates: ``delay=1ms;delay=2ms``.
+    """
+    profiles: list[str] = []
+    for group in text.split(";"):
+        fresh = True  # a group's first piece starts a profile
+        for piece in (p.strip() for p in group.split(",")):
+            if not piece:
+                continue
+            key = piece.partition("=")[0].strip().lower() if "=" in piece else None
+            continues = not fresh and key in ("delay", "jitter") and "=" in profiles[-1]
+            if continues and f"{key}=" not in profiles[-1].lower():
+                profiles[-1] += f",{piece}"
+            else:
+                profiles.append(piece)
+            fresh = False
     if not profiles:
         raise ValueError("--net needs at least one network profile")
     for profile in profiles:

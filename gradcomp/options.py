@@ -22,6 +22,11 @@ _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
 
+def format_value(value: Any) -> str:
+    """A value as a spec writes it (booleans as true/false): what :func:`convert` reads back."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def split_spec(text: str) -> tuple[str, dict[str, str]]:
     """``"name:key=value,..."`` -> (name, {key: value}), values still strings."""
     name, _, rest = text.strip().partition(":")

@@ -1,6 +1,7 @@
 """``hooks.make`` and ``hooks.register``: every gradcomp compressor as a DDP communication hook."""
 
 # No ``from __future__ import annotations`` here: DDP checks a hook's annotations at run time.
+import datetime
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ Hook = Callable[["HookState", GradBucket], torch.futures.Future[Tensor]]
 
 
 class HookState:
-    """What a gradcomp hook keeps between steps: the engine, and a stable key per parameter.
+    """What a gradcomp hook keeps between steps: its spec, the engine, and a stable key per parameter.
 
     A parameter's key is its index, numbered in the order DDP first hands parameters to the hook.
     DDP's first iteration always sees the same order, so keys are the same in every run (a
@@ -26,8 +27,11 @@ class HookState:
     DDP's bucket rebuild after the first iteration changes nothing (rule "state per tensor").
     """
 
-    def __init__(self, engine: Engine | None) -> None:
-        self.engine = engine
+    def __init__(self, spec: HookSpec, engine: Engine | None, world: int) -> None:
+        self.spec, self.engine, self.world = spec, engine, world
+        self.error: BaseException | None = None
+        """The first exception that failed a bucket, as gradcomp raised it (DDP's ``backward`` gets a
+        RuntimeError with its text): a :class:`gradcomp.errors.PeerError` names the peer."""
         self._indices: dict[int, int] = {}
 
     def keys(self, parameters: list[Tensor]) -> list[int]:
@@ -45,33 +49,57 @@ class HookState:
             write_trace(self.engine.records, path, dist.get_rank())
 
     def state_dict(self) -> dict[str, Any]:
-        """The compressor's state (residuals, warm starts, generators): loadable with
-        ``torch.load(..., weights_only=True)``."""
-        return {} if self.engine is None else {"compressor": self.engine.compressor.state_dict()}
+        """The hook's spec and world size, and the compressor's state (residuals, warm starts,
+        generators): loadable with ``torch.load(..., weights_only=True)``."""
+        state: dict[str, Any] = {"spec": str(self.spec), "world_size": self.world}
+        if self.engine is not None:
+            state["compressor"] = self.engine.compressor.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned, from a hook of the same spec and world size
+        (residuals are in units of the gradient over the world size): anything else is refused."""
+        if not isinstance(state, dict) or "spec" not in state or "world_size" not in state:
+            raise ValueError("not a gradcomp hook state (it records no spec and world size)")
+        saved, mine = (state["spec"], state["world_size"]), (str(self.spec), self.world)
+        if saved != mine:
+            raise ValueError(
+                f"this hook state was saved by the hook {saved[0]!r} at world size {saved[1]}; "
+                f"this hook is {mine[0]!r} at world size {mine[1]}"
+            )
         if self.engine is not None:
             self.engine.compressor.load_state_dict(state["compressor"])
 
 
 def _gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
     buffer = bucket.buffer()
-    future: torch.futures.Future[Tensor] = torch.futures.Future()
+    done: torch.futures.Future[Tensor | BaseException] = torch.futures.Future()
     if state.engine is None:  # noop: the compute floor
-        future.set_result(buffer)
-        return future
+        done.set_result(buffer)
+        return done  # type: ignore[return-value]  # a noop future never holds an error
     parameters = bucket.parameters()
 
     def finished(handle: Handle[Tensor]) -> None:
         try:
-            future.set_result(handle.wait())
-        except Exception as error:  # reaches DDP's wait in the training thread
-            future.set_exception(error)  # type: ignore[arg-type]  # torch's stub says Tensor
+            done.set_result(handle.wait())
+        except Exception as error:  # delivered to DDP's wait in the training thread by _raise
+            state.error = state.error or error  # the first is the cause; later buckets fail because of it
+            done.set_result(error)
 
-    keys, shapes = state.keys(parameters), [p.shape for p in parameters]
+    # Complex parameters travel as pairs of reals: the bucket holds them that way.
+    keys = state.keys(parameters)
+    shapes = [torch.view_as_real(p).shape if p.is_complex() else p.shape for p in parameters]
     state.engine.reduce(buffer, keys, shapes, bucket.index(), bucket.is_last()).then(finished)
-    return future
+    # DDP reads the future in C++, where only an error raised by a `then` callback counts as one
+    # (torch's Future.set_exception stores the exception as the value: "Unable to cast ... to Tensor").
+    return done.then(_raise)
+
+
+def _raise(future: torch.futures.Future[Tensor | BaseException]) -> Tensor:
+    result = future.value()
+    if isinstance(result, BaseException):
+        raise result.with_traceback(None)  # the message is what matters; the hook's frames are noise
+    return result
 
 
 def make(
@@ -81,6 +109,7 @@ def make(
     algo: str | None = None,
     aggregation: str | None = None,
     seed: int | None = None,
+    timeout: datetime.timedelta | None = None,
 ) -> tuple[HookState, Hook]:
     """A (state, hook) pair for ``ddp_model.register_comm_hook``. A bad spec fails here, before training.
 
@@ -88,20 +117,25 @@ def make(
         spec: a hook spec (:class:`HookSpec` or its text): a compressor spec, ``allreduce`` or
             ``noop``; its text may also set ``algo``, ``aggregation`` and ``seed``
             (``"fp16:algo=ring"``), which then override the arguments below.
-        group: the process group (default: DDP's, the world).
+        group: the process group to average over: the one DDP communicates on (``register`` passes
+            the model's ``process_group``; default: the world).
         algo: all-reduce algorithm for summable payloads: native (default), ring, tree or halving_doubling.
         aggregation: for the other compressors: gather, two_phase, or auto (default: two-phase from 8 ranks).
         seed: seed of the compressor's generators (default 0); the same on every rank.
+        timeout: what any collective of the hook may take before it fails, naming the peer (a frozen
+            or failed rank); default: ``group``'s own (what ``init_process_group`` was given).
     """
     given = {"algo": algo, "aggregation": aggregation, "seed": seed}
     parsed = HookSpec.parse(spec, **{key: value for key, value in given.items() if value is not None})
-    if parsed.noop:
-        return HookState(None), _gradcomp_hook
-    return HookState(Engine(parsed, group=group)), _gradcomp_hook
+    engine = None if parsed.noop else Engine(parsed, group=group, timeout=timeout)
+    world = dist.get_world_size(group) if dist.is_initialized() else 1  # noop needs no process group
+    return HookState(parsed, engine, world), _gradcomp_hook
 
 
 def register(model: torch.nn.parallel.DistributedDataParallel, spec: HookSpecLike, **options: Any) -> HookState:
-    """``make`` and ``model.register_comm_hook`` in one call; returns the state (for checkpoints)."""
+    """``make`` and ``model.register_comm_hook`` in one call, averaging over the group DDP communicates
+    on (its ``process_group``) unless ``group`` is given; returns the state (for checkpoints)."""
+    options.setdefault("group", model.process_group)
     state, hook = make(spec, **options)
     model.register_comm_hook(state, hook)
     return state

@@ -9,7 +9,7 @@ import torch
 
 from gradcomp.compressors import make_compressor
 from gradcomp.compressors.feedback import ErrorFeedback
-from gradcomp.compressors.simulate import compress_all
+from gradcomp.compressors.simulate import compress_all, simulate
 from tests.helpers import SPECS
 
 
@@ -124,3 +124,45 @@ def test_a_non_contractive_compressor_makes_the_residual_grow() -> None:
     for g in grads:
         compress_all([ef], [g], key="w")
     assert ef.residuals["w"].norm() > 100 * torch.stack(grads).sum(0).norm()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_non_finite_step_leaves_the_residual_as_it_was(spec: str, bad: float) -> None:
+    """The step with a NaN or Inf carries it (GradScaler sees it and skips the step); the residual
+    is bitwise what it was before, so the next step is clean."""
+    ef = make_compressor(f"{spec}{',' if ':' in spec else ':'}ef=true")
+    good, poisoned, after = gradients(3)
+    compress_all([ef], [good], key="w")
+    before = ef.residuals["w"].clone()
+    poisoned.view(-1)[17] = bad
+    contexts, finals = compress_all([ef], [poisoned], key="w")
+    assert not torch.isfinite(ef.decompress(finals[0], contexts[0])).all()  # the step carries it
+    assert torch.equal(ef.residuals["w"], before)
+    contexts, finals = compress_all([ef], [after], key="w")
+    assert torch.isfinite(ef.decompress(finals[0], contexts[0])).all() and torch.isfinite(ef.residuals["w"]).all()
+
+
+def test_an_overflowing_cast_leaves_the_residual_as_it_was() -> None:
+    """fp16 of a finite gradient past 65504 is Inf (GradScaler's overflow): no residual of -Inf."""
+    ef = make_compressor("fp16:ef=true")
+    compress_all([ef], [torch.ones(10)], key="w")
+    before = ef.residuals["w"].clone()
+    compress_all([ef], [torch.full((10,), 1e6)], key="w")
+    assert torch.equal(ef.residuals["w"], before)
+
+
+def test_a_peers_nan_leaves_powersgd_memory_and_residuals_as_they_were() -> None:
+    """A NaN on one rank reaches every rank through the summed factors: every rank keeps its
+    residual and the shared warm-start memory, the same decision everywhere."""
+    ranks = [make_compressor("powersgd:rank=2,ef=true", rank=r) for r in range(2)]
+    first, second = gradients(2, seed=1), gradients(2, seed=2)
+    simulate(ranks, [first[0], second[0]], key="w")
+    residuals = [c.residuals["w"].clone() for c in ranks]
+    memories = [[q.clone() for q in c.inner.memory["w"]] for c in ranks]
+    nan = first[1].clone()
+    nan[3, 4] = float("nan")
+    assert not any(torch.isfinite(result).all() for result in simulate(ranks, [nan, second[1]], key="w"))
+    for c, residual, memory in zip(ranks, residuals, memories, strict=True):
+        assert torch.equal(c.residuals["w"], residual)
+        assert all(torch.equal(q, m) for q, m in zip(c.inner.memory["w"], memory, strict=True))

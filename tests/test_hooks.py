@@ -78,7 +78,7 @@ def mismatched_specs(rank: int, world: int) -> Failures:
         train(rank, "topk:ratio=0.1" if rank == 0 else "topk:ratio=0.2", 1)
     except Exception as error:
         message = str(error)
-        failures.expect("different compressor specs" in message, f"unexpected error: {message}")
+        failures.expect("different hook specs" in message, f"unexpected error: {message}")
         failures.expect("topk:ratio=0.1" in message and "topk:ratio=0.2" in message, f"not both specs: {message}")
     else:
         failures.append("trained")
@@ -264,7 +264,7 @@ def test_make_accepts_string_and_tuple_specs_and_aliases() -> None:
     with pytest.raises(ValueError, match="unknown option"):
         hooks.make(("allreduce", {"ratio": 0.1}))
     state, _ = hooks.make("noop")
-    assert state.engine is None and state.steps() == [] and state.state_dict() == {}
+    assert state.engine is None and state.steps() == [] and state.state_dict() == {"spec": "noop", "world_size": 1}
 
 
 def two_phase_against_exact(rank: int, world: int) -> dict[str, Any]:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
 import pytest
 import torch.distributed as dist
 
-from gradcomp.launch import RankError, free_port, spawn
+from gradcomp.launch import RankError, spawn
 
 
 def identify(rank: int, world: int, offset: int) -> tuple[int, int, int]:
@@ -63,7 +64,37 @@ def test_a_rank_killed_by_a_signal_is_named() -> None:
         spawn(2, abort_on_rank_one, timeout=60, group_timeout=10)
 
 
-def test_free_port_is_a_valid_port() -> None:
-    assert 1024 <= free_port() < 65536
+def listening(rank: int, world: int) -> list[str]:
+    """The addresses this rank's process listens on (after a collective: gloo's pairs are up)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(4))
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                mine.add(target[len("socket:[") : -1])
+    addresses = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in mine:  # LISTEN, and this process's socket
+                    addresses.append(fields[1][:width])
+    return addresses
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+"""127.0.0.1, ::1 and ::ffff:127.0.0.1 as /proc/net/tcp{,6} write them."""
+
+
+def test_local_ranks_listen_on_loopback_only() -> None:
+    for addresses in spawn(2, listening, timeout=60):
+        assert addresses and set(addresses) <= LOOPBACK, addresses
+
+
+def test_a_world_needs_a_rank() -> None:
     with pytest.raises(ValueError, match="world_size"):
         spawn(0, identify)

@@ -239,3 +239,17 @@ def test_a_training_run_behind_a_shaped_link(tmp_path: Path) -> None:
     assert link_seconds > 0.05
     assert metrics["train_time_s"] >= 0.9 * link_seconds
     assert _ours() == []
+
+
+@pytest.mark.parametrize(
+    ("text", "profiles"),
+    [
+        ("loopback,1gbit", ["loopback", "1gbit"]),
+        ("rate=100mbit,jitter=0ms", ["rate=100mbit,jitter=0ms"]),
+        ("rate=1gbit,delay=2ms,jitter=1ms,loopback", ["rate=1gbit,delay=2ms,jitter=1ms", "loopback"]),
+        ("delay=1ms;delay=2ms", ["delay=1ms", "delay=2ms"]),
+        (" 1gbit-2ms ; rate=10mbit ", ["1gbit-2ms", "rate=10mbit"]),
+    ],
+)
+def test_free_form_profiles_stay_whole_in_a_list(text: str, profiles: list[str]) -> None:
+    assert netem.parse_profiles(text) == profiles

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from gradcomp.experiments.sweep import plan
-from gradcomp.experiments.sweep.runner import Progress, existing, format_summary, run_sweep
+from gradcomp.experiments.sweep.runner import Progress, existing, format_summary, lock, run_sweep
 
 
 def add_command(commands: argparse._SubParsersAction) -> None:
@@ -45,7 +45,8 @@ def _command(args: argparse.Namespace) -> int:
         sys.stdout.write(f"{len(runs)} runs in {out}\n")
         return 0
     try:
-        rows = run_sweep(runs, Progress(sys.stderr))
+        with lock(out):
+            rows = run_sweep(runs, Progress(sys.stderr))
     except KeyboardInterrupt:
         sys.stderr.write("\nsweep interrupted: run the same command again to continue where it stopped\n")
         return 130

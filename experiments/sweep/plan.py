@@ -36,7 +36,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from gradcomp import netem
-from gradcomp.experiments.tasks import parse_task
+from gradcomp.experiments.tasks import build_task, parse_task
+from gradcomp.experiments.training import runinfo
 from gradcomp.experiments.training.config import TrainConfig, field_names, from_mapping
 
 if sys.version_info >= (3, 11):
@@ -120,8 +121,10 @@ def expand(document: Mapping[str, Any], out: str, base: str = ".", where: str = 
         axes = {**DEFAULT_AXES, **grid, **own_axes}
         runs += _expand_entry(values, axes, entry.get("name"), out, base, place)
     _check_unique(runs, where)
+    runinfo.check_out(out)
     for network in dict.fromkeys(run.config.network for run in runs):
         netem.check(network)
+    _check_batches(runs, where)
     return runs
 
 
@@ -137,8 +140,11 @@ def _expand_entry(
             raise ValueError(f"{where}: {key} is both a setting and an axis")
     if "data" in values and isinstance(values["data"], str) and not os.path.isabs(values["data"]):
         values["data"] = os.path.join(base, values["data"])
-    if label is not None and (not isinstance(label, str) or not label.strip()):
-        raise ValueError(f"{where}: name must be a non-empty string, got {label!r}")
+    if label is not None and (not isinstance(label, str) or not SAFE_NAME.fullmatch(label)):
+        raise ValueError(
+            f"{where}: name must be letters, digits and . _ = + - (it names the runs' directories under --out), "
+            f"got {label!r}"
+        )
     # seeds outermost, hooks innermost: a sweep cut short has every method for the first seeds
     order: list[str] = [k for k in ("seeds", "networks", "ranks") if k in axes]
     order += [k for k in axes if k not in AXES] + ["hooks"]
@@ -171,9 +177,41 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._=+]+", "-", text.strip()).strip("-") or "x"
 
 
+SAFE_NAME = re.compile(r"[A-Za-z0-9_=+-][A-Za-z0-9._=+-]*")
+"""A [[tasks]] name: one path component, not hidden, never '..' (it names directories under --out)."""
+NAME_LIMIT = 255
+"""The longest file name most file systems take: a run's name is its directory's."""
+
+
+def _check_batches(runs: list[Run], where: str) -> None:
+    """Every run's batch fits its task's data (each distinct task is built once, here). A task that
+    cannot be built (a data file it refuses) is left to fail its runs, which are recorded as failed."""
+    tasks: dict[tuple[str, str | None], Any] = {}
+    for run in runs:
+        config = run.config
+        key = (config.task, config.data)
+        if key not in tasks:
+            try:
+                tasks[key] = build_task(config.task, config.data)
+            except ValueError:
+                tasks[key] = None
+        task = tasks[key]
+        if task is None:
+            continue
+        try:
+            task.batch(0, config.batch_size, config.seed)
+        except ValueError as error:
+            raise ValueError(f"{where}: run {run.name}: {error}") from None
+
+
 def _check_unique(runs: list[Run], where: str) -> None:
     seen: dict[str, Run] = {}
     for run in runs:
+        if len(run.name.encode()) > NAME_LIMIT:
+            raise ValueError(
+                f"{where}: the run name {run.name!r} has {len(run.name.encode())} bytes; a directory name takes at "
+                f"most {NAME_LIMIT}: give the [[tasks]] group a shorter name, or shorten the hook spec"
+            )
         if run.name in seen:
             raise ValueError(
                 f"{where}: two runs would be named {run.name!r} (a value repeated in an axis, or [[tasks]] "

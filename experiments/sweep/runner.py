@@ -14,12 +14,13 @@ The config format: :mod:`gradcomp.experiments.sweep.plan`; a guide: ``docs/exper
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import glob
+import fcntl
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
 try:
@@ -94,6 +95,33 @@ def _changes(recorded: dict[str, Any], planned: dict[str, Any]) -> list[str]:
     ]
 
 
+@contextlib.contextmanager
+def lock(out: str) -> Iterator[None]:
+    """Hold ``OUT/.sweep.lock`` while a sweep runs there: a second sweep on the same ``--out`` is
+    refused (it would train every run a second time, in the same directories) instead of racing."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, LOCK), "a+") as file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "another process"
+            raise ValueError(
+                f"another sweep is running in {out} ({holder}): wait for it, or use another --out"
+            ) from None
+        file.seek(0)
+        file.truncate()
+        file.write(f"pid {os.getpid()}")
+        file.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)
+
+
+LOCK = ".sweep.lock"
+
+
 def run_sweep(runs: Sequence[Run], progress: Progress | None = None) -> list[Row]:
     """Run every run not finished yet, in order; a failure is recorded and the sweep continues.
     Returns the summary of all runs."""
@@ -105,7 +133,6 @@ def run_sweep(runs: Sequence[Run], progress: Progress | None = None) -> list[Row
     for run in todo:
         if progress:
             progress.start(run)
-        _prepare(run)
         try:
             status = str(launch(run.config)["status"])
         except (RankError, NetemError) as error:
@@ -119,13 +146,6 @@ def run_sweep(runs: Sequence[Run], progress: Progress | None = None) -> list[Row
     if progress:
         progress.close()
     return [Row.of(run) for run in runs]
-
-
-def _prepare(run: Run) -> None:
-    """A run that starts over (no checkpoint to continue from) drops the events of its earlier attempt."""
-    if not os.path.isfile(run.config.checkpoint_path):
-        for path in glob.glob(os.path.join(run.config.out, "events.out.tfevents.*")):
-            os.remove(path)
 
 
 class Progress:

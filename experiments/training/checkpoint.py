@@ -20,9 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradcomp.experiments.training import runinfo
 from gradcomp.experiments.training.config import RESUMABLE_CHANGES, TrainConfig
 
-FORMAT = 1
+FORMAT = 2
+"""2: hook states record their spec and world size."""
 
 
 def gather(value: Any) -> list[Any] | None:
@@ -61,15 +63,18 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
 def save(path: str, checkpoint: dict[str, Any]) -> None:
     """Write atomically: an interruption while saving leaves the previous checkpoint intact."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    temporary = path + ".tmp"
-    torch.save({"format": FORMAT, **checkpoint}, temporary)
-    os.replace(temporary, path)
+    with runinfo.atomic(path) as file:
+        torch.save({"format": FORMAT, **checkpoint}, file)
 
 
 def load(path: str, config: TrainConfig, world_size: int, device: torch.device) -> dict[str, Any]:
-    """Load a checkpoint for ``config`` at ``world_size``; a checkpoint of another run is refused."""
-    checkpoint: dict[str, Any] = torch.load(path, map_location=device, weights_only=True)
-    if checkpoint.get("format") != FORMAT:
+    """Load a checkpoint for ``config`` at ``world_size``; a checkpoint of another run, or a file
+    that is not a readable checkpoint (truncated, corrupted, something else), is refused naming it."""
+    try:
+        checkpoint: dict[str, Any] = torch.load(path, map_location=device, weights_only=True)
+    except Exception as error:  # torch raises OSError, EOFError, RuntimeError, UnpicklingError, ...
+        raise ValueError(f"{path} is not a readable checkpoint ({type(error).__name__}: {error})") from None
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
         raise ValueError(f"{path}: not a checkpoint of this format ({FORMAT})")
     if checkpoint["world_size"] != world_size:
         raise ValueError(f"{path} was written by {checkpoint['world_size']} ranks; resume it with as many")

@@ -17,7 +17,7 @@ from typing import Any
 from gradcomp.engine.spec import HookSpec
 from gradcomp.experiments.tasks import parse_task
 from gradcomp.experiments.training.optim import OPTIMIZERS, SCHEDULES
-from gradcomp.options import convert
+from gradcomp.options import convert, format_value
 
 BACKENDS = ("gloo", "nccl")
 
@@ -76,7 +76,10 @@ class TrainConfig:
     checkpoint: str | None = None
     """Checkpoint file; None: OUT/checkpoint.pt."""
     resume: str | None = None
-    """Resume from this checkpoint; ``auto``: from the checkpoint file if it exists."""
+    """Resume from this checkpoint; ``auto``: from the checkpoint file if it exists (else start over)."""
+    overwrite: bool = False
+    """Replace the run that OUT holds (its events, checkpoint and run.json); without it, or resume,
+    a directory holding another run is refused."""
     timeout: float = 3600.0
     """Seconds the whole run may take when its ranks are started here."""
     group_timeout: float = 300.0
@@ -135,7 +138,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-PATH_FIELDS = ("out", "checkpoint", "resume", "stop_at", "timeout")
+PATH_FIELDS = ("out", "checkpoint", "resume", "overwrite", "stop_at", "timeout")
 """Fields that say where a run writes and how it is driven, not what it computes."""
 
 RESUMABLE_CHANGES = (*PATH_FIELDS, "steps", "epochs", "eval_every", "log_every", "checkpoint_every", "group_timeout")
@@ -181,14 +184,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One option per field: ``--batch-size`` for ``batch_size``, with its default and help. Values stay
     text here; :func:`from_args` converts them by the field's type, as sweep configs are."""
     docs = _field_docs()
+    hints = typing.get_type_hints(TrainConfig)
     for field in dataclasses.fields(TrainConfig):
         default = COMMAND_LINE_STEPS if field.name == "steps" else field.default
         text = docs.get(field.name, "").replace("``", "")  # plain text on a terminal
+        flag = {"nargs": "?", "const": "true"} if hints[field.name] is bool else {}  # --overwrite alone: true
         parser.add_argument(
             "--" + field.name.replace("_", "-"),
             default=None,
             metavar=field.name.upper(),
-            help=text if default is None else f"{text} (default: {default})",
+            help=text if default is None else f"{text} (default: {format_value(default)})",
+            **flag,  # type: ignore[arg-type]
         )
 
 

@@ -201,7 +201,9 @@ def _hparams(config: TrainConfig, world: int) -> dict[str, Any]:
 def launch(config: TrainConfig, *, verbose: bool = False) -> dict[str, Any]:
     """Start ``config.ranks`` ranks on this machine (behind ``config.network``), run, return rank 0's
     run record. A failure is recorded in run.json (status ``failed``) and raised (``RankError``, or
-    ``NetemError`` where the network cannot be built)."""
+    ``NetemError`` where the network cannot be built). An output directory that holds another run
+    is refused first (``runinfo.prepare``)."""
+    runinfo.prepare(config.out, config.checkpoint_path, config.resume, config.overwrite)
     try:
         results = spawn(
             config.ranks,
@@ -266,6 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             netem.check(config.network)
             record = launch(config, verbose=args.verbose)
         else:
+            if int(os.environ["RANK"]) == 0:
+                runinfo.prepare(config.out, config.checkpoint_path, config.resume, config.overwrite)
             maybe = _torchrun(config)
             if maybe is None:
                 return 0

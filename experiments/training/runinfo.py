@@ -7,14 +7,18 @@ the status alone what to skip on a rerun: ``finished`` runs are kept, all others
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import glob
 import json
 import os
 import platform
 import socket
 import sys
+import tempfile
+from collections.abc import Iterator
 from importlib import metadata
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -70,20 +74,76 @@ def read(out: str) -> dict[str, Any] | None:
 
 
 def write(out: str, record: dict[str, Any]) -> None:
-    """Write run.json atomically (a reader never sees half a file)."""
+    """Write run.json atomically (a reader never sees half a file, two writers never share a file)."""
     if record.get("status") not in STATUSES:
         raise ValueError(f"run status must be one of {STATUSES}, got {record.get('status')!r}")
     os.makedirs(out, exist_ok=True)
     record = {**record, "updated": now()}
-    temporary = path(out) + ".tmp"
-    with open(temporary, "w") as file:
+    with atomic(path(out), "w") as file:
         json.dump(record, file, indent=2, default=str)
         file.write("\n")
-    os.replace(temporary, path(out))
+
+
+@contextlib.contextmanager
+def atomic(target: str, mode: str = "wb") -> Iterator[IO[Any]]:
+    """A file that replaces ``target`` only once written whole (a unique temporary beside it)."""
+    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(target)), prefix=".tmp-")
+    try:
+        with os.fdopen(handle, mode) as file:
+            yield file
+        os.replace(temporary, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        raise
 
 
 def record_failure(out: str, name: str, config: dict[str, Any], error: str) -> None:
-    """Mark a run failed, keeping what rank 0 had written about it."""
+    """Mark a run failed, keeping what rank 0 had written about it. A finished run stays finished:
+    an attempt that fails before it starts (a refused resume) changes nothing of it."""
     record = read(out) or {"name": name, "config": config, "started": now()}
+    if record.get("status") == "finished":
+        return
     record.update(status="failed", error=error)
     write(out, record)
+
+
+def check_out(out: str) -> None:
+    """Refuse, before any rank starts, an output that cannot hold a run: a file, or a directory
+    (or the nearest existing parent of one to create) that this process cannot write."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"out {out!r} is a file, not a directory for the run")
+    existing = os.path.abspath(out)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"out {out!r}: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"out {out!r}: {existing} is not writable")
+
+
+def prepare(out: str, checkpoint: str, resume: str | None, overwrite: bool) -> None:
+    """Make ``out`` ready for a run, before its ranks start, so that two runs never mix in one
+    directory (TensorBoard would interleave their curves).
+
+    A directory that holds another run (a run.json, events or a checkpoint) is refused unless the
+    run resumes (``resume``: what it continues is checked against its settings when loaded) or
+    ``overwrite`` removes that run first. A run that resumes but finds no checkpoint starts over, so
+    the events of the earlier attempt are removed too.
+    """
+    check_out(out)
+    events = glob.glob(os.path.join(out, "events.out.tfevents.*"))
+    record = read(out)
+    held = [p for p in (path(out), checkpoint) if os.path.exists(p)] + events
+    if not held:
+        return
+    if overwrite or (resume == "auto" and not os.path.isfile(checkpoint)):
+        for stale in held:
+            os.remove(stale)
+        return
+    if resume is None:
+        what = f"a {record.get('status')} run of {record.get('config', {}).get('hook')!r}" if record else "a run"
+        raise ValueError(
+            f"{out} holds {what}: continue it with --resume auto, or start over with --overwrite (which removes "
+            "its events, checkpoint and run.json), or give another --out"
+        )

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch.distributed as dist
 from torch import Tensor
 
-from gradcomp.collectives.link import Link, segments
+from gradcomp.collectives.link import Link, Pending, segments
 from gradcomp.collectives.ops import ReduceOp
 from gradcomp.collectives.ring import SEGMENT_BYTES, chunk_bounds
 from gradcomp.workspace import Workspace
@@ -86,7 +85,7 @@ def _recursive_doubling(
     partners = [real(virtual ^ (1 << k)) for k in range(power.bit_length() - 1)]
     n = flat.numel()
     receives = [link.start(receive=incoming[k * n : (k + 1) * n], source=q) for k, q in enumerate(partners)]
-    sends: list[list[dist.Work]] = []
+    sends: list[list[Pending]] = []
     for k, partner in enumerate(partners):
         sends.append(link.start(send=flat, to=partner))
         link.wait(receives[k])
@@ -140,7 +139,7 @@ def _halving_doubling(
         [link.start(receive=part[a:b], source=partner) for a, b in pieces(part.numel())]
         for (partner, _, _), part in zip(plans, parts, strict=True)
     ]
-    sends: list[list[dist.Work]] = []
+    sends: list[list[Pending]] = []
     for (partner, (keep_start, keep_stop), (give_start, give_stop)), part, waiting in zip(
         plans, parts, receives, strict=True
     ):

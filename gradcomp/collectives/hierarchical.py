@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gradcomp.collectives import ring
+from gradcomp.collectives.groups import subgroup
 from gradcomp.collectives.link import Link
 from gradcomp.collectives.ops import ReduceOp
 
@@ -38,9 +39,7 @@ def subgroups(group: dist.ProcessGroup | None, local_size: int) -> tuple[dist.Pr
         machine, local = divmod(rank, local_size)
         intra_ranks = members[machine * local_size : (machine + 1) * local_size]
         inter_ranks = members[local::local_size]
-        intra = dist.new_group(intra_ranks, use_local_synchronization=True)
-        inter = dist.new_group(inter_ranks, use_local_synchronization=True)
-        _subgroups[key] = (intra, inter)
+        _subgroups[key] = (subgroup(group, intra_ranks), subgroup(group, inter_ranks))
     return _subgroups[key]
 
 

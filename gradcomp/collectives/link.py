@@ -9,9 +9,12 @@ rank derives the same sizes.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch.distributed as dist
 from torch import Tensor
+
+from gradcomp.errors import PeerError
 
 TAG = 0x67C0
 """Tag of gradcomp's point-to-point messages, apart from a user's own (default tag 0)."""
@@ -28,6 +31,15 @@ class Traffic:
         self.sent += other.sent
         self.received += other.received
         return self
+
+
+class Pending(NamedTuple):
+    """A transfer in flight: the backend's work, and what it is (for the error if it fails)."""
+
+    work: dist.Work
+    sending: bool
+    nbytes: int
+    peer: int
 
 
 class Link:
@@ -61,21 +73,51 @@ class Link:
         to: int | None = None,
         receive: Tensor | None = None,
         source: int | None = None,
-    ) -> list[dist.Work]:
+    ) -> list[Pending]:
         """Post the receive, then the send, without waiting; :meth:`wait` on what it returns."""
-        works = []
+        pending = []
         if receive is not None and receive.numel() and source is not None:
-            works.append(dist.irecv(receive, src=self._global(source), group=self.group, tag=TAG))
-            self.traffic.received += receive.numel() * receive.element_size()
+            nbytes = receive.numel() * receive.element_size()
+            try:
+                work = dist.irecv(receive, src=self._global(source), group=self.group, tag=TAG)
+            except RuntimeError as error:
+                raise self._peer_error(error, False, nbytes, source) from error
+            if work is not None:
+                pending.append(Pending(work, False, nbytes, source))
+            self.traffic.received += nbytes
         if send is not None and send.numel() and to is not None:
-            works.append(dist.isend(send, dst=self._global(to), group=self.group, tag=TAG))
-            self.traffic.sent += send.numel() * send.element_size()
-        return [w for w in works if w is not None]
+            nbytes = send.numel() * send.element_size()
+            try:
+                work = dist.isend(send, dst=self._global(to), group=self.group, tag=TAG)
+            except RuntimeError as error:
+                raise self._peer_error(error, True, nbytes, to) from error
+            if work is not None:
+                pending.append(Pending(work, True, nbytes, to))
+            self.traffic.sent += nbytes
+        return pending
 
-    @staticmethod
-    def wait(works: list[dist.Work]) -> None:
-        for work in works:
-            work.wait()
+    def wait(self, pending: list[Pending]) -> None:
+        """Wait for every transfer; a failure (a peer that timed out, died or does something else)
+        raises :class:`PeerError` naming this rank and the peer."""
+        for transfer in pending:
+            try:
+                transfer.work.wait()
+            except RuntimeError as error:
+                raise self._peer_error(error, transfer.sending, transfer.nbytes, transfer.peer) from error
+
+    def _peer_error(self, error: RuntimeError, sending: bool, nbytes: int, peer: int) -> PeerError:
+        """The backend's error about a transfer (posting it or waiting for it), naming both ranks."""
+        what, direction = ("sending", "to") if sending else ("receiving", "from")
+        return PeerError(
+            f"{self._name(self.rank)}: {what} {nbytes} bytes {direction} {self._name(peer)} failed: is that rank "
+            f"frozen, dead, or running a different collective (ranks must issue the same ones in the same order)? "
+            f"{error}"
+        )
+
+    def _name(self, rank: int) -> str:
+        """``rank 1`` (``rank 1 (global 3)`` in a subgroup)."""
+        global_rank = self._global(rank)
+        return f"rank {rank}" if global_rank == rank else f"rank {rank} (global {global_rank})"
 
 
 def segments(numel: int, element_size: int, segment_bytes: int) -> list[tuple[int, int]]:

@@ -55,6 +55,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from gradcomp.options import format_value
 from gradcomp.workspace import Workspace
 
 Payload = tuple[Tensor, ...]
@@ -94,11 +95,6 @@ class ChunkedConfig(CompressorConfig):
     def __post_init__(self) -> None:
         if self.chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {self.chunk}")
-
-
-def format_value(value: Any) -> str:
-    """A config value as a spec writes it (booleans as true/false)."""
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def spec_text(name: str, config: CompressorConfig, extra: Sequence[str] = ()) -> str:
@@ -279,6 +275,12 @@ def flat_out(out: Tensor | None, meta: Meta, device: torch.device) -> Tensor:
 def _shares_memory(tensor: Tensor, payload: Payload) -> bool:
     storage = tensor.untyped_storage().data_ptr()
     return any(t.untyped_storage().data_ptr() == storage for t in payload)
+
+
+def all_finite(tensor: Tensor) -> bool:
+    """Whether every element is finite, in one reduction pass: a finite sum proves it (a NaN or Inf
+    makes the sum non-finite); only a sum that overflows needs the element-wise check."""
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 def check_gradient(tensor: Tensor) -> Tensor:

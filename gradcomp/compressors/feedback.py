@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradcomp.compressors.base import Compressor, CompressorConfig, Key, Payload, check_gradient
+from gradcomp.compressors.base import Compressor, CompressorConfig, Key, Payload, all_finite, check_gradient
 
 
 @dataclasses.dataclass
@@ -36,9 +36,11 @@ class ErrorFeedback(Compressor):
     this rank's own final payload, before it travels (``Compressor.contribution``).
 
     Memory: two buffers per key the size of the gradient (the residual, and the compensated
-    gradient, which the payload may alias while in flight). Compute: two extra passes (the add and
-    the subtract) plus one decompression of the local payload; for compressors that fuse the
-    subtraction (``Compressor.subtract_contribution``: PowerSGD), the add and one fused pass.
+    gradient, which the payload may alias while in flight), and a scratch buffer per thread the size
+    of the largest. Compute: three extra passes (the add, the subtract and a finiteness check) plus
+    one decompression of the local payload; for compressors that fuse the subtraction
+    (``Compressor.subtract_contribution``: PowerSGD), the add, one fused pass and the check.
+    A non-finite step leaves the residual as it was (:meth:`_update`).
     Keys: every distinct tensor needs its own key (its identity across steps, e.g. its parameter
     names); the same key with a new shape is an error, not a silent reset.
     """
@@ -109,13 +111,23 @@ class ErrorFeedback(Compressor):
 
     def _update(self, payload: Payload, ctx: FeedbackContext) -> None:
         """e = c - contribution(payload), with no allocation: fused in c's buffer, which then
-        becomes the residual (the two buffers swap roles), or in the residual's own buffer."""
+        becomes the residual (the two buffers swap roles), or through a scratch buffer into the
+        residual's own.
+
+        A non-finite step (a NaN or Inf gradient, an overflowing cast, a peer's NaN in PowerSGD's
+        factors) leaves the residual as it was: the step itself carries the NaN (so that GradScaler
+        skips it), and the next step starts clean (rule "one bad step", ``docs/architecture.md``).
+        """
         residual = self.residuals[ctx.key]
         if self.inner.subtract_contribution(payload, ctx.inner, ctx.compensated):
-            self.residuals[ctx.key], self._compensated[ctx.key] = ctx.compensated, residual
+            if all_finite(ctx.compensated):
+                self.residuals[ctx.key], self._compensated[ctx.key] = ctx.compensated, residual
             return
-        self.inner.contribution(payload, ctx.inner, out=residual)
-        torch.sub(ctx.compensated, residual, out=residual)
+        contribution = self.workspace.take("feedback", residual.numel(), residual.dtype, residual.device)
+        self.inner.contribution(payload, ctx.inner, out=contribution.view_as(residual))
+        # By the input policy a non-finite input gives a non-finite contribution: one check covers both.
+        if all_finite(contribution):
+            torch.sub(ctx.compensated, contribution.view_as(residual), out=residual)
 
     def decompress(self, payload: Payload, ctx: FeedbackContext, out: Tensor | None = None) -> Tensor:
         return self.inner.decompress(payload, ctx.inner, out=out)

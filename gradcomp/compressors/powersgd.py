@@ -17,6 +17,7 @@ from gradcomp.compressors.base import (
     Key,
     Meta,
     Payload,
+    all_finite,
     check_gradient,
     flat_out,
 )
@@ -128,7 +129,7 @@ class PowerSGD(Compressor):
         if ctx.raw_sum is None:
             raise RuntimeError("powersgd: decompress called before next_round (it needs two rounds)")
         qs = _split(payload[0], [(s.cols, s.rank) for s in _compressed(ctx.segments)])
-        if self.config.warm_start:
+        if self.config.warm_start and all(all_finite(q) for q in qs):  # a NaN step must not poison the memory
             self.memory[ctx.key] = [q.clone() for q in qs]
         return self._reconstruct(qs, ctx.raw_sum, ctx, out)
 

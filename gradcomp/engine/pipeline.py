@@ -29,6 +29,7 @@ every rank and nothing communicates from a backend's callback thread (rule "one 
 from __future__ import annotations
 
 import collections
+import datetime
 import math
 import time
 from collections.abc import Sequence
@@ -41,12 +42,14 @@ from torch import Tensor
 
 from gradcomp import collectives
 from gradcomp.collectives.executor import Handle, executor
+from gradcomp.collectives.groups import subgroup
 from gradcomp.collectives.link import Traffic
 from gradcomp.compressors import Aggregation, Compressor, Key, Payload, make_compressor
 from gradcomp.compressors.cast import Identity
 from gradcomp.engine import transport, two_phase
 from gradcomp.engine.spec import HookSpec, HookSpecLike
 from gradcomp.engine.stats import BucketRecord
+from gradcomp.errors import PeerError, SpecMismatchError
 
 
 class Engine:
@@ -61,10 +64,19 @@ class Engine:
             two-phase, :mod:`gradcomp.engine.two_phase`; ``auto``: two-phase from
             ``TWO_PHASE_FROM`` ranks on) and the seed of the compressor's generators.
         group: the ranks to average over (default: the world).
+        timeout: what any of the engine's collectives may take before it fails (a frozen or failed
+            peer); default: ``group``'s own timeout (what ``init_process_group`` was given).
         history: how many bucket records (:mod:`gradcomp.engine.stats`) to keep, the latest.
     """
 
-    def __init__(self, spec: HookSpecLike, *, group: dist.ProcessGroup | None = None, history: int = 10_000) -> None:
+    def __init__(
+        self,
+        spec: HookSpecLike,
+        *,
+        group: dist.ProcessGroup | None = None,
+        timeout: datetime.timedelta | None = None,
+        history: int = 10_000,
+    ) -> None:
         self.spec = HookSpec.parse(spec)  # before touching any process group: a bad spec fails first
         if self.spec.compressor is None:
             raise ValueError("noop sends nothing: it needs no engine (gradcomp.hooks.make handles it)")
@@ -81,7 +93,7 @@ class Engine:
         # training thread (find_unused_parameters' bitmap, static_graph's checks); on one shared
         # group they would interleave with the engine's differently on each rank (gloo aborts with
         # "Received data size doesn't match expected size").
-        self.group = _private_group(group)
+        self.group = subgroup(group, timeout=timeout, purpose=f"the hook {self.spec}")
         self._checked = False
         self.step = 0
         self.records: collections.deque[BucketRecord] = collections.deque(maxlen=history)
@@ -245,10 +257,16 @@ class Engine:
 
     def _check_same_spec(self, device: torch.device) -> None:
         mine = torch.tensor(list(str(self.spec).encode()), dtype=torch.uint8, device=device)
-        specs = [bytes(p.tolist()).decode() for p in collectives.all_gatherv(mine, group=self.group).wait()]
+        try:
+            specs = [bytes(p.tolist()).decode() for p in collectives.all_gatherv(mine, group=self.group).wait()]
+        except PeerError as error:
+            raise PeerError(
+                f"the ranks did not all reach the first step's check of the hook spec ({self.spec}): a rank with "
+                "another hook (noop never communicates), or one that is frozen or failed? " + str(error)
+            ) from error
         if len(set(specs)) > 1:
             listing = "; ".join(f"rank {r}: {s!r}" for r, s in enumerate(specs))
-            raise ValueError(f"ranks were given different compressor specs: {listing}")
+            raise SpecMismatchError(f"ranks were given different hook specs: {listing}")
 
 
 TWO_PHASE_FROM = 8
@@ -264,12 +282,3 @@ def _views(buffer: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
         parts.append(buffer[start : start + math.prod(shape)].view(shape))
         start += math.prod(shape)
     return parts
-
-
-def _private_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """A new process group with the ranks of ``group``. Every rank of the world must create
-    engines in the same order (as for any collective)."""
-    if group is None:
-        return dist.new_group()
-    ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
-    return dist.new_group(ranks, use_local_synchronization=True)

@@ -1,0 +1,57 @@
+"""Process groups gradcomp creates, each bounded by the timeout of the group it derives from.
+
+``torch.distributed.new_group`` without a timeout takes the backend's default (30 minutes on
+gloo), whatever the user gave ``init_process_group``: a frozen or failed peer would then block the
+engine's collectives for half an hour. Every group gradcomp creates goes through :func:`subgroup`,
+so every wait on it is bounded by the user's timeout (rule "bounded waits", ``docs/architecture.md``).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from gradcomp.errors import PeerError
+
+
+def timeout_of(group: dist.ProcessGroup | None = None) -> datetime.timedelta:
+    """The timeout every operation on ``group`` (default: the world) is bounded by."""
+    pg = group if group is not None else dist.group.WORLD
+    assert pg is not None, "no default process group: call torch.distributed.init_process_group first"
+    try:
+        # torch keeps it in the backend's options; there is no public accessor (torch 2.3-2.13)
+        timeout: datetime.timedelta = pg._get_backend(pg._device_types[0]).options._timeout
+        return timeout
+    except (AttributeError, IndexError, RuntimeError):
+        return dist.distributed_c10d._get_default_timeout(dist.get_backend(pg))
+
+
+def subgroup(
+    parent: dist.ProcessGroup | None,
+    ranks: Sequence[int] | None = None,
+    *,
+    timeout: datetime.timedelta | None = None,
+    purpose: str = "gradcomp's collectives",
+) -> dist.ProcessGroup:
+    """A new process group of ``ranks`` (global ranks; None: every rank of ``parent``, default the
+    world), with ``timeout`` or else ``parent``'s. Every rank of the world must call it in the same
+    order when ``ranks`` is None (torch's rule for ``new_group``); otherwise only the members
+    synchronize. A member that never comes is a :class:`PeerError` after the timeout, which says
+    what the group was for (``purpose``)."""
+    if ranks is None and parent is not None:
+        ranks = [dist.get_global_rank(parent, r) for r in range(dist.get_world_size(parent))]
+    timeout = timeout if timeout is not None else timeout_of(parent)
+    try:
+        return dist.new_group(
+            list(ranks) if ranks is not None else None, timeout=timeout, use_local_synchronization=ranks is not None
+        )
+    except RuntimeError as error:  # DistError and gloo's timeouts are RuntimeErrors
+        members = list(ranks) if ranks is not None else list(range(dist.get_world_size()))
+        raise PeerError(
+            f"creating a process group of ranks {members} for {purpose} failed (timeout "
+            f"{timeout.total_seconds():g} s): "
+            "each of them must create it, in the same order; a rank running another hook (noop creates "
+            f"none), or a frozen or failed rank? {error}"
+        ) from error

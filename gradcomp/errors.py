@@ -1,0 +1,20 @@
+"""gradcomp's own errors, for what goes wrong between ranks (bad input is a ValueError or TypeError).
+
+Inside a DDP hook they also reach DDP's ``backward`` (as a RuntimeError carrying their text: torch's
+futures cross C++ there), and the hook's state keeps the original (``HookState.error``).
+"""
+
+from __future__ import annotations
+
+
+class GradcompError(RuntimeError):
+    """Base of gradcomp's errors between ranks."""
+
+
+class PeerError(GradcompError):
+    """A transfer with a peer failed or timed out: the peer is frozen, dead, or not taking part in
+    the same collective (ranks that run different code). The message names both ranks."""
+
+
+class SpecMismatchError(GradcompError):
+    """Ranks were given different hook specs (every rank's spec is in the message)."""

@@ -1,0 +1,199 @@
+"""What goes wrong between ranks ends as a clear error within the user's timeout, one bad step never
+poisons what the hook keeps, and valid but unusual input (subgroups, empty and complex parameters)
+gives what DDP's own path gives. On real gloo ranks; docs/reliability.md lists what each proves."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradcomp import hooks
+from gradcomp.engine.spec import HookSpec
+from tests.distributed import Failures, parameters_identical_on_all_ranks, run_checks, spawn_ranks
+from tests.toy_ddp import sgd_steps, toy_batches, toy_model, wrap
+
+GROUP_TIMEOUT = 5.0
+"""What init_process_group is given in the fault scenarios: every wait must end within about this."""
+
+
+# -- one NaN does not end training ---------------------------------------------------------------
+
+
+def nan_at_step_5(rank: int, world: int, specs: list[str]) -> Failures:
+    """GradScaler skips exactly the step whose batch held an Inf (on rank 0 only), then trains on."""
+    failures = Failures()
+    for spec in specs:
+        ddp, _ = wrap(toy_model(), spec)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        skipped = []
+        for step, (x, y) in enumerate(toy_batches(rank, 12)):
+            if step == 5 and rank == 0:
+                x = x.clone()
+                x[0, 0] = float("inf")
+            optimizer.zero_grad()
+            scaler.scale(nn.functional.cross_entropy(ddp(x), y)).backward()
+            scale = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            skipped.append(scaler.get_scale() < scale)
+        failures.expect(skipped == [i == 5 for i in range(12)], f"{spec}: skipped steps {skipped}")
+        failures.expect(all(bool(torch.isfinite(p).all()) for p in ddp.parameters()), f"{spec}: non-finite model")
+        failures.expect(parameters_identical_on_all_ranks(list(ddp.parameters())), f"{spec}: ranks differ")
+    return failures
+
+
+def test_one_non_finite_batch_skips_one_step_under_gradscaler() -> None:
+    specs = ["topk:ratio=0.1,ef=true", "powersgd:rank=2,ef=true", "fp16:ef=true", "sign:ef=true"]
+    run_checks(2, nan_at_step_5, (specs,), timeout=240)
+
+
+# -- the group DDP communicates on ----------------------------------------------------------------
+
+
+def subgroup_ddp(rank: int, world: int) -> Failures:
+    """DDP on the subgroups {0, 1} and {2, 3}: the hook averages over the model's own group only,
+    bitwise as DDP's built-in all-reduce does."""
+    failures = Failures()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[rank // 2]
+    x, y = toy_batches(rank, 1)[0]
+    grads = []
+    for hook in (None, "allreduce", "fp16"):
+        ddp, _ = wrap(toy_model(), hook, ddp_options={"process_group": mine})
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        grads.append([p.grad for p in ddp.parameters()])
+    reference, allreduce, fp16 = grads
+    failures.expect(all(torch.equal(a, b) for a, b in zip(reference, allreduce, strict=True)), "allreduce differs")
+    close = all(torch.allclose(a, b, rtol=1e-2, atol=1e-3) for a, b in zip(reference, fp16, strict=True))
+    failures.expect(close, "fp16 is not the subgroup's average")
+    return failures
+
+
+def test_the_hook_averages_over_the_group_ddp_communicates_on() -> None:
+    run_checks(4, subgroup_ddp, timeout=240)
+
+
+# -- empty and complex parameters ---------------------------------------------------------------
+
+
+class Unusual(nn.Module):
+    """A linear layer, an empty parameter and a complex one, all with gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(32, 10)
+        self.empty = nn.Parameter(torch.zeros(0, 16))
+        self.phase = nn.Parameter(torch.randn(10, dtype=torch.complex64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.linear(x) * self.phase).abs() + self.empty.sum()
+
+
+UNUSUAL_SPECS = ["allreduce", "fp16", "quantize:bits=4", "qsgd", "sign:ef=true", "terngrad", "topk:ratio=0.5,ef=true"]
+
+
+def unusual_parameters(rank: int, world: int) -> Failures:
+    failures = Failures()
+    batches = toy_batches(rank, 3)
+    reference, _ = wrap(Unusual(), None)
+    sgd_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1), batches)
+    for spec in UNUSUAL_SPECS:
+        ddp, _ = wrap(Unusual(), spec)
+        sgd_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), batches)
+        parameters = list(ddp.parameters())
+        failures.expect(parameters[0].shape == (0, 16) and parameters[1].is_complex(), f"{spec}: shapes changed")
+        failures.expect(all(bool(torch.isfinite(p).all()) for p in parameters), f"{spec}: non-finite")
+        failures.expect(parameters_identical_on_all_ranks(parameters), f"{spec}: ranks differ")
+        if spec == "allreduce":
+            same = all(torch.equal(a, b) for a, b in zip(reference.parameters(), parameters, strict=True))
+            failures.expect(same, "allreduce differs from DDP's built-in path with empty and complex parameters")
+    return failures
+
+
+def test_empty_and_complex_parameters_train_with_every_kind_of_hook() -> None:
+    run_checks(2, unusual_parameters, timeout=240)
+
+
+# -- every wait ends within the timeout, with an error that names what went wrong ---------------
+
+
+def frozen_or_absent_peer(rank: int, world: int, how: str, record: str) -> dict[str, Any]:
+    """Rank 1 freezes (SIGSTOP) or raises and stays alive; rank 0's next step must fail within the
+    group's timeout, naming rank 1, and its hook state keeps gradcomp's own error."""
+    ddp, state = wrap(toy_model(), "topk:ratio=0.1,ef=true")
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    pids: list[int | None] = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    batches = toy_batches(rank, 3)
+    sgd_steps(ddp, optimizer, batches[:2])
+    if rank == 1:
+        if how == "frozen":
+            os.kill(os.getpid(), signal.SIGSTOP)  # until rank 0 has its error and wakes this one up
+        else:
+            time.sleep(3 * GROUP_TIMEOUT)  # a peer that failed in user code and stays alive
+        return {}
+    began = time.monotonic()
+    try:
+        sgd_steps(ddp, optimizer, batches[2:])
+        error = "no error"
+    except RuntimeError as caught:
+        error = str(caught)
+    elapsed = time.monotonic() - began
+    if how == "frozen":
+        os.kill(pids[1], signal.SIGCONT)  # type: ignore[arg-type]
+    Path(record).write_text(repr({"elapsed": elapsed, "error": error, "kept": type(state.error).__name__}))
+    return {}
+
+
+@pytest.mark.parametrize("how", ["frozen", "alive"])
+def test_a_frozen_or_silent_peer_is_an_error_within_the_timeout(how: str, tmp_path: Path) -> None:
+    record = tmp_path / "rank0.txt"
+    spawn_ranks(2, frozen_or_absent_peer, (how, str(record)), timeout=120, group_timeout=GROUP_TIMEOUT)
+    seen = eval(record.read_text())  # written by rank 0 with repr()
+    assert seen["elapsed"] < 6 * GROUP_TIMEOUT, seen  # the group's timeout, not gloo's 30 minutes
+    assert "rank 1" in seen["error"] and "PeerError" in seen["error"], seen
+    assert seen["kept"] == "PeerError", seen
+
+
+def noop_against_topk(rank: int, world: int) -> str:
+    try:
+        ddp, _ = wrap(toy_model(), "noop" if rank == 0 else "topk:ratio=0.1")
+        sgd_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), toy_batches(rank, 2))
+    except RuntimeError as error:
+        return f"{type(error).__name__}: {error}"
+    time.sleep(2 * GROUP_TIMEOUT)  # noop finished without communicating; stay until rank 1 gave up
+    return "finished"
+
+
+def test_a_rank_with_another_hook_is_named_as_the_likely_cause() -> None:
+    """Rank 0 (noop) creates no process group for its hook, so rank 1's engine waits for it in vain;
+    rank 0 may finish, or time out in DDP's own collectives waiting for rank 1: either way no hang."""
+    began = time.monotonic()
+    results = spawn_ranks(2, noop_against_topk, timeout=120, group_timeout=GROUP_TIMEOUT)
+    assert time.monotonic() - began < 60
+    assert results[1].startswith("PeerError") and "another hook (noop creates none)" in results[1], results[1]
+
+
+# -- hook state records what it belongs to ------------------------------------------------------
+
+
+def test_a_hook_state_from_another_spec_or_world_size_is_refused_naming_both() -> None:
+    state = hooks.HookState(HookSpec.parse("topk:ratio=0.1,ef=true"), None, world=2)
+    saved = state.state_dict()
+    assert saved == {"spec": "topk:ratio=0.1,method=exact,tolerance=0.2,ef=true", "world_size": 2}
+    with pytest.raises(ValueError, match=r"saved by the hook 'topk:ratio=0.1.*at world size 2; this hook is 'fp16'"):
+        hooks.HookState(HookSpec.parse("fp16"), None, world=2).load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"at world size 2; this hook is .* at world size 1"):
+        hooks.HookState(HookSpec.parse("topk:ratio=0.1,ef=true"), None, world=1).load_state_dict(saved)
+    with pytest.raises(ValueError, match="not a gradcomp hook state"):
+        state.load_state_dict({"compressor": {}})
