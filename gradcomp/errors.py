@@ -18,3 +18,11 @@ class PeerError(GradcompError):
 
 class SpecMismatchError(GradcompError):
     """Ranks were given different hook specs (every rank's spec is in the message)."""
+
+
+def backend_failure(what: str, rank: int, world: int, error: BaseException) -> PeerError:
+    """A collective of the backend's own failed: it does not say which peer, so say what ran where."""
+    return PeerError(
+        f"rank {rank} of {world}: {what} failed: a rank frozen, dead, or running a different collective "
+        f"(ranks must issue the same ones in the same order)? {error}"
+    )

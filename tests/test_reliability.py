@@ -127,10 +127,10 @@ def test_empty_and_complex_parameters_train_with_every_kind_of_hook() -> None:
 # -- every wait ends within the timeout, with an error that names what went wrong ---------------
 
 
-def frozen_or_absent_peer(rank: int, world: int, how: str, record: str) -> dict[str, Any]:
+def frozen_or_absent_peer(rank: int, world: int, how: str, spec: str, record: str) -> dict[str, Any]:
     """Rank 1 freezes (SIGSTOP) or raises and stays alive; rank 0's next step must fail within the
     group's timeout, naming rank 1, and its hook state keeps gradcomp's own error."""
-    ddp, state = wrap(toy_model(), "topk:ratio=0.1,ef=true")
+    ddp, state = wrap(toy_model(), spec)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     pids: list[int | None] = [None] * world
     dist.all_gather_object(pids, os.getpid())
@@ -155,13 +155,19 @@ def frozen_or_absent_peer(rank: int, world: int, how: str, record: str) -> dict[
     return {}
 
 
-@pytest.mark.parametrize("how", ["frozen", "alive"])
-def test_a_frozen_or_silent_peer_is_an_error_within_the_timeout(how: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("how", "spec"),
+    [("frozen", "topk:ratio=0.1,ef=true"), ("alive", "topk:ratio=0.1,ef=true"), ("frozen", "allreduce")],
+)
+def test_a_frozen_or_silent_peer_is_an_error_within_the_timeout(how: str, spec: str, tmp_path: Path) -> None:
+    """gradcomp's own transfers name the peer; the backend's all-reduce (``allreduce``) cannot say
+    which peer it waited for, so the error says which rank and what failed."""
     record = tmp_path / "rank0.txt"
-    spawn_ranks(2, frozen_or_absent_peer, (how, str(record)), timeout=120, group_timeout=GROUP_TIMEOUT)
+    spawn_ranks(2, frozen_or_absent_peer, (how, spec, str(record)), timeout=120, group_timeout=GROUP_TIMEOUT)
     seen = eval(record.read_text())  # written by rank 0 with repr()
     assert seen["elapsed"] < 6 * GROUP_TIMEOUT, seen  # the group's timeout, not gloo's 30 minutes
-    assert "rank 1" in seen["error"] and "PeerError" in seen["error"], seen
+    named = "rank 1" if spec != "allreduce" else "rank 0 of 2: the backend's all-reduce of a bucket failed"
+    assert named in seen["error"] and "PeerError" in seen["error"], seen
     assert seen["kept"] == "PeerError", seen
 
 

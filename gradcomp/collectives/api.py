@@ -13,6 +13,7 @@ from gradcomp.collectives import exchange, halving_doubling, hierarchical, ring,
 from gradcomp.collectives.executor import Handle, executor
 from gradcomp.collectives.link import Link, Traffic
 from gradcomp.collectives.ops import ReduceOp
+from gradcomp.errors import backend_failure
 
 FlatAllReduce = Callable[[Link, Tensor, ReduceOp, int], None]
 """An all-reduce over one flat group of ranks: ``(link, flat tensor, op, segment bytes)``, in place."""
@@ -102,7 +103,10 @@ def all_reduce(
         def body(flat: Tensor) -> None:
             nonlocal traffic
             if algo == "native":
-                dist.all_reduce(flat, op=reduce_op.to_torch(), group=group)
+                try:
+                    dist.all_reduce(flat, op=reduce_op.to_torch(), group=group)
+                except RuntimeError as error:
+                    raise backend_failure("the backend's all-reduce", link.rank, link.size, error) from error
                 traffic = None
             elif algo == "hierarchical":
                 assert local_size is not None

@@ -49,7 +49,7 @@ from gradcomp.compressors.cast import Identity
 from gradcomp.engine import transport, two_phase
 from gradcomp.engine.spec import HookSpec, HookSpecLike
 from gradcomp.engine.stats import BucketRecord
-from gradcomp.errors import PeerError, SpecMismatchError
+from gradcomp.errors import PeerError, SpecMismatchError, backend_failure
 
 
 class Engine:
@@ -164,7 +164,10 @@ class Engine:
             try:
                 work.wait()
                 done.set_result((buffer, None))
-            except BaseException as error:  # reaches whoever waits on the handle
+            except RuntimeError as error:  # reaches whoever waits on the handle
+                rank = dist.get_rank(self.group)
+                done.set_exception(backend_failure("the backend's all-reduce of a bucket", rank, self.world, error))
+            except BaseException as error:
                 done.set_exception(error)
 
         def issue() -> tuple[None, None]:
