@@ -7,9 +7,16 @@ The run itself lives in :mod:`gradcomp.experiments.training` (``run.py``: the co
 the run; ``--help`` lists every option). See ``docs/experiments.md``.
 """
 
+import os
 import sys
 
 from gradcomp.experiments.training.run import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave without the interpreter's teardown: with torch 2.13's gloo, a process that held process
+    # groups sometimes aborts there ("terminate called without an active exception", plain DDP too),
+    # after the run has finished and been recorded; torchrun would report that as a failure.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -32,7 +32,7 @@ from gradcomp.options import format_value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
+    parser = command_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
@@ -44,7 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
-def _parser() -> argparse.ArgumentParser:
+def command_parser() -> argparse.ArgumentParser:
+    """The ``gradcomp`` command line, with the commands the installed layers add."""
     parser = argparse.ArgumentParser(prog="gradcomp", description="Gradient compression for PyTorch.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     parser.add_argument("--version", action="version", version=f"gradcomp {__version__} (torch {torch.__version__})")

@@ -57,11 +57,17 @@ def _command(args: argparse.Namespace) -> int:
     return 0 if all(r.status == "finished" for r in rows) else 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m gradcomp.experiments.sweep CONFIG``: the same as ``gradcomp sweep``."""
+def command_parser() -> argparse.ArgumentParser:
+    """``python -m gradcomp.experiments.sweep``'s command line."""
     parser = argparse.ArgumentParser(prog="python -m gradcomp.experiments.sweep", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     _add_arguments(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m gradcomp.experiments.sweep CONFIG``: the same as ``gradcomp sweep``."""
+    parser = command_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:

@@ -252,13 +252,19 @@ def _timedelta(seconds: float) -> Any:
     return datetime.timedelta(seconds=seconds)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def command_parser() -> argparse.ArgumentParser:
+    """The command line of a training run: one option per field of :class:`TrainConfig`."""
     parser = argparse.ArgumentParser(
         prog="gradcomp.experiments.train",
         description="Train with DDP and a gradcomp hook (under torchrun, or starting --ranks here).",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     add_arguments(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = command_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:

@@ -1,0 +1,135 @@
+"""Every snippet and config in the README and docs/ works as written.
+
+Each ``python`` block is preceded by a marker that says how it runs:
+
+- ``<!-- runnable -->``: as a script, in a fresh interpreter (its own temporary directory);
+- ``<!-- runnable with torchrun -->``: on 2 ranks, as under ``torchrun --nproc-per-node 2`` (the ranks
+  are started as the other distributed tests start theirs, with the process group initialized: the
+  snippet's own ``init_process_group`` call is then a no-op; torchrun itself is left out because a
+  process with gloo groups sometimes aborts at exit here, "terminate called without an active
+  exception", even plain DDP without gradcomp);
+- ``<!-- runnable as root -->``: as a script, where emulated networks can be built (root, iproute2);
+- ``<!-- sketch -->``: an interface at a glance, not a program (its names are the reader's).
+
+Every ``toml`` block is a sweep config, checked as ``gradcomp sweep --dry-run`` checks it; every
+``gradcomp``, ``python -m gradcomp...`` and ``torchrun ... experiments/train.py`` line of a ``sh``
+block parses with that command's own parser (nothing is run: some take hours).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gradcomp import netem
+from gradcomp.cli import command_parser
+from gradcomp.experiments.sweep import command as sweep_command
+from gradcomp.experiments.sweep import plan
+from gradcomp.experiments.training import run as training_run
+from tests.distributed import spawn_ranks
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MARKERS = ("runnable", "runnable with torchrun", "runnable as root", "sketch")
+BLOCK = re.compile(r"(?:<!-- (?P<marker>[a-z ]+) -->\n)?```(?P<language>\w+)\n(?P<code>.*?)```", re.S)
+
+
+def blocks(language: str) -> list[tuple[str, str | None, str]]:
+    """(where, marker, code) of every fenced block in ``language``."""
+    found = []
+    for path in DOCS:
+        text = path.read_text()
+        for match in BLOCK.finditer(text):
+            if match["language"] == language:
+                where = f"{path.relative_to(ROOT)}:{text[: match.start('language')].count(chr(10)) + 1}"
+                found.append((where, match["marker"], match["code"]))
+    return found
+
+
+PYTHON = blocks("python")
+
+
+@pytest.mark.parametrize(("where", "marker", "code"), PYTHON, ids=[b[0] for b in PYTHON])
+def test_every_python_block_is_marked(where: str, marker: str | None, code: str) -> None:
+    assert marker in MARKERS, f"{where}: mark the block with one of {MARKERS} (<!-- ... --> on the line before)"
+
+
+RUNNABLE = [b for b in PYTHON if b[1] in ("runnable", "runnable with torchrun", "runnable as root")]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("where", "marker", "code"), RUNNABLE, ids=[b[0] for b in RUNNABLE])
+def test_runnable_python_blocks_run(where: str, marker: str, code: str, tmp_path: Path) -> None:
+    if marker == "runnable as root" and netem.unavailable():
+        pytest.skip(netem.unavailable())
+    if marker == "runnable with torchrun":
+        spawn_ranks(2, run_snippet, (code, str(tmp_path)), timeout=200)
+        return
+    script = tmp_path / "snippet.py"
+    script.write_text(code)
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, f"{where} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+
+
+def run_snippet(rank: int, world: int, code: str, directory: str) -> None:
+    """Inside each rank: the snippet as a program, in ``directory``, its process group already up."""
+    import torch.distributed as dist
+
+    os.chdir(directory)
+    dist.init_process_group = lambda *args, **kwargs: None  # type: ignore[assignment]  # already initialized
+    exec(compile(code, "snippet", "exec"), {"__name__": "__main__"})
+
+
+TOML = blocks("toml")
+
+
+@pytest.mark.parametrize(("where", "marker", "code"), TOML, ids=[b[0] for b in TOML])
+def test_sweep_configs_in_the_docs_are_valid(where: str, marker: str | None, code: str, tmp_path: Path) -> None:
+    runs = plan.expand(tomllib.loads(code), str(tmp_path / "out"), where=where)
+    assert runs
+
+
+def command_lines() -> list[tuple[str, str]]:
+    """(where, line) of every command line of the ``sh`` blocks, continuations joined."""
+    lines = []
+    for where, _, code in blocks("sh"):
+        for line in code.replace("\\\n", " ").splitlines():
+            if line.strip():
+                lines.append((where, line.strip()))
+    return lines
+
+
+LINES = command_lines()
+
+
+@pytest.mark.parametrize(("where", "line"), LINES, ids=[f"{w}:{i}" for i, (w, _) in enumerate(LINES)])
+def test_command_lines_in_the_docs_parse(where: str, line: str) -> None:
+    words = shlex.split(line, comments=True)
+    if words[:2] == ["gradcomp", "--version"]:
+        with pytest.raises(SystemExit) as exit_info:
+            command_parser().parse_args(words[1:])
+        assert exit_info.value.code == 0
+    elif words[:1] == ["gradcomp"]:
+        arguments = command_parser().parse_args(words[1:])
+        assert arguments.run is not None, f"{where}: {line}"
+    elif words[:3] == ["python", "-m", "gradcomp.experiments.train"]:
+        training_run.command_parser().parse_args(words[3:])
+    elif words[:3] == ["python", "-m", "gradcomp.experiments.sweep"]:
+        sweep_command.command_parser().parse_args(words[3:])
+    elif words[:1] == ["torchrun"]:
+        script = next(i for i, w in enumerate(words) if w.endswith(".py") or w == "-m")
+        skip = 2 if words[script] == "-m" else 1
+        training_run.command_parser().parse_args(words[script + skip :])
+    else:
+        assert words[0] in ("make", "tensorboard", "."), f"{where}: a command this test does not know: {line}"
