@@ -95,7 +95,12 @@ def train(rank: int, world: int, config: TrainConfig) -> dict[str, Any] | None:
 
     loop = Loop(config, task, ddp, optimizer, schedule, meter, writer, rank, world, device, total, save)
     try:
-        result = loop.run(start, float(progress["elapsed_s"]))
+        try:
+            result = loop.run(start, float(progress["elapsed_s"]))
+        except RuntimeError as error:
+            if state.error is not None:  # DDP's backward carried only its text: raise gradcomp's own error
+                raise state.error from error
+            raise
         save(loop.step, loop.elapsed)
         status = "finished" if loop.step >= total else "stopped"
         if status == "finished":

@@ -55,3 +55,25 @@ def subgroup(
             "each of them must create it, in the same order; a rank running another hook (noop creates "
             f"none), or a frozen or failed rank? {error}"
         ) from error
+
+
+_private: dict[tuple[str, float], dist.ProcessGroup] = {}
+
+
+def private(parent: dist.ProcessGroup | None, timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
+    """gradcomp's own group with the ranks of ``parent`` (default: the world), created once per parent
+    and timeout and shared by every engine on it: its collectives never interleave with the user's
+    (DDP's) on ``parent``, and among themselves they are ordered by the one executor.
+
+    Shared rather than one per engine: a process that makes many hooks makes no more groups, and no
+    group is ever destroyed and made again (torch names a group of some ranks after those ranks, so
+    a new one would find the old one's keys in the store).
+    """
+    pg = parent if parent is not None else dist.group.WORLD
+    assert pg is not None, "no default process group: call torch.distributed.init_process_group first"
+    timeout = timeout if timeout is not None else timeout_of(parent)
+    key = (dist.distributed_c10d._get_process_group_name(pg), timeout.total_seconds())
+    if key not in _private:
+        world = pg is dist.group.WORLD  # all ranks: created by all, named by a counter
+        _private[key] = subgroup(None if world else parent, timeout=timeout, purpose="gradcomp's hooks")
+    return _private[key]

@@ -22,8 +22,8 @@ every rank and nothing communicates from a backend's callback thread (rule "one 
   bucket on the native algorithm goes straight to the backend's asynchronous all-reduce, issued in
   the caller's thread when nothing is queued, as torch's own hook does.
 - The first call checks that every rank uses the same spec, and fails with every rank's spec named.
-- The engine communicates on a process group of its own, with the same ranks, so that DDP's own
-  collectives on its group never interleave with the engine's.
+- The engine communicates on gradcomp's own process group, with the same ranks (one per parent group
+  and timeout, shared by every engine), so that DDP's own collectives never interleave with it.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from torch import Tensor
 
 from gradcomp import collectives
 from gradcomp.collectives.executor import Handle, executor
-from gradcomp.collectives.groups import subgroup
+from gradcomp.collectives.groups import private
 from gradcomp.collectives.link import Traffic
 from gradcomp.compressors import Aggregation, Compressor, Key, Payload, make_compressor
 from gradcomp.compressors.cast import Identity
@@ -89,11 +89,11 @@ class Engine:
         self.two_phase = self.compressor.aggregation is Aggregation.GATHER and (
             aggregation == "two_phase" or (aggregation == "auto" and self.world >= TWO_PHASE_FROM)
         )
-        # A process group of its own (same ranks): DDP issues collectives of its own from the
-        # training thread (find_unused_parameters' bitmap, static_graph's checks); on one shared
-        # group they would interleave with the engine's differently on each rank (gloo aborts with
-        # "Received data size doesn't match expected size").
-        self.group = subgroup(group, timeout=timeout, purpose=f"the hook {self.spec}")
+        # gradcomp's own group (same ranks, shared by its engines): DDP issues collectives of its
+        # own from the training thread (find_unused_parameters' bitmap, static_graph's checks); on
+        # DDP's group they would interleave with the engine's differently on each rank (gloo aborts
+        # with "Received data size doesn't match expected size").
+        self.group = private(group, timeout)
         self._checked = False
         self.step = 0
         self.records: collections.deque[BucketRecord] = collections.deque(maxlen=history)
