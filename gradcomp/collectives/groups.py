@@ -73,7 +73,7 @@ def private(parent: dist.ProcessGroup | None, timeout: datetime.timedelta | None
     assert pg is not None, "no default process group: call torch.distributed.init_process_group first"
     timeout = timeout if timeout is not None else timeout_of(parent)
     key = (dist.distributed_c10d._get_process_group_name(pg), timeout.total_seconds())
-    if key not in _private:
+    if key not in _private or _private[key] not in dist.distributed_c10d._world.pg_map:  # (a new world)
         world = pg is dist.group.WORLD  # all ranks: created by all, named by a counter
         _private[key] = subgroup(None if world else parent, timeout=timeout, purpose="gradcomp's hooks")
     return _private[key]
