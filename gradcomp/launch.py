@@ -65,30 +65,17 @@ def spawn(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     profile = network if isinstance(network, netem.Profile) else netem.Profile.parse(network)
-    if not profile.emulated:
-        places = [Place(None, LOOPBACK)] * world_size
-        return _spawn(world_size, target, tuple(args), places, timeout, backend, group_timeout, threads)
-    with netem.EmulatedNetwork(world_size, profile) as net:
-        places = [Place(net.namespace(r), netem.INTERFACE) for r in range(world_size)]
-        return _spawn(world_size, target, tuple(args), places, timeout, backend, group_timeout, threads)
+    options = (timeout, backend, group_timeout, threads)
+    with tempfile.TemporaryDirectory(prefix="gradcomp-store-") as directory:
+        store = os.path.join(directory, "store")  # private to this user (0700), removed at the end
+        if not profile.emulated:
+            return _spawn(world_size, target, tuple(args), [Place(None, LOOPBACK)] * world_size, store, *options)
+        with netem.EmulatedNetwork(world_size, profile) as net:
+            places = [Place(net.namespace(r), netem.INTERFACE) for r in range(world_size)]
+            return _spawn(world_size, target, tuple(args), places, store, *options)
 
 
 def _spawn(
-    world_size: int,
-    target: Callable[..., Any],
-    args: tuple[Any, ...],
-    places: list[Place],
-    timeout: float,
-    backend: str,
-    group_timeout: float,
-    threads: int,
-) -> list[Any]:
-    with tempfile.TemporaryDirectory(prefix="gradcomp-store-") as directory:
-        store = os.path.join(directory, "store")  # private to this user (0700), removed at the end
-        return _run(world_size, target, args, places, store, timeout, backend, group_timeout, threads)
-
-
-def _run(
     world_size: int,
     target: Callable[..., Any],
     args: tuple[Any, ...],

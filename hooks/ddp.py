@@ -30,8 +30,9 @@ class HookState:
     def __init__(self, spec: HookSpec, engine: Engine | None, world: int) -> None:
         self.spec, self.engine, self.world = spec, engine, world
         self.error: BaseException | None = None
-        """The first exception that failed a bucket, as gradcomp raised it (DDP's ``backward`` gets a
-        RuntimeError with its text): a :class:`gradcomp.errors.PeerError` names the peer."""
+        """The first exception that failed a bucket (later ones are its consequences), as gradcomp
+        raised it (DDP's ``backward`` gets a RuntimeError with its text): a
+        :class:`gradcomp.errors.PeerError` names the peer."""
         self._indices: dict[int, int] = {}
 
     def keys(self, parameters: list[Tensor]) -> list[int]:

@@ -68,18 +68,10 @@ def assert_no_failures(results: Sequence[Any]) -> None:
     assert not messages, "\n".join(messages[:SHOWN]) + more
 
 
-def run_checks(
-    world: int,
-    target: Callable[..., Any],
-    args: Sequence[Any] = (),
-    *,
-    timeout: float,
-    group_timeout: float = 60.0,
-    network: str = "loopback",
-) -> list[Any]:
-    """Run a target that returns its failures on ``world`` ranks, assert that none failed, and return
-    the results (for the figures that the parent checks across ranks)."""
-    results = spawn_ranks(world, target, args, timeout=timeout, group_timeout=group_timeout, network=network)
+def run_checks(world: int, target: Callable[..., Any], args: Sequence[Any] = (), **options: Any) -> list[Any]:
+    """:func:`spawn_ranks` (the same ``options``) for a target that returns its failures; assert that
+    none failed, and return the results (for the figures that the parent checks across ranks)."""
+    results = spawn_ranks(world, target, args, **options)
     assert_no_failures(results)
     return results
 

@@ -45,3 +45,12 @@ def test_the_script_refuses_a_bad_hook_before_starting_ranks(
     assert exit_.value.code == 2
     assert "ratio must be in (0, 1]" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_help_is_plain_text_with_the_real_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    from gradcomp.experiments.training.run import command_parser
+
+    text = command_parser().format_help()
+    assert "``" not in text and "(default: None)" not in text
+    assert "(default: 200)" in " ".join(text.split())  # --steps: the command line's default
+    assert "--overwrite [OVERWRITE]" in text  # a flag: --overwrite alone means true

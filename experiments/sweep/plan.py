@@ -48,7 +48,7 @@ else:  # pragma: no cover
 AXES = {"hooks": "hook", "ranks": "ranks", "networks": "network", "seeds": "seed"}
 """Grid keys with a name of their own, and the setting each one sets."""
 DEFAULT_AXES: dict[str, list[Any]] = {"ranks": [2], "networks": ["loopback"], "seeds": [0]}
-RUNNER_FIELDS = ("out", "checkpoint", "resume", "stop_at")
+RUNNER_FIELDS = ("out", "checkpoint", "resume", "overwrite", "stop_at")
 """Settings the sweep runner sets itself (a run's directory is OUT/<run name>)."""
 SECTIONS = ("sweep", "grid", "tasks")
 

@@ -41,8 +41,8 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]], righ
         padded = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(row, widths, right, strict=True)]
         return "| " + " | ".join(padded) + " |"
 
-    rule = "|" + "|".join(("-" * (w + 1) + ":") if r else ("-" * (w + 2)) for w, r in zip(widths, right, strict=True))
-    return "\n".join([line(cells[0]), rule + "|", *(line(row) for row in cells[1:])])
+    rule = line(["-" * (w - 1) + ":" if r else "-" * w for w, r in zip(widths, right, strict=True)])
+    return "\n".join([line(cells[0]), rule, *(line(row) for row in cells[1:])])
 
 
 def write_report(path: str, host: dict[str, Any], **figures: Any) -> None:

@@ -48,12 +48,14 @@ class Size(NamedTuple):
 def parse_size(text: str) -> Size:
     """``"25M"`` -> 25,000,000 elements; ``"16MiB"`` -> 16,777,216 bytes (see the module's table)."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    suffix = match.group(2) if match else ""
-    scale = _ELEMENTS.get(suffix.upper()) if match and suffix.upper() in _ELEMENTS and len(suffix) <= 1 else None
-    unit = "elements"
-    if scale is None and suffix in _BYTES:
+    if match is None:
+        raise ValueError(f"size {text.strip()!r} is not one of: {ACCEPTED}")
+    suffix = match.group(2)
+    if suffix.upper() in _ELEMENTS:  # K, M, G in either case
+        scale, unit = _ELEMENTS[suffix.upper()], "elements"
+    elif suffix in _BYTES:  # KiB, MB, ... exactly as written
         scale, unit = _BYTES[suffix], "bytes"
-    if not match or scale is None:
+    else:
         raise ValueError(f"size {text.strip()!r} is not one of: {ACCEPTED}")
     value = float(match.group(1)) * scale
     if value != int(value):

@@ -75,26 +75,24 @@ class Link:
         source: int | None = None,
     ) -> list[Pending]:
         """Post the receive, then the send, without waiting; :meth:`wait` on what it returns."""
-        pending = []
+        pending: list[Pending] = []
         if receive is not None and receive.numel() and source is not None:
-            nbytes = receive.numel() * receive.element_size()
-            try:
-                work = dist.irecv(receive, src=self._global(source), group=self.group, tag=TAG)
-            except RuntimeError as error:
-                raise self._peer_error(error, False, nbytes, source) from error
-            if work is not None:
-                pending.append(Pending(work, False, nbytes, source))
-            self.traffic.received += nbytes
+            self.traffic.received += self._post(pending, receive, source, sending=False)
         if send is not None and send.numel() and to is not None:
-            nbytes = send.numel() * send.element_size()
-            try:
-                work = dist.isend(send, dst=self._global(to), group=self.group, tag=TAG)
-            except RuntimeError as error:
-                raise self._peer_error(error, True, nbytes, to) from error
-            if work is not None:
-                pending.append(Pending(work, True, nbytes, to))
-            self.traffic.sent += nbytes
+            self.traffic.sent += self._post(pending, send, to, sending=True)
         return pending
+
+    def _post(self, pending: list[Pending], tensor: Tensor, peer: int, *, sending: bool) -> int:
+        """Post one transfer (appended to ``pending``); return its bytes."""
+        nbytes = tensor.numel() * tensor.element_size()
+        post = dist.isend if sending else dist.irecv
+        try:
+            work = post(tensor, self._global(peer), group=self.group, tag=TAG)
+        except RuntimeError as error:
+            raise self._peer_error(error, sending, nbytes, peer) from error
+        if work is not None:
+            pending.append(Pending(work, sending, nbytes, peer))
+        return nbytes
 
     def wait(self, pending: list[Pending]) -> None:
         """Wait for every transfer; a failure (a peer that timed out, died or does something else)

@@ -55,7 +55,8 @@ from gradcomp.errors import PeerError, SpecMismatchError, backend_failure
 class Engine:
     """Averages buckets of tensors over a process group through one compressor.
 
-    Create engines on every rank in the same order: each creates a process group.
+    Create engines on every rank in the same order: the first one of a process creates gradcomp's
+    process group for ``group`` (:func:`gradcomp.collectives.groups.private`).
 
     Args:
         spec: a hook spec (:class:`~gradcomp.engine.spec.HookSpec` or its text, e.g.
