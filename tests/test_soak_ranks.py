@@ -70,7 +70,8 @@ def soak(rank: int, world: int, spec: str) -> Failures:
     failures.expect(len(state.engine.records) == 10_000, f"{spec}: {len(state.engine.records)} records kept")
     del state
     after = resources()
-    failures.expect(after == before, f"{spec}: threads, files, groups {before} before, {after} after")
+    grew = any(a > b for a, b in zip(after, before, strict=True))  # fewer is fine: e.g. a socket closed late
+    failures.expect(not grew, f"{spec}: threads, files, groups {before} before, {after} after")
     return failures
 
 
