@@ -78,7 +78,6 @@ def _gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future
     if state.engine is None:  # noop: the compute floor
         done.set_result(buffer)
         return done  # type: ignore[return-value]  # a noop future never holds an error
-    parameters = bucket.parameters()
 
     def finished(handle: Handle[Tensor]) -> None:
         try:
@@ -87,9 +86,12 @@ def _gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future
             state.error = state.error or error  # the first is the cause; later buckets fail because of it
             done.set_result(error)
 
-    # Complex parameters travel as pairs of reals: the bucket holds them that way.
-    keys = state.keys(parameters)
-    shapes = [torch.view_as_real(p).shape if p.is_complex() else p.shape for p in parameters]
+    keys, shapes = None, None
+    if state.engine.per_tensor:
+        parameters = bucket.parameters()
+        keys = state.keys(parameters)
+        # Complex parameters travel as pairs of reals: the bucket holds them that way.
+        shapes = [torch.view_as_real(p).shape if p.is_complex() else p.shape for p in parameters]
     state.engine.reduce(buffer, keys, shapes, bucket.index(), bucket.is_last()).then(finished)
     # DDP reads the future in C++, where only an error raised by a `then` callback counts as one
     # (torch's Future.set_exception stores the exception as the value: "Unable to cast ... to Tensor").

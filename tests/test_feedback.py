@@ -166,3 +166,23 @@ def test_a_peers_nan_leaves_powersgd_memory_and_residuals_as_they_were() -> None
     for c, residual, memory in zip(ranks, residuals, memories, strict=True):
         assert torch.equal(c.residuals["w"], residual)
         assert all(torch.equal(q, m) for q, m in zip(c.inner.memory["w"], memory, strict=True))
+
+
+@pytest.mark.parametrize("divisor", [1, 2, 3, 7])
+@pytest.mark.parametrize("ef", [False, True])
+@pytest.mark.parametrize("spec", SPECS)
+def test_compress_divided_is_bitwise_compress_of_the_quotient(spec: str, ef: bool, divisor: int) -> None:
+    """The engine's first step, compress(g / p), folded into one pass by casts and error feedback,
+    sends bitwise the same payloads and keeps bitwise the same residuals as dividing first, step after step."""
+    text = f"{spec}{',' if ':' in spec else ':'}ef=true" if ef else spec
+    folded, reference = make_compressor(text, seed=5), make_compressor(text, seed=5)
+    for g in gradients(3, shape=(60, 50)):
+        payload, ctx = folded.compress_divided(g.clone(), divisor, "w")
+        expected, expected_ctx = reference.compress(g / divisor, "w")
+        for _ in range(1, folded.rounds):  # one rank: the aggregate of a round is the payload itself
+            payload, ctx = folded.next_round(payload, ctx)
+            expected, expected_ctx = reference.next_round(expected, expected_ctx)
+        assert len(payload) == len(expected)
+        assert all(torch.equal(a, b) for a, b in zip(payload, expected, strict=True))
+        if ef:
+            assert torch.equal(folded.residuals["w"], reference.residuals["w"])

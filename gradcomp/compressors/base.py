@@ -121,6 +121,13 @@ class Compressor(ABC):
     Config: ClassVar[type[CompressorConfig]]
     rounds: int = 1
     """Communication rounds per tensor; more than one means :meth:`next_round` is called between."""
+    elementwise: ClassVar[bool] = False
+    """True when compressing a concatenation gives the concatenation of the payloads, with no
+    state (the casts): the engine then compresses a bucket as one tensor, into one payload."""
+    payload_shows_non_finite: ClassVar[bool] = False
+    """True when a non-finite input, or a contribution (:meth:`contribution`) that would overflow,
+    always puts a non-finite value into the payload's floating tensors: error feedback then checks
+    the payload (a few elements) for a bad step, instead of a pass over a whole tensor."""
 
     def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
         config = self.Config() if config is None else config
@@ -169,6 +176,16 @@ class Compressor(ABC):
                 their shapes in order. Compressors that exploit structure (PowerSGD) use it; the
                 others ignore it.
         """
+
+    def compress_divided(
+        self, tensor: Tensor, divisor: int, key: Key = None, shapes: Sequence[torch.Size] | None = None
+    ) -> tuple[Payload, Any]:
+        """``compress(tensor / divisor)``: the first step of an average over ``divisor`` ranks (the
+        engine's; rule "divide before sum"). ``tensor`` is scratch afterwards: the engine writes the
+        result over it. The default divides in place, then compresses; a compressor that can fold
+        the division into its own first pass overrides this (error feedback), with bitwise
+        the same payload and state, for one memory pass fewer."""
+        return self.compress(tensor.div_(divisor), key, shapes)
 
     @abstractmethod
     def decompress(self, payload: Payload, ctx: Any, out: Tensor | None = None) -> Tensor:
@@ -275,6 +292,11 @@ def flat_out(out: Tensor | None, meta: Meta, device: torch.device) -> Tensor:
 def _shares_memory(tensor: Tensor, payload: Payload) -> bool:
     storage = tensor.untyped_storage().data_ptr()
     return any(t.untyped_storage().data_ptr() == storage for t in payload)
+
+
+def payload_finite(payload: Payload) -> bool:
+    """Whether every floating tensor of ``payload`` is finite (integer parts, such as indices, are)."""
+    return all(all_finite(t) for t in payload if t.is_floating_point())
 
 
 def all_finite(tensor: Tensor) -> bool:

@@ -37,6 +37,7 @@ class Identity(Compressor):
     name = "none"
     aggregation = Aggregation.SUM
     Config = NoOptions
+    elementwise = True
 
     @property
     def unbiased(self) -> bool:
@@ -62,6 +63,7 @@ class Cast(Compressor):
 
     aggregation = Aggregation.SUM
     Config = NoOptions
+    elementwise = True
     wire_dtype: ClassVar[torch.dtype]
 
     def compress(

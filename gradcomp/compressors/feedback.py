@@ -18,7 +18,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradcomp.compressors.base import Compressor, CompressorConfig, Key, Payload, all_finite, check_gradient
+from gradcomp.compressors.base import (
+    Compressor,
+    CompressorConfig,
+    Key,
+    Payload,
+    all_finite,
+    check_gradient,
+    payload_finite,
+)
 
 
 @dataclasses.dataclass
@@ -37,9 +45,12 @@ class ErrorFeedback(Compressor):
 
     Memory: two buffers per key the size of the gradient (the residual, and the compensated
     gradient, which the payload may alias while in flight), and a scratch buffer per thread the size
-    of the largest. Compute: three extra passes (the add, the subtract and a finiteness check) plus
-    one decompression of the local payload; for compressors that fuse the subtraction
-    (``Compressor.subtract_contribution``: PowerSGD), the add, one fused pass and the check.
+    of the largest. Compute: the add (fused with the engine's division by the world size,
+    :meth:`compress_divided`), then one decompression of the local payload, the subtract and a
+    finiteness check (a pass each). Compressors that fuse the subtraction
+    (``Compressor.subtract_contribution``) skip the decompression: PowerSGD in one pass; the
+    sparsifiers and random-k touch only their k elements, and since their payload shows every
+    non-finite input (``Compressor.payload_shows_non_finite``) the check reads only the payload.
     A non-finite step leaves the residual as it was (:meth:`_update`).
     Keys: every distinct tensor needs its own key (its identity across steps, e.g. its parameter
     names); the same key with a new shape is an error, not a silent reset.
@@ -57,6 +68,7 @@ class ErrorFeedback(Compressor):
         self.rounds = inner.rounds
         self.residuals: dict[Key, Tensor] = {}
         self._compensated: dict[Key, Tensor] = {}
+        self._divisors: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
 
     def __repr__(self) -> str:
         return f"{self.inner!r},ef=true"
@@ -92,10 +104,38 @@ class ErrorFeedback(Compressor):
     ) -> tuple[Payload, FeedbackContext]:
         check_gradient(tensor)
         residual = self.residual(key, tensor)
+        compensated = self._compensated_buffer(key, residual)
+        torch.add(tensor, residual, out=compensated)
+        return self._compress_compensated(compensated, key, shapes)
+
+    def compress_divided(
+        self, tensor: Tensor, divisor: int, key: Key = None, shapes: Sequence[torch.Size] | None = None
+    ) -> tuple[Payload, FeedbackContext]:
+        # residual + tensor / divisor in one pass (bitwise what dividing, then adding, gives)
+        check_gradient(tensor)
+        residual = self.residual(key, tensor)
+        compensated = self._compensated_buffer(key, residual)
+        torch.addcdiv(residual, tensor, self._divisor(divisor, tensor), out=compensated)
+        return self._compress_compensated(compensated, key, shapes)
+
+    def _compensated_buffer(self, key: Key, residual: Tensor) -> Tensor:
         compensated = self._compensated.get(key)
         if compensated is None or compensated.shape != residual.shape:
             compensated = self._compensated[key] = torch.empty_like(residual)
-        torch.add(tensor, residual, out=compensated)
+        return compensated
+
+    def _divisor(self, divisor: int, like: Tensor) -> Tensor:
+        """``divisor`` as a 0-dimensional tensor of ``like``'s dtype, kept between calls."""
+        cached = self._divisors.get((divisor, like.dtype, like.device))
+        if cached is None:
+            cached = self._divisors[(divisor, like.dtype, like.device)] = torch.tensor(
+                divisor, dtype=like.dtype, device=like.device
+            )
+        return cached
+
+    def _compress_compensated(
+        self, compensated: Tensor, key: Key, shapes: Sequence[torch.Size] | None
+    ) -> tuple[Payload, FeedbackContext]:
         payload, inner_ctx = self.inner.compress(compensated, key, shapes)
         ctx = FeedbackContext(key, inner_ctx, compensated)
         if self.rounds == 1:
@@ -119,14 +159,19 @@ class ErrorFeedback(Compressor):
         skips it), and the next step starts clean (rule "one bad step", ``docs/architecture.md``).
         """
         residual = self.residuals[ctx.key]
+        # A compressor whose payload shows every bad step is checked there (a few elements);
+        # the others through the contribution or the new residual (a reduction pass).
+        cheap_check = self.inner.payload_shows_non_finite
+        if cheap_check and not payload_finite(payload):
+            return
         if self.inner.subtract_contribution(payload, ctx.inner, ctx.compensated):
-            if all_finite(ctx.compensated):
+            if cheap_check or all_finite(ctx.compensated):
                 self.residuals[ctx.key], self._compensated[ctx.key] = ctx.compensated, residual
             return
         contribution = self.workspace.take("feedback", residual.numel(), residual.dtype, residual.device)
         self.inner.contribution(payload, ctx.inner, out=contribution.view_as(residual))
         # By the input policy a non-finite input gives a non-finite contribution: one check covers both.
-        if all_finite(contribution):
+        if cheap_check or all_finite(contribution):
             torch.sub(ctx.compensated, contribution.view_as(residual), out=residual)
 
     def decompress(self, payload: Payload, ctx: FeedbackContext, out: Tensor | None = None) -> Tensor:

@@ -63,6 +63,7 @@ class RandomK(Compressor):
 
     name = "randomk"
     aggregation = Aggregation.SUM
+    payload_shows_non_finite = True  # every value is NaN if the input holds a non-finite one
     Config = RandomKConfig
     config: RandomKConfig
 
@@ -90,7 +91,8 @@ class RandomK(Compressor):
         if n:
             # Dropped elements would hide a NaN/Inf from the optimizer; 0 * (max, min) is NaN iff
             # the input holds a non-finite value, and makes every sent value NaN then.
-            values.add_((flat.amax() * 0).add_(flat.amin() * 0))
+            low, high = torch.aminmax(flat)  # one pass for both
+            values.add_((high * 0).add_(low * 0))
         return (values,), RandomKContext(Meta.of(tensor), indices)
 
     def decompress(self, payload: Payload, ctx: RandomKContext, out: Tensor | None = None) -> Tensor:
@@ -98,6 +100,13 @@ class RandomK(Compressor):
         result = flat_out(out, ctx.meta, values.device).zero_()
         result[ctx.indices] = values.to(result.dtype)
         return result.view(ctx.meta.shape)
+
+    def subtract_contribution(self, payload: Payload, ctx: RandomKContext, tensor: Tensor) -> bool:
+        # The contribution is zero off the k indices (unique: one per block): k reads and writes.
+        (values,) = payload
+        flat = tensor.view(-1)
+        flat[ctx.indices] = flat[ctx.indices] - values.to(flat.dtype)
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         return {"shared": self.shared.state_dict()}

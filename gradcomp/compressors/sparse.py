@@ -45,6 +45,7 @@ class SparseCompressor(Compressor):
     """
 
     aggregation = Aggregation.GATHER
+    payload_shows_non_finite = True  # NaN and Inf always count as selected
 
     def sparse_payload(self, flat: Tensor, indices: Tensor) -> Payload:
         """The payload of ``flat`` at ``indices`` (int64)."""
@@ -55,6 +56,13 @@ class SparseCompressor(Compressor):
         result = flat_out(out, ctx, values.device).zero_()
         result[indices.long()] = values.to(result.dtype)
         return result.view(ctx.shape)
+
+    def subtract_contribution(self, payload: Payload, ctx: Meta, tensor: Tensor) -> bool:
+        # The values are tensor's own at the indices: subtracting them leaves exact zeros there
+        # (c - c), and the rest of the tensor as it is: k writes, no pass over the tensor.
+        _, indices = payload
+        tensor.view(-1)[indices.long()] = 0
+        return True
 
     def decompress_sum(self, payloads: Sequence[Payload], ctx: Meta, out: Tensor | None = None) -> Tensor:
         if not payloads:

@@ -32,7 +32,7 @@ import collections
 import datetime
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -96,57 +96,88 @@ class Engine:
         # with "Received data size doesn't match expected size").
         self.group = private(group, timeout)
         self._checked = False
+        self._rank = dist.get_rank(self.group)
+        self._issues_only = (
+            self.algo == "native" and self.compressor.rounds == 1 and self.compressor.aggregation is Aggregation.SUM
+        )
         self.step = 0
         self.records: collections.deque[BucketRecord] = collections.deque(maxlen=history)
 
     def reduce(
         self,
         buffer: Tensor,
-        keys: Sequence[Key],
-        shapes: Sequence[torch.Size],
+        keys: Sequence[Key] | None,
+        shapes: Sequence[torch.Size] | None,
         bucket: int = 0,
         last: bool = True,
     ) -> Handle[Tensor]:
         """Replace ``buffer`` by its average over the group, compressed; returns at once.
 
         ``buffer`` is flat and contiguous and concatenates tensors of ``shapes``; ``keys`` identify
-        them across steps (their state is kept per key). ``bucket`` numbers the buffer within the
-        step and ``last`` ends the step, for :attr:`records`.
+        them across steps (their state is kept per key). Both may be None when :attr:`per_tensor`
+        is False. ``bucket`` numbers the buffer within the step and ``last`` ends the step, for
+        :attr:`records`.
         """
         if not buffer.is_floating_point():
             raise TypeError(f"gradients must be floating-point, got {buffer.dtype}")
         if buffer.dim() != 1 or not buffer.is_contiguous():
             raise ValueError("the engine reduces flat, contiguous buffers (a DDP bucket's)")
+        record = BucketRecord(0, bucket, buffer.numel() * buffer.element_size(), time.perf_counter())
+        if not self.per_tensor:
+            return self._reduce_natively(buffer, record, last)
+        if keys is None or shapes is None:
+            raise ValueError(f"{self.spec} needs the keys and shapes of the bucket's tensors")
         if len(keys) != len(shapes) or sum(math.prod(s) for s in shapes) != buffer.numel():
             raise ValueError(
                 f"{len(keys)} keys and shapes holding {sum(math.prod(s) for s in shapes)} elements "
                 f"do not describe a buffer of {buffer.numel()}"
             )
-        record = BucketRecord(0, bucket, buffer.numel() * buffer.element_size(), time.perf_counter())
-        if type(self.compressor) is Identity and self.algo == "native" and self._checked:
-            return self._reduce_natively(buffer, record, last)
         # Divide and compress here, in the caller's thread (DDP's backward), and leave only the
         # communication and what follows it to the ordered executor: the next bucket's compression
         # then overlaps this bucket's communication instead of queueing behind it.
         keys, shapes = list(keys), list(shapes)
         prepared = None if self.two_phase else self._prepare(buffer, keys, shapes, record)
+        done: Future[tuple[Tensor, Traffic | None]] = Future()
 
-        def operation() -> tuple[Tensor, None]:
-            record.step = self.step
-            record.started = time.perf_counter()
-            if not self._checked:
-                self._check_same_spec(buffer.device)
-                self._checked = True
-            if prepared is None:
-                self._reduce_two_phase(buffer, keys, shapes, record)
-            else:
-                self._finish(buffer, *prepared, record)
-            record.finished = time.perf_counter()
-            self.records.append(record)
-            self.step += int(last)
-            return buffer, None
+        def complete(finish: Callable[[], None] | None = None) -> None:
+            """Run what is left (decompression), close the record and hand the bucket back."""
+            try:
+                if finish is not None:
+                    finish()
+                record.finished = time.perf_counter()
+                self.records.append(record)
+                done.set_result((buffer, None))
+            except BaseException as error:  # reaches whoever waits on the handle
+                done.set_exception(error)
 
-        return executor().submit(operation)
+        def operation() -> tuple[None, None]:
+            try:
+                record.step = self.step
+                record.started = time.perf_counter()
+                self.step += int(last)
+                if not self._checked:
+                    self._check_same_spec(buffer.device)
+                    self._checked = True
+                if prepared is None:
+                    self._reduce_two_phase(buffer, keys, shapes, record)
+                    complete()
+                else:
+                    self._finish(buffer, *prepared, record, complete)
+            except BaseException as error:
+                done.set_exception(error)
+            return None, None
+
+        # An operation that only issues the backend's asynchronous all-reduce runs in this thread
+        # when the executor is idle (in order all the same), as torch's own hooks issue theirs.
+        executor().submit(operation, brief=self._checked and self._issues_only)
+        return Handle(done)
+
+    @property
+    def per_tensor(self) -> bool:
+        """Whether :meth:`reduce` needs the bucket's keys and shapes. False for an uncompressed
+        all-reduce on the backend once the first step's spec check is done: the bucket travels
+        whole, and a hook need not list its parameters (the step's Python cost is DDP's then)."""
+        return not (self._checked and type(self.compressor) is Identity and self.algo == "native")
 
     def _reduce_natively(self, buffer: Tensor, record: BucketRecord, last: bool) -> Handle[Tensor]:
         """The uncompressed bucket through the backend's all-reduce, as torch's own hook does it:
@@ -188,23 +219,34 @@ class Engine:
     def _prepare(
         self, buffer: Tensor, keys: list[Key], shapes: list[torch.Size], record: BucketRecord
     ) -> tuple[list[Tensor], list[tuple[Payload, Any]]]:
-        """Divide, split into the bucket's tensors and compress each (round one)."""
+        """Split into the bucket's tensors and compress each divided by the world size (round one)."""
         with record.phase("compress"):
-            buffer.div_(self.world)
             if type(self.compressor) is Identity:  # nothing to compress: all-reduce the bucket in place
+                buffer.div_(self.world)
                 return [buffer], [((buffer,), None)]
+            if self.compressor.elementwise:  # stateless, element by element: one payload for the bucket
+                return [buffer], [self.compressor.compress_divided(buffer, self.world)]
             parts = _views(buffer, shapes)
-            return parts, [self.compressor.compress(part, key) for part, key in zip(parts, keys, strict=True)]
+            # compress(part / world): compressors that can fold the division into their first pass do
+            compress = self.compressor.compress_divided
+            return parts, [compress(part, self.world, key) for part, key in zip(parts, keys, strict=True)]
 
     def _finish(
-        self, buffer: Tensor, parts: list[Tensor], states: list[tuple[Payload, Any]], record: BucketRecord
+        self,
+        buffer: Tensor,
+        parts: list[Tensor],
+        states: list[tuple[Payload, Any]],
+        record: BucketRecord,
+        complete: Callable[[Callable[[], None] | None], None],
     ) -> None:
-        """Communicate every round, then decompress into the bucket (on the executor)."""
+        """Communicate every round, then decompress into the bucket (on the executor), and call
+        ``complete``. A final round on the backend's own all-reduce is left in flight: the executor
+        moves on to the next bucket's collectives while the backend moves this one, and
+        ``complete(decompress)`` runs on the backend's thread when it lands."""
         compressor = self.compressor
         if type(compressor) is Identity:
             record.payload_bytes = record.input_bytes
-            with record.phase("communicate"):
-                self._sum([(buffer,)], record)
+            self._sum_last([(buffer,)], record, complete, lambda summed: None)
             return
         for _ in range(1, compressor.rounds):
             record.payload_bytes += sum(compressor.wire_bytes(p) for p, _ in states)
@@ -215,17 +257,63 @@ class Engine:
         finals = [payload for payload, _ in states]
         record.payload_bytes += sum(compressor.wire_bytes(p) for p in finals)
         if compressor.aggregation is Aggregation.SUM:
+
+            def decompress(summed: list[Payload]) -> None:
+                with record.phase("decompress"):
+                    for payload, (_, ctx), part in zip(summed, states, parts, strict=True):
+                        compressor.decompress(payload, ctx, out=part)
+
+            self._sum_last(finals, record, complete, decompress)
+            return
+        with record.phase("communicate"):
+            gathered = self._gather(finals, record)
+        with record.phase("decompress"):
+            for everyone, (_, ctx), part in zip(gathered, states, parts, strict=True):
+                compressor.decompress_sum(everyone, ctx, out=part)
+        complete(None)
+
+    def _sum_last(
+        self,
+        payloads: list[Payload],
+        record: BucketRecord,
+        complete: Callable[[Callable[[], None] | None], None],
+        then: Callable[[list[Payload]], None],
+    ) -> None:
+        """The final round's sum, then ``then(summed)`` and ``complete``: at once with gradcomp's
+        algorithms, or, on the backend's all-reduce, from its completion callback (the executor
+        does not wait for it: rule "one ordered path" only needs collectives *issued* in order)."""
+        if self.algo != "native":
             with record.phase("communicate"):
-                summed = self._sum(finals, record)
-            with record.phase("decompress"):
-                for payload, (_, ctx), part in zip(summed, states, parts, strict=True):
-                    compressor.decompress(payload, ctx, out=part)
-        else:
-            with record.phase("communicate"):
-                gathered = self._gather(finals, record)
-            with record.phase("decompress"):
-                for everyone, (_, ctx), part in zip(gathered, states, parts, strict=True):
-                    compressor.decompress_sum(everyone, ctx, out=part)
+                summed = self._sum(payloads, record)
+            then(summed)
+            complete(None)
+            return
+        joined, regroup = _join_by_dtype(payloads)
+        record.add_traffic(None)  # the backend's traffic is not observable
+        issued = time.perf_counter()
+        try:
+            works = [dist.all_reduce(tensor, group=self.group, async_op=True) for tensor in joined]
+        except RuntimeError as error:
+            raise backend_failure("the backend's all-reduce of a bucket", self._rank, self.world, error) from error
+
+        def landed(collected: torch.futures.Future[list[torch.futures.Future[Any]]]) -> None:
+            def finish() -> None:
+                try:
+                    for future in collected.value():
+                        future.value()  # raises the backend's error (``work.wait()`` here would deadlock)
+                except RuntimeError as error:
+                    raise backend_failure(
+                        "the backend's all-reduce of a bucket", self._rank, self.world, error
+                    ) from error
+                finally:
+                    now = time.perf_counter()
+                    record.communicate_s += now - issued
+                    record.spans.append(("communicate", issued, now))
+                then(regroup(joined))
+
+            complete(finish)
+
+        torch.futures.collect_all([work.get_future() for work in works]).then(landed)
 
     def _reduce_two_phase(
         self, buffer: Tensor, keys: list[Key], shapes: list[torch.Size], record: BucketRecord
@@ -236,21 +324,11 @@ class Engine:
             record.payload_bytes = two_phase.reduce(self.compressor, _views(buffer, shapes), keys, exchange)
 
     def _sum(self, payloads: list[Payload], record: BucketRecord) -> list[Payload]:
-        """All-reduce (sum) every tensor of every payload: one all-reduce per dtype."""
-        tensors = [t for payload in payloads for t in payload]
-        summed: dict[int, Tensor] = {}
-        for dtype in dict.fromkeys(t.dtype for t in tensors):
-            members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-            if len(members) == 1 and tensors[members[0]].is_contiguous():
-                joined = tensors[members[0]].view(-1)
-            else:
-                joined = torch.cat([tensors[i].reshape(-1) for i in members])
-            record.add_traffic(collectives.all_reduce(joined, "sum", algo=self.algo, group=self.group).traffic)
-            offset = 0
-            for i in members:
-                summed[i] = joined[offset : offset + tensors[i].numel()].view(tensors[i].shape)
-                offset += tensors[i].numel()
-        return transport.regroup(payloads, [summed[i] for i in range(len(tensors))])
+        """All-reduce (sum) every tensor of every payload, one all-reduce per dtype, and wait."""
+        joined, regroup = _join_by_dtype(payloads)
+        for tensor in joined:
+            record.add_traffic(collectives.all_reduce(tensor, "sum", algo=self.algo, group=self.group).traffic)
+        return regroup(joined)
 
     def _gather(self, payloads: list[Payload], record: BucketRecord) -> list[list[Payload]]:
         """Every rank's payloads, per tensor then rank: two all-gathers (sizes, then bytes)."""
@@ -277,6 +355,32 @@ TWO_PHASE_FROM = 8
 """``aggregation="auto"`` all-gathers below this many ranks: there all-gather sends at most
 (p - 1) = 7 compressed tensors per rank against two-phase's 2 (p - 1) / p ~ 2, and skips the second
 compression error; from 8 ranks on, bytes dominate."""
+
+
+def _join_by_dtype(payloads: list[Payload]) -> tuple[list[Tensor], Callable[[list[Tensor]], list[Payload]]]:
+    """The payloads' tensors concatenated into one flat tensor per dtype (one all-reduce each; a
+    lone contiguous tensor is used as it is), and the function that cuts the summed tensors back
+    into payloads shaped like ``payloads``."""
+    tensors = [t for payload in payloads for t in payload]
+    dtypes = dict.fromkeys(t.dtype for t in tensors)
+    groups = [[i for i, t in enumerate(tensors) if t.dtype == dtype] for dtype in dtypes]
+    joined = [
+        tensors[members[0]].view(-1)
+        if len(members) == 1 and tensors[members[0]].is_contiguous()
+        else torch.cat([tensors[i].reshape(-1) for i in members])
+        for members in groups
+    ]
+
+    def regroup(summed: list[Tensor]) -> list[Payload]:
+        pieces: dict[int, Tensor] = {}
+        for members, flat in zip(groups, summed, strict=True):
+            offset = 0
+            for i in members:
+                pieces[i] = flat[offset : offset + tensors[i].numel()].view(tensors[i].shape)
+                offset += tensors[i].numel()
+        return transport.regroup(payloads, [pieces[i] for i in range(len(tensors))])
+
+    return joined, regroup
 
 
 def _views(buffer: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
