@@ -40,7 +40,8 @@ class HookState:
 
     def steps(self) -> list[dict[str, Any]]:
         """Per step: buckets, input and payload bytes, compression ratio, bytes sent and received
-        (None with the native all-reduce), seconds in compress / communicate / decompress.
+        (None with the native all-reduce), seconds in compress / communicate / decompress, and the
+        tail (``tail_s``: from the last bucket's hand-over to the end of the step's communication).
         Read it after a step's backward (DDP has waited for every bucket by then)."""
         return [] if self.engine is None else per_step(self.engine.records)
 

@@ -5,10 +5,19 @@ from __future__ import annotations
 import statistics
 
 import pytest
+import torch
 
 from gradcomp.cli import main
 from gradcomp.experiments.bench import ddp as bench_ddp
-from gradcomp.experiments.bench.ddp import NOOP, TORCH_ALLREDUCE, TORCH_FP16, Row, format_table, split_hooks
+from gradcomp.experiments.bench.ddp import (
+    NOOP,
+    TORCH_ALLREDUCE,
+    TORCH_FP16,
+    Row,
+    format_phases,
+    format_table,
+    split_hooks,
+)
 from gradcomp.launch import RankError
 
 MLP_GRADIENT_MB = 6_316_042 * 4 / 1e6
@@ -49,7 +58,48 @@ def test_bad_arguments_fail_before_any_rank_starts(kwargs: dict[str, object], me
 def test_the_command_refuses_an_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "ddp", "--model", "vgg"])
-    assert "invalid choice: 'vgg'" in capsys.readouterr().err
+    assert "--model takes a preset (mlp, cnn, transformer) or pkg.module:factory, got 'vgg'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (("tests.bench_models:tiny", ""), "--input-shape must be positive sizes"),
+        (("tests.bench_models:tiny", "3,x"), "--input-shape must be positive sizes"),
+        (("tests.bench_models:tiny", "3,0"), "--input-shape must be positive sizes"),
+        (("tests.no_such_module:tiny", "16"), "cannot import 'tests.no_such_module'"),
+        (("tests.bench_models:absent", "16"), "has no function 'absent'"),
+        (("tests.bench_models:NOT_A_MODEL", "16"), "has no function 'NOT_A_MODEL'"),
+        (("tests.bench_models:", "16"), "pkg.module:factory"),
+    ],
+)
+def test_a_users_model_is_checked_before_any_rank_starts(arguments: tuple[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        bench_ddp.user_model(*arguments)
+
+
+def test_a_users_model_needs_an_input_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "ddp", "--model", "tests.bench_models:tiny"])
+    assert "needs --input-shape" in capsys.readouterr().err
+
+
+def test_a_factory_must_return_a_module() -> None:
+    with pytest.raises(TypeError, match=r"returned a int, not a torch\.nn\.Module"):
+        bench_ddp.user_model("tests.bench_models:not_a_model", "16").build()
+
+
+def test_a_users_models_train_on_random_inputs_of_their_shape() -> None:
+    """Float inputs for a plain model, token ids for one that embeds them (and returns a tuple)."""
+    floats = bench_ddp.user_model("tests.bench_models:tiny", "16", batch_size=4)
+    ids = bench_ddp.user_model("tests.bench_models:tokens", "12", batch_size=3, input_high=50)
+    rows = bench_ddp.run(floats, 2, "loopback", ["fp16"], torch_hooks=[], steps=2, rounds=1, warmup=2, timeout=300)
+    assert [r.variant for r in rows] == [NOOP, TORCH_ALLREDUCE, "fp16"] and all(r.status == "ok" for r in rows)
+    assert rows[-1].wire_mb_per_step == pytest.approx((16 * 32 + 32 + 32 * 4 + 4) * 2 / 1e6)
+    batch = ids.batch(rank=1, seed=0)
+    assert batch.shape == (3, 12) and batch.dtype == torch.int64 and 0 <= int(batch.min()) <= int(batch.max()) < 50
+    rows = bench_ddp.run(ids, 2, "loopback", ["bf16"], torch_hooks=[], steps=2, rounds=1, warmup=2, timeout=300)
+    assert all(r.status == "ok" for r in rows)
 
 
 def test_a_real_run_measures_every_variant_and_counts_bytes_exactly() -> None:
@@ -71,6 +121,17 @@ def test_a_real_run_measures_every_variant_and_counts_bytes_exactly() -> None:
     assert 0.01 * MLP_GRADIENT_MB < wire["topk:ratio=0.01,ef=true"] < 0.05 * MLP_GRADIENT_MB
     cells = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in format_table(rows).splitlines()}
     assert cells["torch allreduce"] == "1.00x"  # its speedup over itself
+    # The engine's phases, for gradcomp's hooks only: top-k compresses and decompresses, every hook
+    # communicates, and the tail (what backward could not hide) is within the step.
+    phases = {r.variant: r.phases_ms for r in rows}
+    assert phases[NOOP] is None and phases[TORCH_ALLREDUCE] is None and phases[TORCH_FP16] is None
+    topk = phases["topk:ratio=0.01,ef=true"]
+    assert topk is not None and topk["compress"] > 0 and topk["decompress"] > 0 and topk["communicate"] > 0
+    for spec in specs:
+        figures = phases[spec]
+        assert figures is not None and 0 <= figures["tail"] <= max(r.ms_per_step or 0 for r in rows)
+    table = format_phases(rows).splitlines()
+    assert [line.split("|")[1].strip() for line in table[2:]] == specs
 
 
 def test_failures_are_reported_as_hung_or_aborted() -> None:

@@ -20,3 +20,13 @@ def test_measured_traffic_is_taken_as_it_is() -> None:
 @pytest.mark.parametrize(("world", "factor"), [(1, 0.0), (2, 1.0), (4, 1.5), (8, 1.75)])
 def test_native_all_reduce_counts_as_a_ring(world: int, factor: float) -> None:
     assert wire_bytes(_step(sent=None, payload=1000), world_size=world) == pytest.approx(1000 * factor)
+
+
+def test_the_tail_runs_from_the_last_hand_over_to_the_last_finish() -> None:
+    """Two buckets of one step: the tail is what backward could not hide (the last bucket was handed
+    over at 5.0, and the step's work ended at 7.5), whatever order the buckets finished in."""
+    first = BucketRecord(step=3, bucket=0, input_bytes=8, queued=1.0, finished=7.5)
+    last = BucketRecord(step=3, bucket=1, input_bytes=8, queued=5.0, finished=6.0)
+    (step,) = per_step([first, last])
+    assert step["step"] == 3 and step["buckets"] == 2
+    assert step["tail_s"] == 2.5

@@ -17,7 +17,14 @@ the first one's callback: the rule "one ordered path" of ``docs/architecture.md`
 reported as such in the table instead of taking the other figures with it.
 
 Models and data come from the ``synthetic`` task (random data: the loss means nothing, the step
-time does): each preset is one of its models at a batch size.
+time does): each preset is one of its models at a batch size. ``--model pkg.module:factory`` times a
+user's own model instead: ``factory()`` builds it, and it trains on random inputs of
+``--input-shape`` (integers below ``--input-high`` when given, for token models) against the mean
+square of its output.
+
+Beside the step times, a second table shows where each gradcomp hook's time goes (the engine's own
+records, medians per step): compression and decompression, the wall time of its collectives, and
+the tail that backward could not hide.
 
 Wire bytes are what one rank sends per step: measured by gradcomp where it moves the bytes itself,
 else the ring all-reduce's 2 (p - 1) / p x payload (gloo's and NCCL's all-reduce are rings); for
@@ -30,11 +37,12 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import importlib
 import statistics
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
@@ -47,7 +55,7 @@ from gradcomp.bench.report import markdown_table
 from gradcomp.collectives.cost_model import ring_traffic
 from gradcomp.engine.spec import HookSpec
 from gradcomp.engine.stats import wire_bytes
-from gradcomp.experiments.tasks import Task, build_task
+from gradcomp.experiments.tasks import build_task
 from gradcomp.launch import RankError, spawn
 
 NOOP, TORCH_ALLREDUCE, TORCH_FP16, TORCH_POWERSGD = "noop", "torch allreduce", "torch fp16", "torch powersgd"
@@ -75,6 +83,66 @@ class Preset:
     about: str
 
 
+@dataclasses.dataclass(frozen=True)
+class UserModel:
+    """A user's model: ``factory`` (``pkg.module:function``) builds it; it trains on random inputs."""
+
+    factory: str
+    input_shape: tuple[int, ...]
+    """One sample's shape (without the batch dimension)."""
+    batch_size: int = 8
+    input_high: int | None = None
+    """Integer inputs in [0, input_high) (token ids) instead of standard normal floats."""
+
+    @property
+    def about(self) -> str:
+        kind = f"integers below {self.input_high}" if self.input_high else "normal floats"
+        return f"{self.factory}, random inputs of shape {list(self.input_shape)} ({kind})"
+
+    def build(self) -> nn.Module:
+        module_name, _, function = self.factory.partition(":")
+        factory = getattr(importlib.import_module(module_name), function)
+        model = factory()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{self.factory} returned a {type(model).__name__}, not a torch.nn.Module")
+        return model
+
+    def batch(self, rank: int, seed: int) -> Tensor:
+        generator = torch.Generator().manual_seed(seed * 1000 + rank)
+        shape = (self.batch_size, *self.input_shape)
+        if self.input_high:
+            return torch.randint(0, self.input_high, shape, generator=generator)
+        return torch.randn(shape, generator=generator)
+
+
+def user_model(factory: str, input_shape: str | None, batch_size: int = 8, input_high: int | None = None) -> UserModel:
+    """Check a ``pkg.module:factory`` model's arguments (and that it imports) before any rank starts."""
+    module_name, colon, function = factory.partition(":")
+    if not colon or not module_name or not function.isidentifier():
+        raise ValueError(f"--model takes a preset ({', '.join(PRESETS)}) or pkg.module:factory, got {factory!r}")
+    if input_shape is None:
+        raise ValueError(f"--model {factory} needs --input-shape (one sample's shape, e.g. 3,32,32)")
+    try:
+        shape = tuple(int(size) for size in input_shape.split(",") if size.strip())
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise ValueError(f"--input-shape must be positive sizes separated by commas (3,32,32), got {input_shape!r}")
+    if batch_size < 1 or (input_high is not None and input_high < 1):
+        raise ValueError(f"--batch-size and --input-high must be >= 1, got {batch_size} and {input_high}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"cannot import {module_name!r} for --model {factory}: {error}") from error
+    if not callable(getattr(module, function, None)):
+        raise ValueError(f"{module_name} has no function {function!r} (--model {factory})")
+    return UserModel(factory, shape, batch_size, input_high)
+
+
+Workload = Union["Preset", UserModel]
+"""What the ranks train: a preset of the synthetic task, or a user's model."""
+
+
 PRESETS = {
     "mlp": Preset("mlp", "mlp", 32, "MLP 1024-2048-2048-10, 6.32M parameters"),
     "cnn": Preset("cnn", "resnet18", 8, "ResNet-18 (32x32 inputs), 11.2M parameters"),
@@ -94,6 +162,9 @@ class Row:
     wire_mb_per_step: float | None
     status: str = "ok"
     step_ms: list[float] = dataclasses.field(default_factory=list)
+    phases_ms: dict[str, float] | None = None
+    """gradcomp hooks: medians per step of the engine's ``compress``, ``decompress``,
+    ``communicate`` and ``tail`` (:func:`gradcomp.engine.stats.per_step`), in ms."""
 
 
 def split_hooks(text: str) -> list[str]:
@@ -113,9 +184,9 @@ def split_hooks(text: str) -> list[str]:
     return specs
 
 
-def _make_ddp(task: Task, preset: Preset, variant: str, seed: int) -> tuple[DistributedDataParallel, Any]:
+def _make_ddp(build: Callable[[], nn.Module], variant: str, seed: int) -> tuple[DistributedDataParallel, Any]:
     torch.manual_seed(seed)  # the same initial weights for every variant (DDP broadcasts rank 0's anyway)
-    model = DistributedDataParallel(task.build_model(preset.model))
+    model = DistributedDataParallel(build())
     state: Any = None
     if variant == NOOP:
         state, hook = hooks.make("noop")
@@ -158,13 +229,18 @@ class _AllReduceMeter:
 
 
 def measure(
-    rank: int, world: int, preset_name: str, variants: Sequence[str], steps: int, warmup: int, rounds: int, seed: int
+    rank: int, world: int, workload: Workload, variants: Sequence[str], steps: int, warmup: int, rounds: int, seed: int
 ) -> dict[str, dict[str, Any]]:
-    """Inside every rank: per variant, every timed step's time (slowest rank) and wire bytes."""
-    preset = PRESETS[preset_name]
-    task = build_task("synthetic")
-    setups = {v: _make_ddp(task, preset, v, seed) for v in variants}
-    batch = task.batch(rank, preset.batch_size, seed)  # each rank its own samples of the pool
+    """Inside every rank: per variant, every timed step's time (slowest rank), wire bytes, and for
+    gradcomp's hooks the engine's phases per step."""
+    if isinstance(workload, UserModel):
+        build: Callable[[], nn.Module] = workload.build
+        batch: tuple[Tensor, Tensor | None] = (workload.batch(rank, seed), None)
+    else:
+        task = build_task("synthetic")
+        build = functools.partial(task.build_model, workload.model)
+        batch = task.batch(rank, workload.batch_size, seed)  # each rank its own samples of the pool
+    setups = {v: _make_ddp(build, v, seed) for v in variants}
     optimizers = {v: torch.optim.SGD(m.parameters(), lr=1e-3) for v, (m, _) in setups.items()}
     gradient_bytes = sum(p.numel() * p.element_size() for p in setups[variants[0]][0].parameters())
     times: dict[str, list[float]] = {v: [] for v in variants}
@@ -189,17 +265,38 @@ def measure(
     slowest = _slowest(times, world)
     report: dict[str, dict[str, Any]] = {}
     for variant in variants:
-        timed = len(times[variant])
-        report[variant] = {"step_s": slowest[variant], "wire_bytes": _wire(variant, setups[variant][1], timed,
-                           torch_payload[variant], gradient_bytes, world)}  # fmt: skip
+        timed, state = len(times[variant]), setups[variant][1]
+        report[variant] = {
+            "step_s": slowest[variant],
+            "wire_bytes": _wire(variant, state, timed, torch_payload[variant], gradient_bytes, world),
+            "phases_ms": _phases(state, timed) if isinstance(state, hooks.HookState) else None,
+        }
     return report
 
 
-def _step(model: DistributedDataParallel, optimizer: torch.optim.Optimizer, batch: tuple[Tensor, Tensor]) -> None:
+PHASES = ("compress", "decompress", "communicate", "tail")
+"""The engine's phases that ``gradcomp bench ddp`` reports per step, in its second table."""
+
+
+def _phases(state: hooks.HookState, timed: int) -> dict[str, float] | None:
+    """Medians over the last ``timed`` steps of each phase's ms per step (None for noop)."""
+    recorded = state.steps()[-timed:] if timed else []
+    if not recorded:
+        return None
+    return {name: statistics.median(s[f"{name}_s"] for s in recorded) * 1e3 for name in PHASES}
+
+
+def _step(
+    model: DistributedDataParallel, optimizer: torch.optim.Optimizer, batch: tuple[Tensor, Tensor | None]
+) -> None:
     inputs, targets = batch
     optimizer.zero_grad(set_to_none=False)
-    logits = model(inputs)
-    loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    output = model(inputs)
+    if targets is None:  # a user's model: any scalar of the output will do for timing
+        first = output if isinstance(output, Tensor) else next(iter(output))
+        loss = first.float().square().mean()
+    else:
+        loss = nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1))
     loss.backward()
     optimizer.step()
 
@@ -225,7 +322,7 @@ def _wire(variant: str, state: Any, timed: int, torch_payload: int, gradient_byt
 
 
 def run(
-    preset: str,
+    preset: str | UserModel,
     ranks: int,
     network: str,
     specs: Sequence[str],
@@ -238,9 +335,11 @@ def run(
     threads: int = 1,
     timeout: float = 1800.0,
 ) -> list[Row]:
-    """The anchors (noop, torch's all-reduce), ``torch_hooks``, then gradcomp's ``specs``: a :class:`Row` each."""
-    if preset not in PRESETS:
+    """The anchors (noop, torch's all-reduce), ``torch_hooks``, then gradcomp's ``specs``: a :class:`Row`
+    each. ``preset`` names a preset, or is a user's model (:func:`user_model`)."""
+    if not isinstance(preset, UserModel) and preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; valid: {', '.join(PRESETS)}")
+    workload: Workload = preset if isinstance(preset, UserModel) else PRESETS[preset]
     if ranks < 2:
         raise ValueError(f"--ranks must be >= 2 (a DDP benchmark needs peers), got {ranks}")
     if steps < rounds or rounds < 1 or warmup < 2:
@@ -254,14 +353,15 @@ def run(
     shared = [v for v in baselines if v != TORCH_POWERSGD] + list(specs)
     settings = (steps, warmup, rounds, seed)
     started = time.monotonic()
-    measured = spawn(ranks, measure, (preset, shared, *settings), timeout=timeout, threads=threads, network=network)[0]
+    arguments = (workload, shared, *settings)
+    measured = spawn(ranks, measure, arguments, timeout=timeout, threads=threads, network=network)[0]
     rows = {v: _row(v, network, measured[v]) for v in shared}
     if TORCH_POWERSGD in baselines:
         # In ranks of its own, with a deadline of a few times the average variant's time: on gloo
         # with several buckets it aborts or hangs (its callbacks issue collectives).
         deadline = 20 + 3 * (time.monotonic() - started) / len(shared)
         try:
-            alone = spawn(ranks, measure, (preset, [TORCH_POWERSGD], *settings), timeout=deadline, threads=threads,
+            alone = spawn(ranks, measure, (workload, [TORCH_POWERSGD], *settings), timeout=deadline, threads=threads,
                           network=network, group_timeout=deadline)[0]  # fmt: skip
             rows[TORCH_POWERSGD] = _row(TORCH_POWERSGD, network, alone[TORCH_POWERSGD])
         except RankError as error:
@@ -271,7 +371,8 @@ def run(
 
 def _row(variant: str, network: str, figures: dict[str, Any]) -> Row:
     step_ms = [t * 1e3 for t in figures["step_s"]]
-    return Row(variant, network, statistics.median(step_ms), figures["wire_bytes"] / 1e6, "ok", step_ms)
+    median = statistics.median(step_ms)
+    return Row(variant, network, median, figures["wire_bytes"] / 1e6, "ok", step_ms, figures["phases_ms"])
 
 
 def _failure(error: RankError, deadline: float) -> str:
@@ -299,12 +400,41 @@ def format_table(rows: Sequence[Row]) -> str:
     return markdown_table(header, lines, right=[False, True, True, True, True, False])
 
 
+def format_phases(rows: Sequence[Row]) -> str:
+    """Markdown: per gradcomp hook, its step's excess over the noop floor beside the engine's phases
+    (medians per step, ms). Compression runs in backward's thread, so it adds to the step; the
+    communication overlaps backward but for the tail; decompression runs once a collective lands."""
+    floor = next(r.ms_per_step for r in rows if r.variant == NOOP)
+    header = ("hook", "ms/step", "over noop", *(f"{name} ms" for name in PHASES))
+    lines = [
+        (row.variant, f"{row.ms_per_step:.1f}", f"{row.ms_per_step - floor:.1f}" if floor is not None else "-",
+         *(f"{row.phases_ms[name]:.1f}" for name in PHASES))
+        for row in rows
+        if row.phases_ms is not None and row.ms_per_step is not None
+    ]  # fmt: skip
+    return markdown_table(header, lines, right=[False] + [True] * (2 + len(PHASES)))
+
+
 def add_command(commands: argparse._SubParsersAction) -> None:
     """``gradcomp bench ddp`` (an entry point of the ``gradcomp.bench`` group)."""
     from gradcomp.cli import NET_HELP
 
     parser = commands.add_parser("ddp", help="DDP step time: gradcomp hooks beside torch's, per network")
-    parser.add_argument("--model", default="mlp", choices=sorted(PRESETS), help="model preset (default mlp)")
+    parser.add_argument(
+        "--model",
+        default="mlp",
+        help=f"model preset ({', '.join(sorted(PRESETS))}; default mlp) or your own as pkg.module:factory "
+        "(a function returning the nn.Module; the module must be importable, e.g. on PYTHONPATH)",
+    )
+    parser.add_argument(
+        "--input-shape", help="with pkg.module:factory: one sample's input shape, e.g. 3,32,32 (random inputs)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=8, help="with pkg.module:factory: samples per rank (default 8)"
+    )
+    parser.add_argument(
+        "--input-high", type=int, help="with pkg.module:factory: integer inputs below this (token ids), not floats"
+    )
     parser.add_argument("--ranks", type=int, default=2, help="processes to start on this machine (default 2)")
     parser.add_argument("--net", default="loopback", help=NET_HELP)
     parser.add_argument(
@@ -335,16 +465,21 @@ def _command(args: argparse.Namespace) -> int:
         check(network)  # an emulated network this machine cannot build fails before any rank starts
     specs = split_hooks(args.hooks)
     torch_hooks = [h.strip() for h in args.torch_hooks.split(",") if h.strip() and h.strip() != "none"]
-    host, preset, rows = machine(), PRESETS[args.model], []
+    workload: str | UserModel = args.model
+    if args.model in PRESETS:
+        about = f"{PRESETS[args.model].about}, batch {PRESETS[args.model].batch_size} per rank"
+    else:
+        workload = user_model(args.model, args.input_shape, args.batch_size, args.input_high)
+        about = f"{workload.about}, batch {workload.batch_size} per rank"
+    host, rows = machine(), []
     for network in networks:
         settings = {"steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "seed": args.seed}
-        measured = run(
-            args.model, args.ranks, network, specs, torch_hooks=torch_hooks, threads=args.threads, **settings
-        )
+        measured = run(workload, args.ranks, network, specs, torch_hooks=torch_hooks, threads=args.threads, **settings)
         sys.stdout.write(
-            f"gradcomp bench ddp: {preset.about}, batch {preset.batch_size} per rank, {args.ranks} ranks, "
+            f"gradcomp bench ddp: {about}, {args.ranks} ranks, "
             f"network {network} ({describe(Profile.parse(network))}), gloo, {host['cpu']}, torch {host['torch']}, "
             f"{args.threads} thread(s) per rank, median of {args.steps} steps\n\n{format_table(measured)}\n\n"
+            f"Where gradcomp's time goes (ms per step, medians):\n\n{format_phases(measured)}\n\n"
         )
         sys.stdout.flush()
         rows += measured

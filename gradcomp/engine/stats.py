@@ -16,6 +16,8 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import torch
+
 from gradcomp.collectives.cost_model import ring_traffic
 from gradcomp.collectives.link import Traffic
 
@@ -40,10 +42,12 @@ class BucketRecord:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Time a ``compress``, ``communicate`` or ``decompress`` phase (they may alternate)."""
+        """Time a ``compress``, ``communicate`` or ``decompress`` phase (they may alternate); it
+        also shows in ``torch.profiler`` traces as the range ``gradcomp.<name>``."""
         start = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"gradcomp.{name}"):
+                yield
         finally:
             end = time.perf_counter()
             setattr(self, f"{name}_s", getattr(self, f"{name}_s") + end - start)
@@ -58,21 +62,30 @@ class BucketRecord:
 
 
 def per_step(records: Iterable[BucketRecord]) -> list[dict[str, Any]]:
-    """Sum bucket records into one dict per step (in step order)."""
+    """Sum bucket records into one dict per step (in step order).
+
+    ``tail_s`` is the time from the step's last hand-over of a bucket (when backward produced its
+    last gradients) to the end of the last bucket's work: the communication and decompression
+    that backward could not hide, which a training step waits for.
+    """
     steps: dict[int, dict[str, Any]] = {}
     for r in records:
         s = steps.setdefault(
             r.step,
             {"step": r.step, "buckets": 0, "input_bytes": 0, "payload_bytes": 0, "sent_bytes": 0,
-             "received_bytes": 0, "compress_s": 0.0, "communicate_s": 0.0, "decompress_s": 0.0},
+             "received_bytes": 0, "compress_s": 0.0, "communicate_s": 0.0, "decompress_s": 0.0,
+             "last_queued": r.queued, "last_finished": r.finished},
         )  # fmt: skip
         s["buckets"] += 1
+        s["last_queued"] = max(s["last_queued"], r.queued)
+        s["last_finished"] = max(s["last_finished"], r.finished)
         for name in ("input_bytes", "payload_bytes", "compress_s", "communicate_s", "decompress_s"):
             s[name] += getattr(r, name)
         for name in ("sent_bytes", "received_bytes"):
             value = getattr(r, name)
             s[name] = None if value is None or s[name] is None else s[name] + value
     for s in steps.values():
+        s["tail_s"] = max(0.0, s.pop("last_finished") - s.pop("last_queued"))
         s["compression_ratio"] = s["input_bytes"] / s["payload_bytes"] if s["payload_bytes"] else float("inf")
     return [steps[k] for k in sorted(steps)]
 
