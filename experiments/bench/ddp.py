@@ -61,7 +61,8 @@ from gradcomp.launch import RankError, spawn
 NOOP, TORCH_ALLREDUCE, TORCH_FP16, TORCH_POWERSGD = "noop", "torch allreduce", "torch fp16", "torch powersgd"
 TORCH_PYTHON_ALLREDUCE = "torch allreduce_hook"
 DEFAULT_HOOKS = (
-    "allreduce;fp16;powersgd:rank=1;powersgd:rank=4,ef=true;sign:ef=true;topk:ratio=0.01,ef=true;quantize:bits=4"
+    "allreduce;fp16;bf16;randomk:ratio=0.01,ef=true;powersgd:rank=1;powersgd:rank=4,ef=true;sign:ef=true;"
+    "topk:ratio=0.01,ef=true;quantize:bits=4"
 )
 """What ``gradcomp bench ddp`` measures when ``--hooks`` is not given."""
 TORCH_HOOKS = {"allreduce_hook": TORCH_PYTHON_ALLREDUCE, "fp16": TORCH_FP16, "powersgd": TORCH_POWERSGD}
