@@ -93,8 +93,11 @@ def test_a_users_models_train_on_random_inputs_of_their_shape() -> None:
     """Float inputs for a plain model, token ids for one that embeds them (and returns a tuple)."""
     floats = bench_ddp.user_model("tests.bench_models:tiny", "16", batch_size=4)
     ids = bench_ddp.user_model("tests.bench_models:tokens", "12", batch_size=3, input_high=50)
-    rows = bench_ddp.run(floats, 2, "loopback", ["fp16"], torch_hooks=[], steps=2, rounds=1, warmup=2, timeout=300)
+    rows = bench_ddp.run(
+        floats, 2, "loopback", ["fp16"], torch_hooks=[], steps=2, rounds=1, warmup=2, timeout=300, runs=2
+    )
     assert [r.variant for r in rows] == [NOOP, TORCH_ALLREDUCE, "fp16"] and all(r.status == "ok" for r in rows)
+    assert all(len(r.run_ms) == 2 and len(r.step_ms) == 4 for r in rows)  # two runs of two timed steps
     assert rows[-1].wire_mb_per_step == pytest.approx((16 * 32 + 32 + 32 * 4 + 4) * 2 / 1e6)
     batch = ids.batch(rank=1, seed=0)
     assert batch.shape == (3, 12) and batch.dtype == torch.int64 and 0 <= int(batch.min()) <= int(batch.max()) < 50
@@ -151,3 +154,40 @@ def test_a_failed_variant_has_a_row_without_figures() -> None:
     lines = [[cell.strip() for cell in line.strip("|").split("|")] for line in format_table(rows).splitlines()]
     assert lines[4] == ["torch powersgd", "-", "-", "-", "-", "hung (killed after 70 s)"]
     assert lines[5] == ["powersgd:rank=4", "40.0", "1.50x", "1.33", "0.16", "ok"]
+
+
+def test_runs_combine_into_medians_with_the_range_of_each_runs_ratio() -> None:
+    """Three runs: the figures are medians over them, and each ratio's range pairs every run with
+    its own anchor (a run whose floor moved moves its ratios, not the others')."""
+    runs = [
+        {NOOP: 20.0, TORCH_ALLREDUCE: 40.0, "fp16": 30.0},
+        {NOOP: 25.0, TORCH_ALLREDUCE: 40.0, "fp16": 35.0},
+        {NOOP: 22.0, TORCH_ALLREDUCE: 44.0, "fp16": 33.0},
+    ]
+    phases = {"compress": 1.0, "decompress": 2.0, "communicate": 3.0, "tail": 4.0}
+    combined = [
+        bench_ddp._combine(
+            [Row(v, "loopback", run[v], 1.0, "ok", [run[v]], phases if v == "fp16" else None, [run[v]]) for run in runs]
+        )
+        for v in (NOOP, TORCH_ALLREDUCE, "fp16")
+    ]
+    assert [r.ms_per_step for r in combined] == [22.0, 40.0, 33.0]
+    assert combined[2].run_ms == [30.0, 35.0, 33.0] and combined[2].step_ms == [30.0, 35.0, 33.0]
+    assert combined[2].phases_ms == phases
+    lines = [[cell.strip() for cell in line.strip("|").split("|")] for line in format_table(combined).splitlines()]
+    # fp16: 40/30, 40/35, 44/33 -> 1.14-1.33x; x floor: 30/20, 35/25, 33/22 -> 1.40-1.50
+    assert lines[4] == ["fp16", "33.0", "1.21x (1.14-1.33)", "1.50 (1.40-1.50)", "1.00", "ok"]
+
+
+def test_a_variant_that_failed_in_some_runs_says_so() -> None:
+    failed = Row("torch powersgd", "1gbit", None, None, "hung (killed after 70 s)", run_ms=[None])
+    ok = Row("torch powersgd", "1gbit", 50.0, 0.6, "ok", [50.0], None, [50.0])
+    row = bench_ddp._combine([failed, ok])
+    assert row.ms_per_step == 50.0 and row.run_ms == [None, 50.0]
+    assert row.status == "ok in 1 of 2 runs; hung (killed after 70 s)"
+    assert bench_ddp._combine([failed, failed]).ms_per_step is None
+
+
+def test_runs_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="--runs must be >= 1"):
+        bench_ddp.run("mlp", 2, "loopback", ["fp16"], runs=0)

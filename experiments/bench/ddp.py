@@ -166,6 +166,8 @@ class Row:
     phases_ms: dict[str, float] | None = None
     """gradcomp hooks: medians per step of the engine's ``compress``, ``decompress``,
     ``communicate`` and ``tail`` (:func:`gradcomp.engine.stats.per_step`), in ms."""
+    run_ms: list[float | None] = dataclasses.field(default_factory=list)
+    """Each independent run's median (None where the variant failed in that run)."""
 
 
 def split_hooks(text: str) -> list[str]:
@@ -335,9 +337,12 @@ def run(
     seed: int = 0,
     threads: int = 1,
     timeout: float = 1800.0,
+    runs: int = 1,
 ) -> list[Row]:
     """The anchors (noop, torch's all-reduce), ``torch_hooks``, then gradcomp's ``specs``: a :class:`Row`
-    each. ``preset`` names a preset, or is a user's model (:func:`user_model`)."""
+    each. ``preset`` names a preset, or is a user's model (:func:`user_model`). With ``runs`` > 1
+    the whole measurement is repeated on fresh ranks, and each figure is the median over the runs
+    (:attr:`Row.run_ms` keeps every run's)."""
     if not isinstance(preset, UserModel) and preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; valid: {', '.join(PRESETS)}")
     workload: Workload = preset if isinstance(preset, UserModel) else PRESETS[preset]
@@ -345,14 +350,33 @@ def run(
         raise ValueError(f"--ranks must be >= 2 (a DDP benchmark needs peers), got {ranks}")
     if steps < rounds or rounds < 1 or warmup < 2:
         raise ValueError(f"need rounds >= 1, steps >= rounds and warmup >= 2; got {rounds}, {steps}, {warmup}")
+    if runs < 1:
+        raise ValueError(f"--runs must be >= 1, got {runs}")
     unknown = sorted(set(torch_hooks) - set(TORCH_HOOKS))
     if unknown:
         raise ValueError(f"unknown torch hook(s) {unknown}; valid: {', '.join(TORCH_HOOKS)}")
     for spec in specs:
         HookSpec.parse(spec)  # a bad spec fails here, before any rank starts
     baselines = [NOOP, TORCH_ALLREDUCE, *(TORCH_HOOKS[h] for h in torch_hooks)]
+    variants = [*baselines, *specs]
+    measured = [
+        _run_once(workload, ranks, network, baselines, specs, (steps, warmup, rounds, seed), threads, timeout)
+        for _ in range(runs)
+    ]
+    return [_combine([rows[v] for rows in measured]) for v in variants]
+
+
+def _run_once(
+    workload: Workload,
+    ranks: int,
+    network: str,
+    baselines: list[str],
+    specs: Sequence[str],
+    settings: tuple[int, int, int, int],
+    threads: int,
+    timeout: float,
+) -> dict[str, Row]:
     shared = [v for v in baselines if v != TORCH_POWERSGD] + list(specs)
-    settings = (steps, warmup, rounds, seed)
     started = time.monotonic()
     arguments = (workload, shared, *settings)
     measured = spawn(ranks, measure, arguments, timeout=timeout, threads=threads, network=network)[0]
@@ -366,14 +390,37 @@ def run(
                           network=network, group_timeout=deadline)[0]  # fmt: skip
             rows[TORCH_POWERSGD] = _row(TORCH_POWERSGD, network, alone[TORCH_POWERSGD])
         except RankError as error:
-            rows[TORCH_POWERSGD] = Row(TORCH_POWERSGD, network, None, None, _failure(error, deadline))
-    return [rows[v] for v in [*baselines, *specs]]
+            rows[TORCH_POWERSGD] = Row(TORCH_POWERSGD, network, None, None, _failure(error, deadline), run_ms=[None])
+    return rows
+
+
+def _combine(runs: list[Row]) -> Row:
+    """One variant's rows from independent runs as one: medians over the runs that completed."""
+    if len(runs) == 1:
+        return runs[0]
+    done = [r for r in runs if r.ms_per_step is not None]
+    run_ms = [r.ms_per_step for r in runs]
+    if not done:
+        return dataclasses.replace(runs[0], run_ms=run_ms)
+    phases = None
+    if all(r.phases_ms is not None for r in done):
+        phases = {name: statistics.median(r.phases_ms[name] for r in done if r.phases_ms) for name in PHASES}
+    return Row(
+        done[0].variant,
+        done[0].network,
+        statistics.median(r.ms_per_step for r in done if r.ms_per_step is not None),
+        statistics.median(r.wire_mb_per_step for r in done if r.wire_mb_per_step is not None),
+        "ok" if len(done) == len(runs) else f"ok in {len(done)} of {len(runs)} runs; {runs[0].status}",
+        [t for r in done for t in r.step_ms],
+        phases,
+        run_ms,
+    )
 
 
 def _row(variant: str, network: str, figures: dict[str, Any]) -> Row:
     step_ms = [t * 1e3 for t in figures["step_s"]]
     median = statistics.median(step_ms)
-    return Row(variant, network, median, figures["wire_bytes"] / 1e6, "ok", step_ms, figures["phases_ms"])
+    return Row(variant, network, median, figures["wire_bytes"] / 1e6, "ok", step_ms, figures["phases_ms"], [median])
 
 
 def _failure(error: RankError, deadline: float) -> str:
@@ -386,19 +433,33 @@ def _failure(error: RankError, deadline: float) -> str:
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    """Markdown: ms/step, speedup over torch's all-reduce, ratio to the noop floor, wire MB per step."""
+    """Markdown: ms/step, speedup over torch's all-reduce, ratio to the noop floor, wire MB per step.
+    Rows of several runs give both ratios as the median with the range over the runs (each run's
+    ratio against the same run's anchor)."""
     by_name = {r.variant: r for r in rows}
-    reference, floor = by_name[TORCH_ALLREDUCE].ms_per_step, by_name[NOOP].ms_per_step
+    anchor, floor = by_name[TORCH_ALLREDUCE], by_name[NOOP]
     header = ("hook", "ms/step", "speedup vs torch allreduce", "x noop floor", "wire MB/step", "status")
     lines = []
     for row in rows:
         if row.ms_per_step is None:
             lines.append((row.variant, "-", "-", "-", "-", row.status))
             continue
-        speedup = f"{reference / row.ms_per_step:.2f}x" if reference else "-"
-        ratio = f"{row.ms_per_step / floor:.2f}" if floor else "-"
+        speedup = _ratio(anchor, row, "x")
+        ratio = _ratio(row, floor, "")
         lines.append((row.variant, f"{row.ms_per_step:.1f}", speedup, ratio, f"{row.wire_mb_per_step:.2f}", row.status))
     return markdown_table(header, lines, right=[False, True, True, True, True, False])
+
+
+def _ratio(numerator: Row, denominator: Row, unit: str) -> str:
+    """``numerator / denominator`` of the medians, and with several runs its range over them."""
+    if not numerator.ms_per_step or not denominator.ms_per_step:
+        return "-"
+    text = f"{numerator.ms_per_step / denominator.ms_per_step:.2f}{unit}"
+    pairs = [(a, b) for a, b in zip(numerator.run_ms, denominator.run_ms, strict=False) if a and b]
+    if len(pairs) > 1:
+        ratios = [a / b for a, b in pairs]
+        text += f" ({min(ratios):.2f}-{max(ratios):.2f})"
+    return text
 
 
 def format_phases(rows: Sequence[Row]) -> str:
@@ -451,6 +512,9 @@ def add_command(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (default 30)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per variant first (default 5)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds the timed steps are spread over (default 5)")
+    parser.add_argument(
+        "--runs", type=int, default=1, help="independent runs (fresh ranks each); figures are medians over them"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="also write every figure and the machine to FILE")
@@ -473,13 +537,20 @@ def _command(args: argparse.Namespace) -> int:
         workload = user_model(args.model, args.input_shape, args.batch_size, args.input_high)
         about = f"{workload.about}, batch {workload.batch_size} per rank"
     host, rows = machine(), []
+    runs = f" (median over {args.runs} runs; ratios with their range)" if args.runs > 1 else ""
     for network in networks:
-        settings = {"steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "seed": args.seed}
+        settings = {
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "rounds": args.rounds,
+            "seed": args.seed,
+            "runs": args.runs,
+        }
         measured = run(workload, args.ranks, network, specs, torch_hooks=torch_hooks, threads=args.threads, **settings)
         sys.stdout.write(
             f"gradcomp bench ddp: {about}, {args.ranks} ranks, "
             f"network {network} ({describe(Profile.parse(network))}), gloo, {host['cpu']}, torch {host['torch']}, "
-            f"{args.threads} thread(s) per rank, median of {args.steps} steps\n\n{format_table(measured)}\n\n"
+            f"{args.threads} thread(s) per rank, median of {args.steps} steps{runs}\n\n{format_table(measured)}\n\n"
             f"Where gradcomp's time goes (ms per step, medians):\n\n{format_phases(measured)}\n\n"
         )
         sys.stdout.flush()
