@@ -36,12 +36,21 @@ class ThreadExchange:
     def __init__(self, group: ThreadGroup, rank: int) -> None:
         self.group, self.rank, self.world = group, rank, group.world
         self.sent_elements = 0
+        self.collectives = 0
 
     def all_gatherv(self, tensor: Tensor, sizes: Sequence[int]) -> list[Tensor]:
         assert tensor.dim() == 1 and tensor.numel() == sizes[self.rank], (tensor.shape, sizes, self.rank)
         self.sent_elements += tensor.numel() * (self.world - 1)
         everyone = self.group.swap(self.rank, tensor.clone())
         assert [t.numel() for t in everyone] == list(sizes), "all_gatherv: sizes differ from what ranks sent"
+        return everyone
+
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        assert tensor.dim() == 1
+        self.sent_elements += tensor.numel() * (self.world - 1)
+        self.collectives += 1
+        everyone = self.group.swap(self.rank, tensor.clone())
+        assert len({t.numel() for t in everyone}) == 1, "all_gather: ranks sent different sizes"
         return everyone
 
     def all_to_allv(self, tensor: Tensor, splits: Sequence[int], incoming: Sequence[int]) -> list[Tensor]:

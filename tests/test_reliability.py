@@ -156,17 +156,24 @@ def frozen_or_absent_peer(rank: int, world: int, how: str, spec: str, record: st
 
 
 @pytest.mark.parametrize(
-    ("how", "spec"),
-    [("frozen", "topk:ratio=0.1,ef=true"), ("alive", "topk:ratio=0.1,ef=true"), ("frozen", "allreduce")],
+    ("how", "spec", "named"),
+    [
+        ("frozen", "topk:ratio=0.1,ef=true,algo=ring", "rank 1"),
+        ("alive", "topk:ratio=0.1,ef=true,algo=ring", "rank 1"),
+        ("frozen", "topk:ratio=0.1,ef=true", "rank 0 of 2: the backend's all-gather of a bucket failed"),
+        ("frozen", "allreduce", "rank 0 of 2: the backend's all-reduce of a bucket failed"),
+    ],
 )
-def test_a_frozen_or_silent_peer_is_an_error_within_the_timeout(how: str, spec: str, tmp_path: Path) -> None:
-    """gradcomp's own transfers name the peer; the backend's all-reduce (``allreduce``) cannot say
-    which peer it waited for, so the error says which rank and what failed."""
+def test_a_frozen_or_silent_peer_is_an_error_within_the_timeout(
+    how: str, spec: str, named: str, tmp_path: Path
+) -> None:
+    """gradcomp's own transfers (``algo=ring``) name the peer; the backend's all-reduce and
+    all-gather (``algo=native``) cannot say which peer they waited for, so the error says which
+    rank and what failed."""
     record = tmp_path / "rank0.txt"
     spawn_ranks(2, frozen_or_absent_peer, (how, spec, str(record)), timeout=120, group_timeout=GROUP_TIMEOUT)
     seen = eval(record.read_text())  # written by rank 0 with repr()
     assert seen["elapsed"] < 6 * GROUP_TIMEOUT, seen  # the group's timeout, not gloo's 30 minutes
-    named = "rank 1" if spec != "allreduce" else "rank 0 of 2: the backend's all-reduce of a bucket failed"
     assert named in seen["error"] and "PeerError" in seen["error"], seen
     assert seen["kept"] == "PeerError", seen
 

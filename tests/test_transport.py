@@ -57,6 +57,54 @@ def test_all_to_all_delivers_what_each_rank_sent_to_this_one(world: int) -> None
     assert all(on_threads(world, rank_body))
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_the_padded_all_gather_delivers_the_same_in_one_collective_once_it_knows_the_size(world: int) -> None:
+    """The first call learns the capacity (two collectives: sizes, then frames); later calls with
+    payloads of the same size need one; every rank derives the same capacity; a payload that
+    outgrows it costs one more round, not a wrong result."""
+
+    def rank_body(exchange: ThreadExchange) -> list[tuple[bool, int, int]]:
+        results, capacity = [], 0
+        for salt in range(3):
+            before = exchange.collectives
+            everyone, capacity = transport.all_gather_padded(
+                payloads(exchange.rank, salt), torch.device("cpu"), exchange, capacity
+            )
+            correct = all(same(everyone[r], payloads(r, salt)) for r in range(world))
+            results.append((correct, exchange.collectives - before, capacity))
+        return results
+
+    per_rank = on_threads(world, rank_body)
+    for results in per_rank:
+        assert all(correct for correct, _, _ in results)
+        rounds = [count for _, count, _ in results]
+        # threshold's payload size varies with the data: a larger one than seen grows the capacity
+        assert rounds[0] == 2 and all(r in (1, 2) for r in rounds[1:])
+        capacities = [c for _, _, c in results]
+        assert capacities == sorted(capacities) and all(c % 8 == 0 for c in capacities)
+    assert len({tuple(c for _, _, c in results) for results in per_rank}) == 1  # the same on every rank
+
+
+def test_a_fixed_size_payload_travels_in_one_padded_collective_of_exactly_its_frame() -> None:
+    """quantize's payload has the same size every step: from the second step on, one collective of
+    exactly 8 bytes of size, the header and the packed bytes, per rank and destination."""
+
+    def rank_body(exchange: ThreadExchange) -> tuple[int, int, int]:
+        compressor = make_compressor("quantize:bits=4,chunk=32", rank=exchange.rank)
+        capacity = 0
+        for _ in range(3):
+            mine = [compressor.compress(torch.randn(100, 30), key=0)[0]]
+            exchange.sent_elements, before = 0, exchange.collectives
+            everyone, capacity = transport.all_gather_padded(mine, torch.device("cpu"), exchange, capacity)
+            assert same(everyone[exchange.rank], mine)
+        tensors = [t for p in mine for t in p]
+        frame = 8 + 8 * len(packing.header(tensors)) + packing.packed_bytes([t.shape for t in tensors], tensors)
+        return exchange.collectives - before, exchange.sent_elements, frame
+
+    for collectives, sent, frame in on_threads(3, rank_body):
+        assert collectives == 1 and sent == 2 * frame
+
+
 def test_regroup_cuts_a_flat_list_back_into_payloads() -> None:
     a, b, c = torch.zeros(1), torch.ones(2), torch.full((3,), 2.0)
     assert transport.regroup([(a, b), (), (c,)], [c, a, b]) == [(c, a), (), (b,)]

@@ -26,12 +26,20 @@ def aligned(nbytes: int) -> int:
 
 def pack(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
     """The tensors' bytes, each padded to a multiple of 8, in one new uint8 tensor."""
-    pieces = []
+    out = torch.empty(packed_bytes([t.shape for t in tensors], tensors), dtype=torch.uint8, device=device)
+    return pack_into(tensors, out)
+
+
+def pack_into(tensors: Sequence[Tensor], out: Tensor) -> Tensor:
+    """:func:`pack` into the first :func:`packed_bytes` bytes of the uint8 tensor ``out`` (the
+    alignment padding zeroed: nothing uninitialized travels); returns ``out``."""
+    offset = 0
     for tensor in tensors:
         raw = tensor.contiguous().reshape(-1).view(torch.uint8)
-        padding = aligned(raw.numel()) - raw.numel()
-        pieces.append(raw if not padding else torch.cat([raw, raw.new_zeros(padding)]))
-    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
+        out[offset : offset + raw.numel()].copy_(raw)
+        out[offset + raw.numel() : offset + aligned(raw.numel())].zero_()
+        offset += aligned(raw.numel())
+    return out
 
 
 def packed_bytes(shapes: Sequence[Shape], like: Sequence[Tensor]) -> int:

@@ -97,6 +97,7 @@ class Engine:
         self.group = private(group, timeout)
         self._checked = False
         self._rank = dist.get_rank(self.group)
+        self._capacities: dict[tuple[Key, ...], int] = {}  # padded all-gather bytes per bucket
         self._issues_only = (
             self.algo == "native" and self.compressor.rounds == 1 and self.compressor.aggregation is Aggregation.SUM
         )
@@ -162,7 +163,7 @@ class Engine:
                     self._reduce_two_phase(buffer, keys, shapes, record)
                     complete()
                 else:
-                    self._finish(buffer, *prepared, record, complete)
+                    self._finish(buffer, *prepared, record, complete, tuple(keys))
             except BaseException as error:
                 done.set_exception(error)
             return None, None
@@ -238,6 +239,7 @@ class Engine:
         states: list[tuple[Payload, Any]],
         record: BucketRecord,
         complete: Callable[[Callable[[], None] | None], None],
+        bucket: tuple[Key, ...],
     ) -> None:
         """Communicate every round, then decompress into the bucket (on the executor), and call
         ``complete``. A final round on the backend's own all-reduce is left in flight: the executor
@@ -266,7 +268,7 @@ class Engine:
             self._sum_last(finals, record, complete, decompress)
             return
         with record.phase("communicate"):
-            gathered = self._gather(finals, record)
+            gathered = self._gather(finals, record, bucket)
         with record.phase("decompress"):
             for everyone, (_, ctx), part in zip(gathered, states, parts, strict=True):
                 compressor.decompress_sum(everyone, ctx, out=part)
@@ -330,11 +332,18 @@ class Engine:
             record.add_traffic(collectives.all_reduce(tensor, "sum", algo=self.algo, group=self.group).traffic)
         return regroup(joined)
 
-    def _gather(self, payloads: list[Payload], record: BucketRecord) -> list[list[Payload]]:
-        """Every rank's payloads, per tensor then rank: two all-gathers (sizes, then bytes)."""
+    def _gather(self, payloads: list[Payload], record: BucketRecord, bucket: tuple[Key, ...]) -> list[list[Payload]]:
+        """Every rank's payloads, per tensor then rank. On ``algo=native`` one of the backend's own
+        all-gathers, padded to the bucket's capacity (kept per bucket: the same on every rank, as
+        every rank derives it from the same gathered frames); otherwise gradcomp's point-to-point
+        all-gather, sizes first."""
         device = payloads[0][0].device if payloads and payloads[0] else torch.device("cpu")
         exchange = transport.GroupExchange(self.group, record.add_traffic)
-        per_rank = transport.all_gather_payloads(payloads, device, exchange)
+        if self.algo == "native":
+            capacity = self._capacities.get(bucket, 0)
+            per_rank, self._capacities[bucket] = transport.all_gather_padded(payloads, device, exchange, capacity)
+        else:
+            per_rank = transport.all_gather_payloads(payloads, device, exchange)
         return [list(parts) for parts in zip(*per_rank, strict=True)]
 
     def _check_same_spec(self, device: torch.device) -> None:

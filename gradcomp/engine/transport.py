@@ -5,6 +5,10 @@ travel in two collectives per exchange: an int64 header of their shapes, then th
 (:mod:`gradcomp.engine.packing`). The receiver unpacks with the dtypes of its own payloads (the
 same structure on every rank).
 
+:func:`all_gather_padded` does an all-gather in one of the backend's own equal-size all-gathers
+instead: header and bytes in one frame per rank, padded to a capacity that every rank derives from
+the same gathered frames (a second round, at a larger capacity, when a payload outgrew it).
+
 The collectives come from an :class:`Exchange`: :class:`GroupExchange` on a process group (what the
 engine uses), or any object with the same two methods (the tests run p ranks as threads of one
 process through one).
@@ -23,6 +27,10 @@ from gradcomp import collectives
 from gradcomp.collectives.link import Traffic
 from gradcomp.compressors import Payload
 from gradcomp.engine import packing
+from gradcomp.errors import backend_failure
+
+# torch 2.13 renamed all_gather_into_tensor (kept, deprecated); older releases have only the old name
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 Meter = Callable[[Traffic | None], None]
 """Receives the traffic of every collective (None where the backend does not report it)."""
@@ -46,6 +54,11 @@ class Exchange(Protocol):
         rank s sent here (``incoming[s]`` elements), in rank order."""
         ...
 
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        """Every rank's flat ``tensor`` (the same size on every rank), in rank order: the backend's
+        own all-gather (one fused collective on NCCL)."""
+        ...
+
 
 class GroupExchange:
     """:class:`Exchange` over a process group through gradcomp's collectives (on the calling thread,
@@ -59,6 +72,17 @@ class GroupExchange:
         handle = collectives.all_gatherv(tensor, sizes, group=self.group)
         self.meter(handle.traffic)
         return handle.wait()
+
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        out = torch.empty(self.world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        try:
+            _all_gather_single(out, tensor, group=self.group)
+        except RuntimeError as error:
+            raise backend_failure("the backend's all-gather of a bucket", self.rank, self.world, error) from error
+        # gloo's and NCCL's all-gathers are rings: each rank forwards p - 1 blocks and receives as many
+        nbytes = (self.world - 1) * tensor.numel() * tensor.element_size()
+        self.meter(Traffic(nbytes, nbytes))
+        return list(out.view(self.world, -1))
 
     def all_to_allv(self, tensor: Tensor, splits: Sequence[int], incoming: Sequence[int]) -> list[Tensor]:
         handle = collectives.all_to_allv(tensor, splits, incoming, group=self.group)
@@ -78,6 +102,47 @@ def all_gather_payloads(payloads: list[Payload], device: torch.device, exchange:
     shapes = [packing.shapes(h.tolist(), tensors) for h in headers]
     packed = exchange.all_gatherv(packing.pack(tensors, device), [packing.packed_bytes(s, tensors) for s in shapes])
     return [regroup(payloads, packing.unpack(raw, s, tensors)) for raw, s in zip(packed, shapes, strict=True)]
+
+
+FRAME_HEAD = 8
+"""Bytes before a frame's header: the int64 size of the whole frame this rank needs."""
+
+
+def all_gather_padded(
+    payloads: list[Payload], device: torch.device, exchange: Exchange, capacity: int
+) -> tuple[list[list[Payload]], int]:
+    """:func:`all_gather_payloads` in one equal-size all-gather while every rank's frame fits in
+    ``capacity`` bytes; returns every rank's payloads (rank-major) and the capacity for next time.
+
+    A frame is [its size: int64][the shapes header: int64s][the packed payloads], padded to the
+    capacity. A rank whose frame does not fit sends its size alone; every rank then sees every size,
+    so all agree to gather again at the largest (which the caller keeps: a payload of fixed size
+    costs one collective per bucket from the second step on). Padding travels: for payloads whose
+    size varies a lot between steps (``threshold``) the two-collective :func:`all_gather_payloads`
+    sends less."""
+    tensors = [t for payload in payloads for t in payload]
+    head = torch.tensor(packing.header(tensors), dtype=torch.int64)
+    data_bytes = packing.packed_bytes([t.shape for t in tensors], tensors)
+    needed = FRAME_HEAD + 8 * head.numel() + data_bytes
+    capacity = packing.aligned(max(capacity, FRAME_HEAD))  # frames start at multiples of 8 when gathered
+    for _ in range(2):
+        frame = torch.zeros(capacity, dtype=torch.uint8, device=device)
+        frame[:FRAME_HEAD].view(torch.int64).fill_(needed)
+        if needed <= capacity:
+            frame[FRAME_HEAD : FRAME_HEAD + 8 * head.numel()].view(torch.int64).copy_(head)
+            packing.pack_into(tensors, frame[FRAME_HEAD + 8 * head.numel() :])
+        frames = exchange.all_gather(frame)
+        sizes = [int(f[:FRAME_HEAD].view(torch.int64)) for f in frames]
+        if max(sizes) <= capacity:
+            return [_unframe(f, payloads, tensors, head.numel()) for f in frames], capacity
+        capacity = packing.aligned(max(sizes))
+    raise AssertionError("every frame fits the largest size in the second round")
+
+
+def _unframe(frame: Tensor, payloads: list[Payload], like: list[Tensor], header_size: int) -> list[Payload]:
+    start = FRAME_HEAD + 8 * header_size
+    shapes = packing.shapes(frame[FRAME_HEAD:start].view(torch.int64).tolist(), like)
+    return regroup(payloads, packing.unpack(frame[start:], shapes, like))
 
 
 def all_to_all_payloads(outgoing: list[list[Payload]], device: torch.device, exchange: Exchange) -> list[list[Payload]]:
