@@ -51,11 +51,13 @@ class HookState:
             write_trace(self.engine.records, path, dist.get_rank())
 
     def state_dict(self) -> dict[str, Any]:
-        """The hook's spec and world size, and the compressor's state (residuals, warm starts,
-        generators): loadable with ``torch.load(..., weights_only=True)``."""
+        """The hook's spec and world size, the compressor's state (residuals, warm starts,
+        generators) and the engine's (what it learned about its transfers): loadable with
+        ``torch.load(..., weights_only=True)``."""
         state: dict[str, Any] = {"spec": str(self.spec), "world_size": self.world}
         if self.engine is not None:
             state["compressor"] = self.engine.compressor.state_dict()
+            state["engine"] = self.engine.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -71,6 +73,8 @@ class HookState:
             )
         if self.engine is not None:
             self.engine.compressor.load_state_dict(state["compressor"])
+            if "engine" in state:  # states saved before the engine kept any have none
+                self.engine.load_state_dict(state["engine"])
 
 
 def _gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[Tensor]:

@@ -104,7 +104,7 @@ def resume(rank: int, world: int, spec: str) -> Failures:
         assert state is not None
         return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), state
 
-    ddp, optimizer, _ = fresh()
+    ddp, optimizer, straight = fresh()
     sgd_steps(ddp, optimizer, data)
     uninterrupted = [p.detach().clone() for p in ddp.parameters()]
 
@@ -122,6 +122,15 @@ def resume(rank: int, world: int, spec: str) -> Failures:
     failures = Failures()
     for index, (a, b) in enumerate(zip(uninterrupted, ddp.parameters(), strict=True)):
         failures.expect(torch.equal(a, b), f"parameter {index} differs from the uninterrupted run's")
+    # The engine's learned transfer sizes came back too. DDP buckets its first iteration as at step
+    # 0, and step 0 of the uninterrupted run spent one round of 8-byte frames per bucket learning
+    # the padded all-gather's capacities: the resumed run's first step sends exactly that less, and
+    # its later steps exactly what the uninterrupted run's last steps sent.
+    sent, first = [s["sent_bytes"] for s in state.steps()], straight.steps()[0]
+    expected = [s["sent_bytes"] for s in straight.steps()][6:]
+    if first["sent_bytes"] is not None:  # a gathered payload (the native all-reduce's is not observable)
+        expected[0] = first["sent_bytes"] - 8 * (world - 1) * first["buckets"]
+    failures.expect(sent == expected, f"the resumed steps sent {sent}, expected {expected}")
     return failures
 
 

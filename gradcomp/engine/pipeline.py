@@ -173,6 +173,15 @@ class Engine:
         executor().submit(operation, brief=self._checked and self._issues_only)
         return Handle(done)
 
+    def state_dict(self) -> dict[str, Any]:
+        """What the engine learned about its transfers: the padded all-gather's capacity per bucket
+        (plain values). Saved with the compressor's state, a resumed run sends exactly what the run
+        straight through sends, without re-learning the capacities."""
+        return {"capacities": [{"keys": list(keys), "bytes": size} for keys, size in self._capacities.items()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._capacities = {tuple(entry["keys"]): int(entry["bytes"]) for entry in state["capacities"]}
+
     @property
     def per_tensor(self) -> bool:
         """Whether :meth:`reduce` needs the bucket's keys and shapes. False for an uncompressed
