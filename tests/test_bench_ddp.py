@@ -177,6 +177,7 @@ def test_runs_combine_into_medians_with_the_range_of_each_runs_ratio() -> None:
     lines = [[cell.strip() for cell in line.strip("|").split("|")] for line in format_table(combined).splitlines()]
     # fp16: 40/30, 40/35, 44/33 -> 1.14-1.33x; x floor: 30/20, 35/25, 33/22 -> 1.40-1.50
     assert lines[4] == ["fp16", "33.0", "1.21x (1.14-1.33)", "1.50 (1.40-1.50)", "1.00", "ok"]
+    assert lines[2][2:4] == ["1.82x (1.60-2.00)", "1.00"] and lines[3][2:4] == ["1.00x", "1.82 (1.60-2.00)"]
 
 
 def test_a_variant_that_failed_in_some_runs_says_so() -> None:

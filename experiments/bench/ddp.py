@@ -456,7 +456,7 @@ def _ratio(numerator: Row, denominator: Row, unit: str) -> str:
         return "-"
     text = f"{numerator.ms_per_step / denominator.ms_per_step:.2f}{unit}"
     pairs = [(a, b) for a, b in zip(numerator.run_ms, denominator.run_ms, strict=False) if a and b]
-    if len(pairs) > 1:
+    if len(pairs) > 1 and numerator is not denominator:  # an anchor against itself is 1 in every run
         ratios = [a / b for a, b in pairs]
         text += f" ({min(ratios):.2f}-{max(ratios):.2f})"
     return text

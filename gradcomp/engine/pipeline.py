@@ -9,18 +9,24 @@ every rank and nothing communicates from a backend's callback thread (rule "one 
 - **Each tensor is compressed on its own**, with its own key: its state (error-feedback residual,
   PowerSGD memory, random streams) follows the tensor, not the bucket, so results do not depend on
   how DDP groups tensors into buckets, which changes after DDP's first iteration and again when a
-  run resumes (rule "state per tensor"), and top-k or quantization act per layer.
+  run resumes (rule "state per tensor"), and top-k or quantization act per layer. Stateless
+  element-by-element compressors (the casts) compress the whole bucket into one payload.
 - **Communication is per bucket**: ``sum`` payloads of all the bucket's tensors are concatenated by
   dtype and all-reduced at once (``algo``: native or any gradcomp algorithm; every round of a
   multi-round compressor); ``gather`` payloads are packed into one byte buffer, with a header of
-  their shapes, and all-gathered with variable sizes, then ``decompress_sum`` adds every rank's
-  contribution in rank order.
+  their shapes, and all-gathered (on ``algo=native`` in one of the backend's all-gathers, padded to
+  a capacity learned per bucket: :func:`gradcomp.engine.transport.all_gather_padded`), then
+  ``decompress_sum`` adds every rank's contribution in rank order.
 - The bucket is divided by the world size *before* compression, so that low-precision sums cannot
-  overflow (rule "divide before sum") and the average is taken exactly once.
-- Compression runs in the caller's thread (DDP's backward), communication and decompression on the
-  executor, so one bucket's compression overlaps the previous one's communication. An uncompressed
-  bucket on the native algorithm goes straight to the backend's asynchronous all-reduce, issued in
-  the caller's thread when nothing is queued, as torch's own hook does.
+  overflow (rule "divide before sum") and the average is taken exactly once
+  (``Compressor.compress_divided``, which error feedback fuses with its add).
+- Compression runs in the caller's thread (DDP's backward), communication on the executor, so one
+  bucket's compression overlaps the previous one's communication. A final round on the backend's
+  all-reduce is issued and left in flight: the executor moves on to the next bucket's collectives,
+  and the decompression runs on the backend's completion thread when the sum lands (it issues
+  nothing, so the order of collectives stays the same on every rank). A single-round one is issued
+  in the caller's thread when nothing is queued, as torch's own hooks issue theirs; an uncompressed
+  bucket then goes straight to the backend's asynchronous all-reduce.
 - The first call checks that every rank uses the same spec, and fails with every rank's spec named.
 - The engine communicates on gradcomp's own process group, with the same ranks (one per parent group
   and timeout, shared by every engine), so that DDP's own collectives never interleave with it.

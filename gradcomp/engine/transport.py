@@ -10,7 +10,7 @@ instead: header and bytes in one frame per rank, padded to a capacity that every
 the same gathered frames (a second round, at a larger capacity, when a payload outgrew it).
 
 The collectives come from an :class:`Exchange`: :class:`GroupExchange` on a process group (what the
-engine uses), or any object with the same two methods (the tests run p ranks as threads of one
+engine uses), or any object with the same three methods (the tests run p ranks as threads of one
 process through one).
 """
 
