@@ -137,6 +137,13 @@ def test_a_real_run_measures_every_variant_and_counts_bytes_exactly() -> None:
     assert [line.split("|")[1].strip() for line in table[2:]] == specs
 
 
+@pytest.mark.parametrize("preset", ["transformer", "cnn"])
+def test_every_preset_trains_on_inputs_made_for_its_model(preset: str) -> None:
+    """Token ids for the transformer, images for ResNet-18: the task makes them when the model is built."""
+    rows = bench_ddp.run(preset, 2, "loopback", ["fp16"], torch_hooks=[], steps=2, rounds=1, warmup=2, timeout=300)
+    assert all(r.status == "ok" and r.ms_per_step for r in rows)
+
+
 def test_failures_are_reported_as_hung_or_aborted() -> None:
     hung = bench_ddp._failure(RankError("ranks [0, 1] of 2 did not finish within 70 s"), 70.0)
     assert hung == "hung (killed after 70 s)"

@@ -237,13 +237,13 @@ def measure(
     """Inside every rank: per variant, every timed step's time (slowest rank), wire bytes, and for
     gradcomp's hooks the engine's phases per step."""
     if isinstance(workload, UserModel):
-        build: Callable[[], nn.Module] = workload.build
+        setups = {v: _make_ddp(workload.build, v, seed) for v in variants}
         batch: tuple[Tensor, Tensor | None] = (workload.batch(rank, seed), None)
     else:
         task = build_task("synthetic")
-        build = functools.partial(task.build_model, workload.model)
+        # the models first: building one generates the task's inputs for it (images, tokens)
+        setups = {v: _make_ddp(functools.partial(task.build_model, workload.model), v, seed) for v in variants}
         batch = task.batch(rank, workload.batch_size, seed)  # each rank its own samples of the pool
-    setups = {v: _make_ddp(build, v, seed) for v in variants}
     optimizers = {v: torch.optim.SGD(m.parameters(), lr=1e-3) for v, (m, _) in setups.items()}
     gradient_bytes = sum(p.numel() * p.element_size() for p in setups[variants[0]][0].parameters())
     times: dict[str, list[float]] = {v: [] for v in variants}
