@@ -182,9 +182,9 @@ def test_runs_combine_into_medians_with_the_range_of_each_runs_ratio() -> None:
     assert combined[2].run_ms == [30.0, 35.0, 33.0] and combined[2].step_ms == [30.0, 35.0, 33.0]
     assert combined[2].phases_ms == phases
     lines = [[cell.strip() for cell in line.strip("|").split("|")] for line in format_table(combined).splitlines()]
-    # fp16: 40/30, 40/35, 44/33 -> 1.14-1.33x; x floor: 30/20, 35/25, 33/22 -> 1.40-1.50
-    assert lines[4] == ["fp16", "33.0", "1.21x (1.14-1.33)", "1.50 (1.40-1.50)", "1.00", "ok"]
-    assert lines[2][2:4] == ["1.82x (1.60-2.00)", "1.00"] and lines[3][2:4] == ["1.00x", "1.82 (1.60-2.00)"]
+    # fp16: 40/30, 40/35, 44/33 -> median 1.33x of 1.14-1.33x; x floor: 30/20, 35/25, 33/22 -> 1.50 of 1.40-1.50
+    assert lines[4] == ["fp16", "33.0", "1.33x (1.14-1.33)", "1.50 (1.40-1.50)", "1.00", "ok"]
+    assert lines[2][2:4] == ["2.00x (1.60-2.00)", "1.00"] and lines[3][2:4] == ["1.00x", "2.00 (1.60-2.00)"]
 
 
 def test_a_variant_that_failed_in_some_runs_says_so() -> None:
@@ -194,6 +194,11 @@ def test_a_variant_that_failed_in_some_runs_says_so() -> None:
     assert row.ms_per_step == 50.0 and row.run_ms == [None, 50.0]
     assert row.status == "ok in 1 of 2 runs; hung (killed after 70 s)"
     assert bench_ddp._combine([failed, failed]).ms_per_step is None
+    # its ratios pair it with the anchors of the run where it completed, not with their medians
+    noop = bench_ddp._combine([Row(NOOP, "1gbit", t, 0.0, "ok", [t], None, [t]) for t in (20.0, 30.0)])
+    anchor = bench_ddp._combine([Row(TORCH_ALLREDUCE, "1gbit", t, 25.0, "ok", [t], None, [t]) for t in (40.0, 60.0)])
+    lines = [line.split("|")[2:5] for line in format_table([noop, anchor, row]).splitlines()]
+    assert [cell.strip() for cell in lines[4]] == ["50.0", "1.20x", "1.67"]  # 60 / 50 and 50 / 30
 
 
 def test_runs_must_be_positive() -> None:

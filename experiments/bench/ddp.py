@@ -434,8 +434,8 @@ def _failure(error: RankError, deadline: float) -> str:
 
 def format_table(rows: Sequence[Row]) -> str:
     """Markdown: ms/step, speedup over torch's all-reduce, ratio to the noop floor, wire MB per step.
-    Rows of several runs give both ratios as the median with the range over the runs (each run's
-    ratio against the same run's anchor)."""
+    Rows of several runs give both ratios as the median of each run's ratio (against the same run's
+    anchor), with their range."""
     by_name = {r.variant: r for r in rows}
     anchor, floor = by_name[TORCH_ALLREDUCE], by_name[NOOP]
     header = ("hook", "ms/step", "speedup vs torch allreduce", "x noop floor", "wire MB/step", "status")
@@ -451,15 +451,16 @@ def format_table(rows: Sequence[Row]) -> str:
 
 
 def _ratio(numerator: Row, denominator: Row, unit: str) -> str:
-    """``numerator / denominator`` of the medians, and with several runs its range over them."""
+    """``numerator / denominator``: the median of each run's ratio (against the same run's anchor,
+    over the runs where both completed), with their range when there are several."""
     if not numerator.ms_per_step or not denominator.ms_per_step:
         return "-"
-    text = f"{numerator.ms_per_step / denominator.ms_per_step:.2f}{unit}"
     pairs = [(a, b) for a, b in zip(numerator.run_ms, denominator.run_ms, strict=False) if a and b]
-    if len(pairs) > 1 and numerator is not denominator:  # an anchor against itself is 1 in every run
-        ratios = [a / b for a, b in pairs]
-        text += f" ({min(ratios):.2f}-{max(ratios):.2f})"
-    return text
+    if not pairs or numerator is denominator:  # an anchor against itself is 1 in every run
+        return f"{numerator.ms_per_step / denominator.ms_per_step:.2f}{unit}"
+    ratios = [a / b for a, b in pairs]
+    spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+    return f"{statistics.median(ratios):.2f}{unit}{spread}"
 
 
 def format_phases(rows: Sequence[Row]) -> str:
@@ -537,7 +538,7 @@ def _command(args: argparse.Namespace) -> int:
         workload = user_model(args.model, args.input_shape, args.batch_size, args.input_high)
         about = f"{workload.about}, batch {workload.batch_size} per rank"
     host, rows = machine(), []
-    runs = f" (median over {args.runs} runs; ratios with their range)" if args.runs > 1 else ""
+    runs = f" (medians over {args.runs} runs; ratios with their range)" if args.runs > 1 else ""
     for network in networks:
         settings = {
             "steps": args.steps,
