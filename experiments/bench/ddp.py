@@ -26,9 +26,10 @@ Beside the step times, a second table shows where each gradcomp hook's time goes
 records, medians per step): compression and decompression, the wall time of its collectives, and
 the tail that backward could not hide.
 
-Wire bytes are what one rank sends per step: measured by gradcomp where it moves the bytes itself,
-else the ring all-reduce's 2 (p - 1) / p x payload (gloo's and NCCL's all-reduce are rings); for
-torch's hooks the payload is what they hand to ``dist.all_reduce``, counted there.
+Wire bytes are what one rank sends per step: measured by gradcomp where it moves the bytes itself
+(a padded all-gather on the backend counts its ring's p - 1 frames), else the ring all-reduce's
+2 (p - 1) / p x payload (gloo's and NCCL's all-reduce are rings); for torch's hooks the payload is
+what they hand to ``dist.all_reduce``, counted there.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -140,10 +141,6 @@ def user_model(factory: str, input_shape: str | None, batch_size: int = 8, input
     return UserModel(factory, shape, batch_size, input_high)
 
 
-Workload = Union["Preset", UserModel]
-"""What the ranks train: a preset of the synthetic task, or a user's model."""
-
-
 PRESETS = {
     "mlp": Preset("mlp", "mlp", 32, "MLP 1024-2048-2048-10, 6.32M parameters"),
     "cnn": Preset("cnn", "resnet18", 8, "ResNet-18 (32x32 inputs), 11.2M parameters"),
@@ -151,6 +148,9 @@ PRESETS = {
         "transformer", "chartransformer", 8, "character transformer, 4 layers of width 256, 3.2M parameters"
     ),
 }
+
+Workload = Preset | UserModel
+"""What the ranks train: a preset of the synthetic task, or a user's model."""
 
 
 @dataclasses.dataclass(frozen=True)
