@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gradcomp.engine.spec import HookSpec
+from gradcomp.experiments.training import curves
 from tests.training_runs import SETTINGS, STEPS, TrainingRun, scalars, tensors
 
 
@@ -16,21 +17,27 @@ from tests.training_runs import SETTINGS, STEPS, TrainingRun, scalars, tensors
 def test_a_run_writes_every_scalar_against_step_time_and_wire_bytes(straight_run: TrainingRun) -> None:
     events = scalars(straight_run.out)
     tags = set(events.Tags()["scalars"])
-    expected = {"train/loss", "train/lr", "comm/wire_bytes", "comm/compression_ratio"}
-    expected |= {
-        f"{group}/{m}" for group in ("eval", "eval_vs_time_ms", "eval_vs_wire_bytes") for m in ("loss", "accuracy")
-    }
+    expected = {"train/loss", "train/lr", "comm/wire_bytes", "comm/compression_ratio", "eval/loss", "eval/accuracy"}
     expected |= {
         f"time/{part}_ms"
         for part in ("forward", "backward_comm", "optimizer", "step", "compress", "communicate", "decompress")
     }
     assert expected <= tags, expected - tags
+    assert not [tag for tag in tags if tag.startswith("eval_vs")]  # TensorBoard's step is always the step
+    assert "custom_scalars__config__" in events.Tags()["tensors"]  # the layout of shared charts
     metrics = straight_run.record["metrics"]
     assert [e.step for e in events.Scalars("eval/accuracy")] == [0, 10, 20, 30, 40]
-    by_bytes = [e.step for e in events.Scalars("eval_vs_wire_bytes/accuracy")]
-    assert by_bytes[0] == 0 and by_bytes == sorted(by_bytes) and by_bytes[-1] == metrics["wire_bytes"]
-    by_time = [e.step for e in events.Scalars("eval_vs_time_ms/accuracy")]
-    assert by_time == sorted(by_time) and by_time[-1] == round(1000 * metrics["train_time_s"])
+    # Against training time and wire bytes: the curves file, with the same values as TensorBoard's
+    evals = curves.read(str(straight_run.out), "eval")
+    assert [p["step"] for p in evals] == [0, 10, 20, 30, 40]
+    assert [p["accuracy"] for p in evals] == pytest.approx([e.value for e in events.Scalars("eval/accuracy")])
+    sent = [p["wire_bytes"] for p in evals]
+    assert sent[0] == 0 and sent == sorted(sent) and sent[-1] == metrics["wire_bytes"]
+    times = [p["time_s"] for p in evals]
+    assert times[0] == 0 and times == sorted(times) and times[-1] == pytest.approx(metrics["train_time_s"])
+    trains = curves.read(str(straight_run.out), "train")
+    assert [p["step"] for p in trains] == [e.step for e in events.Scalars("train/loss")]
+    assert trains[-1]["loss"] == pytest.approx(metrics["train_loss"]) and trains[-1]["wire_bytes"] == sent[-1]
     accuracy = events.Scalars("eval/accuracy")
     assert accuracy[-1].value == pytest.approx(metrics["eval_accuracy"])
     assert accuracy[-1].value > accuracy[0].value + 0.3  # it learns

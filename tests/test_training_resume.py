@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from gradcomp.experiments.training import curves
 from gradcomp.experiments.training.config import TrainConfig
 from gradcomp.experiments.training.run import launch
 from tests.training_runs import SETTINGS, STOP, TrainingRun, scalars, tensors
@@ -54,7 +55,13 @@ def test_a_resumed_run_continues_its_curves_without_duplicates(
         steps = [e.step for e in events.Scalars(tag)]
         assert steps == sorted(set(steps)), (tag, steps)
     assert [e.step for e in events.Scalars("eval/accuracy")] == [0, 10, STOP, 20, 30, 40]
-    wire = [e.step for e in events.Scalars("eval_vs_wire_bytes/accuracy")]
+    points = curves.read(str(resumed["out"]))
+    for kind in ("train", "eval"):
+        steps = [p["step"] for p in points if p["kind"] == kind]
+        assert steps == sorted(set(steps)), (kind, steps)
+    evals = [p for p in points if p["kind"] == "eval"]
+    assert [p["step"] for p in evals] == [0, 10, STOP, 20, 30, 40]
+    wire = [p["wire_bytes"] for p in evals]
     assert wire == sorted(wire) and wire[-1] == straight_run.record["metrics"]["wire_bytes"]
     # the loss window that the stop split (steps 16-20) differs; all others are the straight run's
     same = {5, 10, 15, 25, 30, 35, 40}

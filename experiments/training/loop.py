@@ -121,6 +121,7 @@ class Loop:
 
     def _log(self) -> None:
         """Training scalars for the steps since the last call (the loss averaged over the ranks)."""
+        self.meter.collect()  # the bytes sent up to this step, whatever the collection period
         n = self._window_steps
         if not n:
             return
@@ -137,6 +138,7 @@ class Loop:
             **self.meter.drain(),
         }
         self.writer.scalars(scalars, self.step, self.elapsed)
+        self.writer.points("train", {"loss": self.train_loss}, self.step, self.elapsed, self.meter.total)
         logger.info(
             "step %d/%d: train loss %.4f, %.1f ms/step", self.step, self.end, self.train_loss, 1e3 * step_seconds
         )
@@ -159,10 +161,8 @@ class Loop:
         dist.all_reduce(sums)
         metrics = self.task.eval_metrics(sums.cpu())
         logger.info("step %d: %s", self.step, ", ".join(f"eval {k} {v:.4g}" for k, v in metrics.items()))
-        ms = round(1e3 * self.elapsed)
         self.writer.scalars({f"eval/{k}": v for k, v in metrics.items()}, self.step, self.elapsed)
-        self.writer.scalars({f"eval_vs_time_ms/{k}": v for k, v in metrics.items()}, ms, self.elapsed)
-        self.writer.scalars({f"eval_vs_wire_bytes/{k}": v for k, v in metrics.items()}, self.meter.total, self.elapsed)
+        self.writer.points("eval", metrics, self.step, self.elapsed, self.meter.total)
         return metrics
 
     def _final(self, evaluated: dict[str, float], steps: int, seconds: float) -> dict[str, Any]:

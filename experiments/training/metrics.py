@@ -1,32 +1,36 @@
-"""What a run measures and where it goes: wire bytes from the hook, TensorBoard scalars and HParams.
+"""What a run measures and where it goes: wire bytes from the hook, TensorBoard scalars and HParams,
+and the run's curves against step, training time and wire bytes.
 
 Rank 0 writes; the other ranks get a :class:`NullWriter`. Every TensorBoard event carries the wall
 time ``origin + training seconds`` (the time the run started, plus the time spent in training steps,
 which excludes evaluation and checkpoints, and carries over a resume), so TensorBoard's *Relative*
-axis is training time, and a resumed run can drop exactly the events written after its checkpoint.
+axis is training time. A resumed run opens its writer with ``purge_step`` one past its checkpoint:
+TensorBoard then drops what the interrupted run wrote after the checkpoint, and the curves file is
+cut the same way.
 
-Tags (``step`` is the optimizer step unless the group says otherwise):
+TensorBoard tags (``step`` is always the optimizer step):
 
 - ``train/loss`` (mean over the ranks and the steps since the last point), ``train/lr``, ``train/steps_per_s``
 - ``eval/<metric>``: ``loss``, ``accuracy`` (and ``perplexity`` for language models)
-- ``eval_vs_time_ms/<metric>``: the same, with step = training milliseconds
-- ``eval_vs_wire_bytes/<metric>``: the same, with step = cumulative bytes sent per rank
 - ``time/<part>_ms``: per step: ``data``, ``forward``, ``backward_comm`` (backward, with the hooks'
   communication overlapping it), ``optimizer``, ``step``; from the hook: ``compress``, ``communicate``,
   ``decompress`` (on the hook's thread, overlapping backward)
 - ``comm/compression_ratio``, ``comm/sent_bytes_per_step``, ``comm/payload_bytes_per_step``, ``comm/wire_bytes``
+
+plus a custom-scalars layout (:data:`LAYOUT`) that puts every run's curve of one tag on one chart.
+Curves against training time and wire bytes, which TensorBoard's step cannot carry without
+meaning something else, go to ``curves.jsonl`` (:mod:`gradcomp.experiments.training.curves`).
 """
 
 from __future__ import annotations
 
-import glob
 import logging
 import math
-import os
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 from gradcomp.engine.stats import per_step, wire_bytes
+from gradcomp.experiments.training import curves
 from gradcomp.hooks import HookState
 
 logger = logging.getLogger(__name__)
@@ -111,9 +115,11 @@ class WireMeter:
 
 
 class Writer(Protocol):
-    """Where rank 0's metrics go (TensorBoard); other ranks use :class:`NullWriter`."""
+    """Where rank 0's metrics go (TensorBoard and the curves file); other ranks use :class:`NullWriter`."""
 
     def scalars(self, values: Mapping[str, float], step: int, elapsed: float) -> None: ...
+
+    def points(self, kind: str, values: Mapping[str, float], step: int, elapsed: float, wire_bytes: int) -> None: ...
 
     def hparams(self, hparams: Mapping[str, Any], metrics: Mapping[str, float], step: int, elapsed: float) -> None: ...
 
@@ -126,6 +132,9 @@ class NullWriter:
     def scalars(self, values: Mapping[str, float], step: int, elapsed: float) -> None:
         pass
 
+    def points(self, kind: str, values: Mapping[str, float], step: int, elapsed: float, wire_bytes: int) -> None:
+        pass
+
     def hparams(self, hparams: Mapping[str, Any], metrics: Mapping[str, float], step: int, elapsed: float) -> None:
         pass
 
@@ -136,26 +145,44 @@ class NullWriter:
         pass
 
 
-class TensorBoardWriter:
-    """Scalars and HParams in ``logdir``, every event at wall time ``origin + elapsed``.
+LAYOUT = {
+    "gradcomp: every run on one chart": {
+        "eval accuracy": ["Multiline", [r"^eval/accuracy$"]],
+        "eval loss": ["Multiline", [r"^eval/loss$"]],
+        "train loss": ["Multiline", [r"^train/loss$"]],
+        "step time (ms)": ["Multiline", [r"^time/step_ms$"]],
+        "bytes sent per rank (cumulative)": ["Multiline", [r"^comm/wire_bytes$"]],
+    }
+}
+"""TensorBoard's custom-scalars layout: with ``--logdir`` on a sweep, each chart holds every run's
+curve of one tag (pick runs, a method per run, in the run selector)."""
 
-    ``resume_elapsed``: the training seconds of the checkpoint a run resumes from: events written
-    later than that (by the interrupted run, after its last checkpoint) and the HParams summary (it is
-    written again at the end) are dropped first, so that curves continue without duplicates.
+
+class TensorBoardWriter:
+    """Scalars, HParams and the layout in ``logdir``, every event at wall time ``origin + elapsed``;
+    curve points in its ``curves.jsonl``.
+
+    ``resume_step``: the step of the checkpoint a run resumes from. Events and curve points the
+    interrupted run wrote after it are dropped (TensorBoard's ``purge_step``), so that curves
+    continue without duplicates.
     """
 
-    def __init__(self, logdir: str, origin: float, resume_elapsed: float | None = None) -> None:
+    def __init__(self, logdir: str, origin: float, resume_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        if resume_elapsed is not None:
-            truncate_events(logdir, origin + resume_elapsed)
+        purge = None if resume_step is None else resume_step + 1
         self.origin = origin
-        self.writer = SummaryWriter(logdir, flush_secs=10)
+        self.writer = SummaryWriter(logdir, flush_secs=10, purge_step=purge)
+        self.curves = curves.Curves(logdir, resume_step)
+        self.writer.add_custom_scalars(LAYOUT)
 
     def scalars(self, values: Mapping[str, float], step: int, elapsed: float) -> None:
         for tag, value in values.items():
             if value is not None and math.isfinite(value):
                 self.writer.add_scalar(tag, value, step, walltime=self.origin + elapsed)
+
+    def points(self, kind: str, values: Mapping[str, float], step: int, elapsed: float, wire_bytes: int) -> None:
+        self.curves.append(kind, values, step, elapsed, wire_bytes)
 
     def hparams(self, hparams: Mapping[str, Any], metrics: Mapping[str, float], step: int, elapsed: float) -> None:
         """The HParams dashboard's row for this run: its settings and final metrics (written as
@@ -175,27 +202,3 @@ class TensorBoardWriter:
 
     def close(self) -> None:
         self.writer.close()
-
-
-def truncate_events(logdir: str, cutoff: float) -> None:
-    """Rewrite the event files in ``logdir`` without events later than wall time ``cutoff`` and
-    without HParams summaries."""
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-    from torch.utils.tensorboard.writer import FileWriter
-
-    for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
-        events = list(EventFileLoader(path).Load())
-        summaries = [e for e in events if e.HasField("summary")]
-        kept = [e for e in summaries if e.wall_time <= cutoff and not _is_hparams(e)]
-        if len(kept) == len(summaries):
-            continue
-        writer = FileWriter(logdir, filename_suffix=".resumed")
-        for event in kept:
-            writer.add_event(event)
-        writer.close()
-        os.remove(path)
-        logger.info("%s: dropped %d events written after the checkpoint", path, len(summaries) - len(kept))
-
-
-def _is_hparams(event: Any) -> bool:
-    return any(v.metadata.plugin_data.plugin_name == "hparams" for v in event.summary.value)

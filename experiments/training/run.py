@@ -84,7 +84,7 @@ def train(rank: int, world: int, config: TrainConfig) -> dict[str, Any] | None:
     writer: Writer = NullWriter()
     if rank == 0:
         runinfo.write(config.out, {**record, "status": "running"})
-        writer = TensorBoardWriter(config.out, float(progress["origin"]), progress["elapsed_s"] if resume else None)
+        writer = TensorBoardWriter(config.out, float(progress["origin"]), start if resume else None)
     meter = WireMeter(state, world, int(progress["wire_bytes"]), bool(progress["wire_estimated"]))
 
     def save(step: int, elapsed: float) -> None:
