@@ -186,3 +186,16 @@ def test_compress_divided_is_bitwise_compress_of_the_quotient(spec: str, ef: boo
         assert all(torch.equal(a, b) for a, b in zip(payload, expected, strict=True))
         if ef:
             assert torch.equal(folded.residuals["w"], reference.residuals["w"])
+
+
+@pytest.mark.parametrize(
+    "spec", ["topk:ratio=0.05", "topk:ratio=0.01,method=sampled", "threshold:tau=0.5", "randomk:ratio=0.1"]
+)
+def test_a_fused_sparse_residual_is_bitwise_the_dense_subtraction(spec: str) -> None:
+    """Sparsifiers and random-k subtract their contribution at their k elements only: the residual
+    is bitwise (g + e) - contribution, computed densely, step after step."""
+    ef = make_compressor(f"{spec},ef=true")
+    for g in gradients(3, shape=(60, 50)):
+        compensated = g + ef.residuals.get("w", torch.zeros_like(g))
+        payload, ctx = ef.compress(g, "w")
+        assert torch.equal(ef.residuals["w"], compensated - ef.contribution(payload, ctx))

@@ -58,10 +58,12 @@ class SparseCompressor(Compressor):
         return result.view(ctx.shape)
 
     def subtract_contribution(self, payload: Payload, ctx: Meta, tensor: Tensor) -> bool:
-        # The values are tensor's own at the indices: subtracting them leaves exact zeros there
-        # (c - c), and the rest of the tensor as it is: k writes, no pass over the tensor.
-        _, indices = payload
-        tensor.view(-1)[indices.long()] = 0
+        # The contribution is zero off the indices (unique within a payload): k reads and writes,
+        # no pass over the tensor. Under error feedback the values are the tensor's own there, so
+        # what is left at the indices is exactly zero.
+        values, indices = payload
+        flat, at = tensor.view(-1), indices.long()
+        flat[at] = flat[at] - values.to(flat.dtype)
         return True
 
     def decompress_sum(self, payloads: Sequence[Payload], ctx: Meta, out: Tensor | None = None) -> Tensor:
