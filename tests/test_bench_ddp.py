@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import statistics
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,3 +206,15 @@ def test_a_variant_that_failed_in_some_runs_says_so() -> None:
 def test_runs_must_be_positive() -> None:
     with pytest.raises(ValueError, match="--runs must be >= 1"):
         bench_ddp.run("mlp", 2, "loopback", ["fp16"], runs=0)
+
+
+def test_the_command_finds_a_model_in_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As `python -m` would: a console script does not put the current directory on sys.path itself."""
+    (tmp_path / "my_models.py").write_text("from torch import nn\n\ndef small():\n    return nn.Linear(4, 2)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    arguments = ["--input-shape", "4", "--hooks", "fp16", "--torch-hooks", "none", "--steps", "2", "--rounds", "1"]
+    assert main(["bench", "ddp", "--model", "my_models:small", *arguments, "--warmup", "2"]) == 0
+    assert "my_models:small, random inputs of shape [4]" in capsys.readouterr().out

@@ -30,3 +30,17 @@ def test_the_tail_runs_from_the_last_hand_over_to_the_last_finish() -> None:
     (step,) = per_step([first, last])
     assert step["step"] == 3 and step["buckets"] == 2
     assert step["tail_s"] == 2.5
+
+
+def test_phases_show_in_torch_profiler_traces() -> None:
+    from torch.profiler import profile
+
+    record = BucketRecord(step=0, bucket=0, input_bytes=8, queued=0.0)
+    with profile() as trace:
+        with record.phase("compress"):
+            pass
+        with record.phase("decompress"):
+            pass
+    names = {event.name for event in trace.events()}
+    assert {"gradcomp.compress", "gradcomp.decompress"} <= names
+    assert record.compress_s >= 0 and [name for name, _, _ in record.spans] == ["compress", "decompress"]

@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import os
 import statistics
 import sys
 import time
@@ -102,9 +103,8 @@ class UserModel:
         return f"{self.factory}, random inputs of shape {list(self.input_shape)} ({kind})"
 
     def build(self) -> nn.Module:
-        module_name, _, function = self.factory.partition(":")
-        factory = getattr(importlib.import_module(module_name), function)
-        model = factory()
+        module_name, function = self.factory.split(":")  # checked by user_model
+        model = getattr(importlib.import_module(module_name), function)()
         if not isinstance(model, nn.Module):
             raise TypeError(f"{self.factory} returned a {type(model).__name__}, not a torch.nn.Module")
         return model
@@ -487,7 +487,7 @@ def add_command(commands: argparse._SubParsersAction) -> None:
         "--model",
         default="mlp",
         help=f"model preset ({', '.join(sorted(PRESETS))}; default mlp) or your own as pkg.module:factory "
-        "(a function returning the nn.Module; the module must be importable, e.g. on PYTHONPATH)",
+        "(a function returning the nn.Module, importable from the current directory or PYTHONPATH)",
     )
     parser.add_argument(
         "--input-shape", help="with pkg.module:factory: one sample's input shape, e.g. 3,32,32 (random inputs)"
@@ -535,6 +535,8 @@ def _command(args: argparse.Namespace) -> int:
     if args.model in PRESETS:
         about = f"{PRESETS[args.model].about}, batch {PRESETS[args.model].batch_size} per rank"
     else:
+        if os.getcwd() not in sys.path:  # as `python -m` does: the module may be one of the current directory
+            sys.path.insert(0, os.getcwd())  # (the ranks inherit sys.path)
         workload = user_model(args.model, args.input_shape, args.batch_size, args.input_high)
         about = f"{workload.about}, batch {workload.batch_size} per rank"
     host, rows = machine(), []

@@ -72,9 +72,10 @@ class Loop:
         collect_every = min(self.config.log_every, 100)  # the hook keeps the latest 10,000 buckets only
         while self.step < self.end:
             self._train_step()
-            if self.step % collect_every == 0:
+            logging = self.step % self.config.log_every == 0 or self.step == self.end
+            if logging or self.step % collect_every == 0:  # a log point reports the bytes sent up to it
                 self.meter.collect()
-            if self.step % self.config.log_every == 0 or self.step == self.end:
+            if logging:
                 self._log()
             if self.task.evaluates and (self.step % self.eval_every == 0 or self.step == self.end):
                 evaluated, evaluated_at = self.evaluate(), self.step
@@ -121,7 +122,6 @@ class Loop:
 
     def _log(self) -> None:
         """Training scalars for the steps since the last call (the loss averaged over the ranks)."""
-        self.meter.collect()  # the bytes sent up to this step, whatever the collection period
         n = self._window_steps
         if not n:
             return

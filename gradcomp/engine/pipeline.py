@@ -51,7 +51,6 @@ from gradcomp.collectives.executor import Handle, executor
 from gradcomp.collectives.groups import private
 from gradcomp.collectives.link import Traffic
 from gradcomp.compressors import Aggregation, Compressor, Key, Payload, make_compressor
-from gradcomp.compressors.cast import Identity
 from gradcomp.engine import transport, two_phase
 from gradcomp.engine.spec import HookSpec, HookSpecLike
 from gradcomp.engine.stats import BucketRecord
@@ -130,11 +129,11 @@ class Engine:
         if buffer.dim() != 1 or not buffer.is_contiguous():
             raise ValueError("the engine reduces flat, contiguous buffers (a DDP bucket's)")
         record = BucketRecord(0, bucket, buffer.numel() * buffer.element_size(), time.perf_counter())
-        if not self.per_tensor:
-            return self._reduce_natively(buffer, record, last)
-        if keys is None or shapes is None:
+        if not self.per_tensor:  # the bucket travels whole: its tensors are not needed
+            keys, shapes = [], []
+        elif keys is None or shapes is None:
             raise ValueError(f"{self.spec} needs the keys and shapes of the bucket's tensors")
-        if len(keys) != len(shapes) or sum(math.prod(s) for s in shapes) != buffer.numel():
+        elif len(keys) != len(shapes) or sum(math.prod(s) for s in shapes) != buffer.numel():
             raise ValueError(
                 f"{len(keys)} keys and shapes holding {sum(math.prod(s) for s in shapes)} elements "
                 f"do not describe a buffer of {buffer.numel()}"
@@ -190,56 +189,16 @@ class Engine:
 
     @property
     def per_tensor(self) -> bool:
-        """Whether :meth:`reduce` needs the bucket's keys and shapes. False for an uncompressed
-        all-reduce on the backend once the first step's spec check is done: the bucket travels
-        whole, and a hook need not list its parameters (the step's Python cost is DDP's then)."""
-        return not (self._checked and type(self.compressor) is Identity and self.algo == "native")
-
-    def _reduce_natively(self, buffer: Tensor, record: BucketRecord, last: bool) -> Handle[Tensor]:
-        """The uncompressed bucket through the backend's all-reduce, as torch's own hook does it:
-        issued at once in this thread when the executor is idle (else in order behind what is
-        queued), and finished by the backend, with no thread of ours waiting in between."""
-        buffer.div_(self.world)
-        record.payload_bytes = record.input_bytes
-        record.sent_bytes = record.received_bytes = None  # the backend's traffic is not observable
-        done: Future[tuple[Tensor, Traffic | None]] = Future()
-
-        def finished(work: torch.futures.Future[list[Tensor]]) -> None:
-            record.finished = time.perf_counter()
-            record.communicate_s = record.finished - record.started
-            record.spans.append(("communicate", record.started, record.finished))
-            self.records.append(record)
-            try:
-                work.wait()
-                done.set_result((buffer, None))
-            except RuntimeError as error:  # reaches whoever waits on the handle
-                rank = dist.get_rank(self.group)
-                done.set_exception(backend_failure("the backend's all-reduce of a bucket", rank, self.world, error))
-            except BaseException as error:
-                done.set_exception(error)
-
-        def issue() -> tuple[None, None]:
-            try:
-                record.step, record.started = self.step, time.perf_counter()
-                self.step += int(last)
-                work = dist.all_reduce(buffer, group=self.group, async_op=True)
-            except BaseException as error:
-                done.set_exception(error)
-                raise
-            work.get_future().then(finished)
-            return None, None
-
-        executor().submit(issue, brief=True)
-        return Handle(done)
+        """Whether :meth:`reduce` needs the bucket's keys and shapes: not for an element-wise,
+        stateless compressor (``allreduce``, the casts), which compresses the bucket whole, so that
+        a hook need not list its parameters."""
+        return not self.compressor.elementwise
 
     def _prepare(
         self, buffer: Tensor, keys: list[Key], shapes: list[torch.Size], record: BucketRecord
     ) -> tuple[list[Tensor], list[tuple[Payload, Any]]]:
         """Split into the bucket's tensors and compress each divided by the world size (round one)."""
         with record.phase("compress"):
-            if type(self.compressor) is Identity:  # nothing to compress: all-reduce the bucket in place
-                buffer.div_(self.world)
-                return [buffer], [((buffer,), None)]
             if self.compressor.elementwise:  # stateless, element by element: one payload for the bucket
                 return [buffer], [self.compressor.compress_divided(buffer, self.world)]
             parts = _views(buffer, shapes)
@@ -261,10 +220,6 @@ class Engine:
         moves on to the next bucket's collectives while the backend moves this one, and
         ``complete(decompress)`` runs on the backend's thread when it lands."""
         compressor = self.compressor
-        if type(compressor) is Identity:
-            record.payload_bytes = record.input_bytes
-            self._sum_last([(buffer,)], record, complete, lambda summed: None)
-            return
         for _ in range(1, compressor.rounds):
             record.payload_bytes += sum(compressor.wire_bytes(p) for p, _ in states)
             with record.phase("communicate"):

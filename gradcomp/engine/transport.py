@@ -126,11 +126,13 @@ def all_gather_padded(
     needed = FRAME_HEAD + 8 * head.numel() + data_bytes
     capacity = packing.aligned(max(capacity, FRAME_HEAD))  # frames start at multiples of 8 when gathered
     for _ in range(2):
-        frame = torch.zeros(capacity, dtype=torch.uint8, device=device)
+        frame = torch.empty(capacity, dtype=torch.uint8, device=device)
         frame[:FRAME_HEAD].view(torch.int64).fill_(needed)
-        if needed <= capacity:
+        fits = needed <= capacity
+        if fits:
             frame[FRAME_HEAD : FRAME_HEAD + 8 * head.numel()].view(torch.int64).copy_(head)
             packing.pack_into(tensors, frame[FRAME_HEAD + 8 * head.numel() :])
+        frame[needed if fits else FRAME_HEAD :].zero_()  # the padding: nothing uninitialized travels
         frames = exchange.all_gather(frame)
         sizes = [int(f[:FRAME_HEAD].view(torch.int64)) for f in frames]
         if max(sizes) <= capacity:
