@@ -45,6 +45,17 @@ class HookState:
         Read it after a step's backward (DDP has waited for every bucket by then)."""
         return [] if self.engine is None else per_step(self.engine.records)
 
+    def steps_since(self, first: int) -> list[dict[str, Any]]:
+        """:meth:`steps` from step ``first`` on, reading only the newest records (cheap at every step)."""
+        if self.engine is None:
+            return []
+        fresh = []
+        for record in reversed(self.engine.records):
+            if record.step < first:
+                break
+            fresh.append(record)
+        return per_step(reversed(fresh))
+
     def write_trace(self, path: str) -> None:
         """A Chrome / Perfetto JSON trace of every recorded bucket: ready, queued, and each phase."""
         if self.engine is not None:

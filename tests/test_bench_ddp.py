@@ -14,13 +14,14 @@ from gradcomp.experiments.bench import ddp as bench_ddp
 from gradcomp.experiments.bench.ddp import (
     NOOP,
     TORCH_ALLREDUCE,
-    TORCH_FP16,
     Row,
     format_phases,
     format_table,
     split_hooks,
 )
 from gradcomp.launch import RankError
+
+TORCH_FP16 = "torch:fp16"
 
 MLP_GRADIENT_MB = 6_316_042 * 4 / 1e6
 
@@ -46,7 +47,9 @@ def test_hook_lists_split_on_names_not_on_options(text: str, specs: list[str]) -
         ({"ranks": 1}, "needs peers"),
         ({"specs": ["topq"]}, "unknown compressor"),
         ({"specs": ["fp16:algo=butterfly"]}, "unknown all-reduce algorithm"),
-        ({"torch_hooks": ["bf16"]}, "unknown torch hook"),
+        ({"torch_hooks": ["torch:bf17"]}, "unknown torch hook"),
+        ({"torch_hooks": ["bf16"]}, "starts with 'torch:'"),
+        ({"specs": ["torch:powersgd:rank=0"]}, "rank must be >= 1"),
         ({"steps": 1, "rounds": 2}, "steps >= rounds"),
     ],
 )
@@ -125,7 +128,7 @@ def test_a_real_run_measures_every_variant_and_counts_bytes_exactly() -> None:
     # top-k 1% as values and indices, gathered (measured by gradcomp's own all-gather): a few %
     assert 0.01 * MLP_GRADIENT_MB < wire["topk:ratio=0.01,ef=true"] < 0.05 * MLP_GRADIENT_MB
     cells = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in format_table(rows).splitlines()}
-    assert cells["torch allreduce"] == "1.00x"  # its speedup over itself
+    assert cells["torch:allreduce"] == "1.00x"  # its speedup over itself
     # The engine's phases, for gradcomp's hooks only: top-k compresses and decompresses, every hook
     # communicates, and the tail (what backward could not hide) is within the step.
     phases = {r.variant: r.phases_ms for r in rows}
@@ -157,11 +160,11 @@ def test_a_failed_variant_has_a_row_without_figures() -> None:
     rows = [
         Row(NOOP, "loopback", 30.0, 0.0),
         Row(TORCH_ALLREDUCE, "loopback", 60.0, 25.3),
-        Row("torch powersgd", "loopback", None, None, "hung (killed after 70 s)"),
+        Row("torch:powersgd:rank=4", "loopback", None, None, "hung (killed after 70 s)"),
         Row("powersgd:rank=4", "loopback", 40.0, 0.16),
     ]
     lines = [[cell.strip() for cell in line.strip("|").split("|")] for line in format_table(rows).splitlines()]
-    assert lines[4] == ["torch powersgd", "-", "-", "-", "-", "hung (killed after 70 s)"]
+    assert lines[4] == ["torch:powersgd:rank=4", "-", "-", "-", "-", "hung (killed after 70 s)"]
     assert lines[5] == ["powersgd:rank=4", "40.0", "1.50x", "1.33", "0.16", "ok"]
 
 
@@ -190,8 +193,8 @@ def test_runs_combine_into_medians_with_the_range_of_each_runs_ratio() -> None:
 
 
 def test_a_variant_that_failed_in_some_runs_says_so() -> None:
-    failed = Row("torch powersgd", "1gbit", None, None, "hung (killed after 70 s)", run_ms=[None])
-    ok = Row("torch powersgd", "1gbit", 50.0, 0.6, "ok", [50.0], None, [50.0])
+    failed = Row("torch:powersgd:rank=4", "1gbit", None, None, "hung (killed after 70 s)", run_ms=[None])
+    ok = Row("torch:powersgd:rank=4", "1gbit", 50.0, 0.6, "ok", [50.0], None, [50.0])
     row = bench_ddp._combine([failed, ok])
     assert row.ms_per_step == 50.0 and row.run_ms == [None, 50.0]
     assert row.status == "ok in 1 of 2 runs; hung (killed after 70 s)"

@@ -8,13 +8,15 @@ the hook's communication, SGD step) in an order rotated from round to round, so 
 drift hits every variant alike. A step's time is the slowest rank's; each figure is the median over
 the timed steps, after ``warmup`` untimed ones (DDP's bucket rebuild, PowerSGD's start, caches).
 
-Variants: always ``noop`` (no communication: the compute floor) and torch's default all-reduce
-(DDP's built-in C++ path); by default also torch's Python ``allreduce_hook`` (the same all-reduce
-through the hook interface, which a gradcomp hook also goes through), ``fp16_compress_hook``, and
-``powerSGD_hook`` (rank 4, error feedback, from step 2). PowerSGD runs in ranks of its own: on gloo
-it aborts or hangs whenever the model has more than one bucket (it issues its second all-reduce from
-the first one's callback: the rule "one ordered path" of ``docs/architecture.md``), and that is
-reported as such in the table instead of taking the other figures with it.
+Variants: always ``noop`` (no communication: the compute floor) and ``torch:allreduce`` (DDP's
+built-in C++ path); by default also torch's Python ``allreduce_hook`` (the same all-reduce through
+the hook interface, which a gradcomp hook also goes through), ``fp16_compress_hook``, and
+``powerSGD_hook`` (rank 4, error feedback, from step 2), spelt as everywhere else
+(:mod:`gradcomp.hooks.torch_hooks`: ``torch:allreduce_hook``, ``torch:fp16``, ``torch:powersgd:rank=4``).
+PowerSGD runs in ranks of its own: on gloo it would hang whenever the model has more than one bucket
+(it issues its second all-reduce from the first one's callback: the rule "one ordered path" of
+``docs/architecture.md``); gradcomp's wrapper refuses that case, and the table reports it instead of
+taking the other figures with it.
 
 Models and data come from the ``synthetic`` task (random data: the loss means nothing, the step
 time does): each preset is one of its models at a batch size. ``--model pkg.module:factory`` times a
@@ -29,13 +31,12 @@ the tail that backward could not hide.
 Wire bytes are what one rank sends per step: measured by gradcomp where it moves the bytes itself
 (a padded all-gather on the backend counts its ring's p - 1 frames), else the ring all-reduce's
 2 (p - 1) / p x payload (gloo's and NCCL's all-reduce are rings); for torch's hooks the payload is
-what they hand to ``dist.all_reduce``, counted there.
+what they hand to the backend (``TorchHookState.steps``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import importlib
@@ -49,29 +50,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from gradcomp import hooks
 from gradcomp.bench.report import markdown_table
-from gradcomp.collectives.cost_model import ring_traffic
 from gradcomp.engine.spec import HookSpec
 from gradcomp.engine.stats import wire_bytes
 from gradcomp.experiments.tasks import build_task
+from gradcomp.hooks import torch_hooks
+from gradcomp.hooks.torch_hooks import PREFIX, TorchHookSpec, TorchHookState, is_torch_spec
 from gradcomp.launch import RankError, spawn
 
-NOOP, TORCH_ALLREDUCE, TORCH_FP16, TORCH_POWERSGD = "noop", "torch allreduce", "torch fp16", "torch powersgd"
-TORCH_PYTHON_ALLREDUCE = "torch allreduce_hook"
+NOOP, TORCH_ALLREDUCE = "noop", "torch:allreduce"
 DEFAULT_HOOKS = (
     "allreduce;fp16;bf16;randomk:ratio=0.01,ef=true;powersgd:rank=1;powersgd:rank=4,ef=true;sign:ef=true;"
     "topk:ratio=0.01,ef=true;quantize:bits=4"
 )
 """What ``gradcomp bench ddp`` measures when ``--hooks`` is not given."""
-TORCH_HOOKS = {"allreduce_hook": TORCH_PYTHON_ALLREDUCE, "fp16": TORCH_FP16, "powersgd": TORCH_POWERSGD}
-"""torch's own hooks measured beside the two anchors (noop and torch's all-reduce), by option name."""
-POWERSGD_RANK = 4
-_COUNTED_AT_ALL_REDUCE = (TORCH_PYTHON_ALLREDUCE, TORCH_FP16, TORCH_POWERSGD)
-"""Variants whose payload is counted at ``dist.all_reduce`` (torch's Python hooks)."""
+DEFAULT_TORCH_HOOKS = ("torch:allreduce_hook", "torch:fp16", "torch:powersgd:rank=4")
+"""torch's own hooks measured beside the two anchors (noop and torch's all-reduce) by default."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,48 +184,14 @@ def split_hooks(text: str) -> list[str]:
     return specs
 
 
-def _make_ddp(build: Callable[[], nn.Module], variant: str, seed: int) -> tuple[DistributedDataParallel, Any]:
+def _make_ddp(
+    build: Callable[[], nn.Module], variant: str, seed: int
+) -> tuple[DistributedDataParallel, hooks.HookState | TorchHookState]:
     torch.manual_seed(seed)  # the same initial weights for every variant (DDP broadcasts rank 0's anyway)
     model = DistributedDataParallel(build())
-    state: Any = None
-    if variant == NOOP:
-        state, hook = hooks.make("noop")
-        model.register_comm_hook(state, hook)
-    elif variant == TORCH_FP16:
-        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif variant == TORCH_PYTHON_ALLREDUCE:
-        model.register_comm_hook(None, default_hooks.allreduce_hook)
-    elif variant == TORCH_POWERSGD:
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=2, random_seed=seed
-        )
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    elif variant != TORCH_ALLREDUCE:
-        state, hook = hooks.make(variant, seed=seed)
-        model.register_comm_hook(state, hook)
-    return model, state
-
-
-class _AllReduceMeter:
-    """Counts the bytes torch's Python hooks hand to ``dist.all_reduce`` (their payload)."""
-
-    def __init__(self) -> None:
-        self.payload_bytes = 0
-        self._original = dist.all_reduce
-
-    def __enter__(self) -> _AllReduceMeter:
-        original = self._original
-
-        @functools.wraps(original)
-        def counting(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
-            self.payload_bytes += tensor.numel() * tensor.element_size()
-            return original(tensor, *args, **kwargs)
-
-        dist.all_reduce = counting
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        dist.all_reduce = self._original
+    if is_torch_spec(variant):
+        return model, torch_hooks.register(model, variant, seed=seed)
+    return model, hooks.register(model, variant, seed=seed)
 
 
 def measure(
@@ -245,9 +208,7 @@ def measure(
         setups = {v: _make_ddp(functools.partial(task.build_model, workload.model), v, seed) for v in variants}
         batch = task.batch(rank, workload.batch_size, seed)  # each rank its own samples of the pool
     optimizers = {v: torch.optim.SGD(m.parameters(), lr=1e-3) for v, (m, _) in setups.items()}
-    gradient_bytes = sum(p.numel() * p.element_size() for p in setups[variants[0]][0].parameters())
     times: dict[str, list[float]] = {v: [] for v in variants}
-    torch_payload: dict[str, int] = dict.fromkeys(variants, 0)
     per_round = max(1, steps // rounds)
     for round_ in range(rounds + 1):  # round 0 is the warm-up
         order = [*variants[round_ % len(variants) :], *variants[: round_ % len(variants)]]
@@ -255,23 +216,18 @@ def measure(
             model, _ = setups[variant]
             count = warmup if round_ == 0 else per_round
             dist.barrier()
-            meter = _AllReduceMeter()
-            # counting only where it is read: torch's Python hooks (gradcomp counts its own bytes)
-            with meter if variant in _COUNTED_AT_ALL_REDUCE else contextlib.nullcontext():
-                for _ in range(count):
-                    start = time.perf_counter()
-                    _step(model, optimizers[variant], batch)
-                    if round_:
-                        times[variant].append(time.perf_counter() - start)
-            if round_:
-                torch_payload[variant] += meter.payload_bytes
+            for _ in range(count):
+                start = time.perf_counter()
+                _step(model, optimizers[variant], batch)
+                if round_:
+                    times[variant].append(time.perf_counter() - start)
     slowest = _slowest(times, world)
     report: dict[str, dict[str, Any]] = {}
     for variant in variants:
         timed, state = len(times[variant]), setups[variant][1]
         report[variant] = {
             "step_s": slowest[variant],
-            "wire_bytes": _wire(variant, state, timed, torch_payload[variant], gradient_bytes, world),
+            "wire_bytes": _wire(state, timed, world),
             "phases_ms": _phases(state, timed) if isinstance(state, hooks.HookState) else None,
         }
     return report
@@ -311,15 +267,8 @@ def _slowest(times: dict[str, list[float]], world: int) -> dict[str, list[float]
     return {v: [max(rank[v][i] for rank in everyone) for i in range(len(times[v]))] for v in times}
 
 
-def _wire(variant: str, state: Any, timed: int, torch_payload: int, gradient_bytes: int, world: int) -> float:
-    """Bytes one rank sends per step for ``variant`` (see the module's docstring)."""
-    ring = ring_traffic(world)
-    if variant == NOOP:
-        return 0.0
-    if variant == TORCH_ALLREDUCE:  # DDP's reducer calls the backend from C++: count the gradients
-        return gradient_bytes * ring
-    if variant in _COUNTED_AT_ALL_REDUCE:
-        return torch_payload / max(timed, 1) * ring
+def _wire(state: hooks.HookState | TorchHookState, timed: int, world: int) -> float:
+    """Bytes one rank sends per step, over the last ``timed`` steps (see the module's docstring)."""
     recorded = state.steps()[-timed:] if timed else []
     return statistics.fmean(wire_bytes(s, world) for s in recorded) if recorded else 0.0
 
@@ -330,7 +279,7 @@ def run(
     network: str,
     specs: Sequence[str],
     *,
-    torch_hooks: Sequence[str] = tuple(TORCH_HOOKS),
+    torch_hooks: Sequence[str] = DEFAULT_TORCH_HOOKS,
     steps: int = 30,
     warmup: int = 5,
     rounds: int = 5,
@@ -339,10 +288,10 @@ def run(
     timeout: float = 1800.0,
     runs: int = 1,
 ) -> list[Row]:
-    """The anchors (noop, torch's all-reduce), ``torch_hooks``, then gradcomp's ``specs``: a :class:`Row`
-    each. ``preset`` names a preset, or is a user's model (:func:`user_model`). With ``runs`` > 1
-    the whole measurement is repeated on fresh ranks, and each figure is the median over the runs
-    (:attr:`Row.run_ms` keeps every run's)."""
+    """The anchors (noop, torch's all-reduce), ``torch_hooks`` (``torch:`` specs), then ``specs``
+    (gradcomp's, or more of torch's): a :class:`Row` each. ``preset`` names a preset, or is a user's
+    model (:func:`user_model`). With ``runs`` > 1 the whole measurement is repeated on fresh ranks,
+    and each figure is the median over the runs (:attr:`Row.run_ms` keeps every run's)."""
     if not isinstance(preset, UserModel) and preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; valid: {', '.join(PRESETS)}")
     workload: Workload = preset if isinstance(preset, UserModel) else PRESETS[preset]
@@ -352,12 +301,9 @@ def run(
         raise ValueError(f"need rounds >= 1, steps >= rounds and warmup >= 2; got {rounds}, {steps}, {warmup}")
     if runs < 1:
         raise ValueError(f"--runs must be >= 1, got {runs}")
-    unknown = sorted(set(torch_hooks) - set(TORCH_HOOKS))
-    if unknown:
-        raise ValueError(f"unknown torch hook(s) {unknown}; valid: {', '.join(TORCH_HOOKS)}")
-    for spec in specs:
-        HookSpec.parse(spec)  # a bad spec fails here, before any rank starts
-    baselines = [NOOP, TORCH_ALLREDUCE, *(TORCH_HOOKS[h] for h in torch_hooks)]
+    # every spec canonical (a bad one fails here, before any rank starts), each variant once
+    baselines = list(dict.fromkeys([NOOP, TORCH_ALLREDUCE, *(str(TorchHookSpec.parse(h)) for h in torch_hooks)]))
+    specs = [v for v in dict.fromkeys(_canonical(s) for s in specs) if v not in baselines]
     variants = [*baselines, *specs]
     measured = [
         _run_once(workload, ranks, network, baselines, specs, (steps, warmup, rounds, seed), threads, timeout)
@@ -376,22 +322,34 @@ def _run_once(
     threads: int,
     timeout: float,
 ) -> dict[str, Row]:
-    shared = [v for v in baselines if v != TORCH_POWERSGD] + list(specs)
+    variants = [*baselines, *specs]
+    isolated = [v for v in variants if _isolated(v)]
+    shared = [v for v in variants if v not in isolated]
     started = time.monotonic()
     arguments = (workload, shared, *settings)
     measured = spawn(ranks, measure, arguments, timeout=timeout, threads=threads, network=network)[0]
     rows = {v: _row(v, network, measured[v]) for v in shared}
-    if TORCH_POWERSGD in baselines:
+    for variant in isolated:
         # In ranks of its own, with a deadline of a few times the average variant's time: on gloo
-        # with several buckets it aborts or hangs (its callbacks issue collectives).
+        # with several buckets it is refused (it would hang: its callbacks issue collectives).
         deadline = 20 + 3 * (time.monotonic() - started) / len(shared)
         try:
-            alone = spawn(ranks, measure, (workload, [TORCH_POWERSGD], *settings), timeout=deadline, threads=threads,
+            alone = spawn(ranks, measure, (workload, [variant], *settings), timeout=deadline, threads=threads,
                           network=network, group_timeout=deadline)[0]  # fmt: skip
-            rows[TORCH_POWERSGD] = _row(TORCH_POWERSGD, network, alone[TORCH_POWERSGD])
+            rows[variant] = _row(variant, network, alone[variant])
         except RankError as error:
-            rows[TORCH_POWERSGD] = Row(TORCH_POWERSGD, network, None, None, _failure(error, deadline), run_ms=[None])
+            rows[variant] = Row(variant, network, None, None, _failure(error, deadline), run_ms=[None])
     return rows
+
+
+def _canonical(spec: str) -> str:
+    """A variant's canonical text: ``noop``, a ``torch:`` spec, or a gradcomp hook spec."""
+    return str(TorchHookSpec.parse(spec) if is_torch_spec(spec) else HookSpec.parse(spec))
+
+
+def _isolated(variant: str) -> bool:
+    """Whether ``variant`` runs in ranks of its own (torch's PowerSGD: see the module's docstring)."""
+    return is_torch_spec(variant) and TorchHookSpec.parse(variant).name == "powersgd"
 
 
 def _combine(runs: list[Row]) -> Row:
@@ -438,7 +396,7 @@ def format_table(rows: Sequence[Row]) -> str:
     anchor), with their range."""
     by_name = {r.variant: r for r in rows}
     anchor, floor = by_name[TORCH_ALLREDUCE], by_name[NOOP]
-    header = ("hook", "ms/step", "speedup vs torch allreduce", "x noop floor", "wire MB/step", "status")
+    header = ("hook", "ms/step", "speedup vs torch:allreduce", "x noop floor", "wire MB/step", "status")
     lines = []
     for row in rows:
         if row.ms_per_step is None:
@@ -503,12 +461,13 @@ def add_command(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--hooks",
         default=DEFAULT_HOOKS,
-        help="gradcomp hook specs, separated by ';' (or ',' before a new name)",
+        help="hook specs, gradcomp's or torch's (torch:bf16), separated by ';' (or ',' before a new name)",
     )
     parser.add_argument(
         "--torch-hooks",
-        default=",".join(TORCH_HOOKS),
-        help=f"torch's hooks to measure besides its default all-reduce: {', '.join(TORCH_HOOKS)} or none (default all)",
+        default=";".join(DEFAULT_TORCH_HOOKS),
+        help="torch's hooks to measure besides its default all-reduce (torch:allreduce), separated as --hooks, "
+        f"or none (default {';'.join(DEFAULT_TORCH_HOOKS)}; the torch: prefix may be left out)",
     )
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (default 30)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per variant first (default 5)")
@@ -530,7 +489,8 @@ def _command(args: argparse.Namespace) -> int:
     for network in networks:
         check(network)  # an emulated network this machine cannot build fails before any rank starts
     specs = split_hooks(args.hooks)
-    torch_hooks = [h.strip() for h in args.torch_hooks.split(",") if h.strip() and h.strip() != "none"]
+    named = [] if args.torch_hooks.strip() == "none" else split_hooks(args.torch_hooks)
+    torch_hooks = [h if is_torch_spec(h) else PREFIX + h for h in named]
     workload: str | UserModel = args.model
     if args.model in PRESETS:
         about = f"{PRESETS[args.model].about}, batch {PRESETS[args.model].batch_size} per rank"

@@ -17,6 +17,7 @@ from typing import Any
 from gradcomp.engine.spec import HookSpec
 from gradcomp.experiments.tasks import parse_task
 from gradcomp.experiments.training.optim import OPTIMIZERS, SCHEDULES
+from gradcomp.hooks.torch_hooks import TorchHookSpec, is_torch_spec
 from gradcomp.options import convert, format_value
 
 BACKENDS = ("gloo", "nccl")
@@ -54,7 +55,9 @@ class TrainConfig:
     """Seeds the model, the data order and (unless the spec sets one) the hook's generators."""
     hook: str = "allreduce"
     """DDP communication hook spec (``gradcomp.hooks.make``): allreduce, noop, fp16, topk:ratio=0.01,ef=true,
-    ...; kept in its canonical text (``HookSpec``), which names the run's directory in sweeps."""
+    ..., or one of torch's own hooks (``gradcomp.hooks.torch_hooks``): torch:allreduce (DDP's built-in),
+    torch:fp16, torch:bf16, torch:powersgd:rank=4; kept in its canonical text, which names the run's
+    directory in sweeps."""
     backend: str = "gloo"
     """gloo (CPU) or nccl (GPU: one device per rank)."""
     ranks: int = 1
@@ -112,16 +115,20 @@ class TrainConfig:
         _choice("backend", self.backend, BACKENDS)
         if self.batch_size % self.ranks:
             raise ValueError(f"batch_size {self.batch_size} does not split evenly over {self.ranks} ranks")
-        try:
-            object.__setattr__(self, "hook", str(HookSpec.parse(self.hook)))  # frozen: set once, canonical
+        try:  # frozen: set once, canonical
+            canonical = TorchHookSpec.parse(self.hook) if is_torch_spec(self.hook) else HookSpec.parse(self.hook)
+            object.__setattr__(self, "hook", str(canonical))
         except ValueError as error:
             raise ValueError(f"hook {self.hook!r}: {error}") from None
         if not self.network.strip():
             raise ValueError("network must be a profile such as loopback or 1gbit")
 
     @property
-    def hook_spec(self) -> HookSpec:
-        """The hook spec, its generators seeded by :attr:`seed` unless the spec sets a seed."""
+    def hook_spec(self) -> HookSpec | TorchHookSpec:
+        """The hook spec, its generators seeded by :attr:`seed` unless the spec sets a seed (torch's
+        PowerSGD is seeded by :attr:`seed` when registered)."""
+        if is_torch_spec(self.hook):
+            return TorchHookSpec.parse(self.hook)
         return HookSpec.parse(self.hook, seed=self.seed)
 
     @property

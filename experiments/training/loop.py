@@ -28,6 +28,8 @@ EVAL_BATCH = 512
 """Samples (windows, for language models) per evaluation forward pass."""
 
 PARTS = ("data", "forward", "backward_comm", "optimizer")
+COMPUTE_REPEATS = 5
+"""Steps without communication timed at the end of a run (:meth:`Loop.compute_ms`)."""
 
 
 class Loop:
@@ -58,6 +60,7 @@ class Loop:
         self._times = dict.fromkeys(PARTS, 0.0)  # this invocation's totals, for the final means
         self._window = dict.fromkeys(PARTS, 0.0)
         self._window_steps = 0
+        self._steps_run = 0  # by this invocation
         self._window_loss = torch.zeros((), dtype=torch.float64, device=device)
         self.train_loss: float | None = None
 
@@ -113,8 +116,31 @@ class Loop:
             self._window[part] += seconds
         self._window_loss += loss.detach().double()
         self._window_steps += 1
+        self._steps_run += 1
         self.elapsed += finished - began
         self.step += 1
+
+    def compute_ms(self, repeats: int = COMPUTE_REPEATS) -> float:
+        """A training step's time without its communication, in ms: data, forward and backward under
+        ``no_sync`` (DDP communicates nothing), the slowest rank's, median of ``repeats``, plus the run's
+        mean optimizer time. Read once the run has finished (it changes no parameter, but its
+        gradients are cleared): what a step would cost on an infinitely fast link, the compute part of
+        a step-time breakdown."""
+        times = torch.zeros(repeats, dtype=torch.float64)
+        for i in range(-1, repeats):  # one untimed: caches
+            began = time.perf_counter()
+            x, y = self.task.batch(max(self.step - 1, 0), self.config.batch_size, self.config.seed)
+            x = x[self.rank :: self.world].to(self.device, non_blocking=True)
+            y = y[self.rank :: self.world].to(self.device, non_blocking=True)
+            with self.ddp.no_sync():
+                self.task.loss(self.ddp(x), y).backward()
+            self._synchronize()
+            if i >= 0:
+                times[i] = time.perf_counter() - began
+            self.optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        optimizer_ms = 1e3 * self._times["optimizer"] / self._steps_run if self._steps_run else 0.0
+        return 1e3 * float(times.median()) + optimizer_ms
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":  # the times of asynchronous kernels need it
@@ -182,6 +208,7 @@ class Loop:
         }
         for part, total in self._times.items():
             metrics[f"{part}_ms"] = 1e3 * total / steps if steps else None
-        for key, total in self.meter.hook_seconds.items():  # on the hook's thread, overlapping backward
-            metrics[f"{key[:-2]}_ms"] = 1e3 * total / self.meter.steps if self.meter.steps else None
+        hooked = self.meter.steps
+        for key, spent in self.meter.hook_seconds.items():  # on the hook's thread, overlapping backward
+            metrics[f"{key[:-2]}_ms"] = 1e3 * spent / hooked if spent is not None and hooked else None
         return metrics

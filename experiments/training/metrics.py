@@ -29,43 +29,38 @@ import math
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from gradcomp.engine.stats import per_step, wire_bytes
+from gradcomp.engine.stats import wire_bytes
 from gradcomp.experiments.training import curves
 from gradcomp.hooks import HookState
+from gradcomp.hooks.torch_hooks import TorchHookState
 
 logger = logging.getLogger(__name__)
 
 
 class WireMeter:
-    """Bytes on the wire and time in the hook, per step, from the hook's statistics (``state.steps()``'s
+    """Bytes on the wire and time in the hook, per step, from the hook's statistics (its per-step
     records, read incrementally: only the steps since the last call).
 
     Wire bytes are what this rank's collectives sent. The backend's native all-reduce does not report
-    its traffic (``sent_bytes`` is None there: ``allreduce``, casts and PowerSGD with ``algo=native``); such
-    steps count a ring all-reduce's ``2 (p - 1) / p`` times the payload, what gloo's and NCCL's rings send,
-    and :attr:`estimated` says so. ``noop`` sends nothing.
+    its traffic (``sent_bytes`` is None there: ``allreduce``, casts and PowerSGD with ``algo=native``,
+    and torch's hooks); such steps count a ring all-reduce's ``2 (p - 1) / p`` times the payload, what
+    gloo's and NCCL's rings send, and :attr:`estimated` says so. ``noop`` sends nothing. Hook times
+    (compress, communicate, decompress) are summed where the hook measures them (gradcomp's hooks;
+    torch's do not).
     """
 
-    def __init__(self, state: HookState, world: int, total: int = 0, estimated: bool = False) -> None:
+    def __init__(self, state: AnyHookState, world: int, total: int = 0, estimated: bool = False) -> None:
         self.state, self.world = state, world
         self.total, self.estimated = total, estimated
         self.input_bytes = self.payload_bytes = 0  # this invocation's, for the mean compression ratio
-        self.hook_seconds = {"compress_s": 0.0, "communicate_s": 0.0, "decompress_s": 0.0}  # this invocation's
+        self.hook_seconds: dict[str, float | None] = dict.fromkeys(HOOK_TIMES)  # this invocation's; None: unmeasured
         self.steps = 0
-        self._next = 0  # the engine's next step to read (a fresh engine counts from 0, also on resume)
+        self._next = 0  # the hook's next step to read (a fresh hook counts from 0, also on resume)
         self._window: dict[str, float] = {}
 
     def collect(self) -> None:
         """Take in the steps finished since the last call (after a backward, every bucket is in)."""
-        engine = self.state.engine
-        if engine is None:
-            return
-        fresh = []
-        for record in reversed(engine.records):
-            if record.step < self._next:
-                break
-            fresh.append(record)
-        steps = per_step(reversed(fresh))
+        steps = self.state.steps_since(self._next)
         if steps and steps[0]["step"] != self._next:
             logger.warning(
                 "hook statistics of steps %d-%d were lost (read them more often)", self._next, steps[0]["step"]
@@ -77,18 +72,13 @@ class WireMeter:
             self.input_bytes += s["input_bytes"]
             self.payload_bytes += s["payload_bytes"]
             self.steps += 1
-            for key in self.hook_seconds:
-                self.hook_seconds[key] += s[key]
-            for key, value in (
-                ("steps", 1),
-                ("sent", sent),
-                ("input", s["input_bytes"]),
-                ("payload", s["payload_bytes"]),
-                ("compress_s", s["compress_s"]),
-                ("communicate_s", s["communicate_s"]),
-                ("decompress_s", s["decompress_s"]),
-            ):
+            counts = (("steps", 1), ("sent", sent), ("input", s["input_bytes"]), ("payload", s["payload_bytes"]))
+            for key, value in counts:
                 self._window[key] = self._window.get(key, 0) + value
+            for key in HOOK_TIMES:
+                if s[key] is not None:
+                    self.hook_seconds[key] = (self.hook_seconds[key] or 0.0) + s[key]
+                    self._window[key] = self._window.get(key, 0) + s[key]
             self._next = s["step"] + 1
 
     def drain(self) -> dict[str, float]:
@@ -101,9 +91,7 @@ class WireMeter:
             "comm/wire_bytes": self.total,
             "comm/sent_bytes_per_step": w["sent"] / n,
             "comm/payload_bytes_per_step": w["payload"] / n,
-            "time/compress_ms": 1e3 * w["compress_s"] / n,
-            "time/communicate_ms": 1e3 * w["communicate_s"] / n,
-            "time/decompress_ms": 1e3 * w["decompress_s"] / n,
+            **{f"time/{key[:-2]}_ms": 1e3 * w[key] / n for key in HOOK_TIMES if key in w},
         }
         if w["payload"]:
             scalars["comm/compression_ratio"] = w["input"] / w["payload"]
@@ -112,6 +100,12 @@ class WireMeter:
     @property
     def compression_ratio(self) -> float | None:
         return self.input_bytes / self.payload_bytes if self.payload_bytes else None
+
+
+HOOK_TIMES = ("compress_s", "communicate_s", "decompress_s")
+"""The hook's own times that a run reports (per step, on the hook's thread, overlapping backward)."""
+AnyHookState = HookState | TorchHookState
+"""A gradcomp hook's state or one of torch's hooks' (``torch:...``)."""
 
 
 class Writer(Protocol):

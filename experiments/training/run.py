@@ -40,8 +40,10 @@ from gradcomp.experiments.tasks import build_task
 from gradcomp.experiments.training import checkpoint, runinfo
 from gradcomp.experiments.training.config import PATH_FIELDS, TrainConfig, add_arguments, from_args
 from gradcomp.experiments.training.loop import Loop
-from gradcomp.experiments.training.metrics import NullWriter, TensorBoardWriter, WireMeter, Writer
+from gradcomp.experiments.training.metrics import AnyHookState, NullWriter, TensorBoardWriter, WireMeter, Writer
 from gradcomp.experiments.training.optim import make_optimizer, make_schedule
+from gradcomp.hooks import torch_hooks
+from gradcomp.hooks.torch_hooks import TorchHookSpec
 from gradcomp.launch import RankError, spawn
 from gradcomp.netem import NetemError
 
@@ -64,8 +66,12 @@ def train(rank: int, world: int, config: TrainConfig) -> dict[str, Any] | None:
     if saved is not None:
         model.load_state_dict(saved["model"])
     ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-    state, hook = hooks.make(config.hook_spec)
-    ddp.register_comm_hook(state, hook)
+    spec = config.hook_spec
+    state: AnyHookState
+    if isinstance(spec, TorchHookSpec):
+        state = torch_hooks.register(ddp, spec, seed=config.seed)
+    else:
+        state = hooks.register(ddp, spec)
     optimizer = make_optimizer(config.optimizer, ddp.parameters(), config.lr, config.momentum, config.weight_decay)
     schedule = make_schedule(optimizer, config.schedule, total, config.warmup_steps)
     torch.manual_seed(config.seed + 7919 * (rank + 1))  # each rank's own stream (dropout and the like)
@@ -104,6 +110,7 @@ def train(rank: int, world: int, config: TrainConfig) -> dict[str, Any] | None:
         save(loop.step, loop.elapsed)
         status = "finished" if loop.step >= total else "stopped"
         if status == "finished":
+            result["compute_ms"] = loop.compute_ms()  # after the last checkpoint: it changes nothing saved
             final = {f"final/{k}": result[k] for k in result if k.startswith("eval_") or k in HPARAM_METRICS}
             writer.hparams(_hparams(config, world), final, loop.step, loop.elapsed)
     finally:
@@ -142,7 +149,7 @@ def _save(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     schedule: torch.optim.lr_scheduler.LRScheduler,
-    state: hooks.HookState,
+    state: AnyHookState,
     device: torch.device,
     step: int,
     world: int,
