@@ -240,13 +240,34 @@ def test_the_command_line_lists_the_runs_of_a_dry_run(tmp_path: Path, capsys: py
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_quick_sweep_compares_five_methods_on_digits_at_two_ranks(tmp_path: Path) -> None:
+def test_the_quick_sweep_compares_six_methods_with_torch_hooks_on_two_networks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(netem, "check", lambda profile: None)  # building networks needs root
     runs = plan.load(str(ROOT / "experiments/configs/quick.toml"), str(tmp_path))
     hooks = list(dict.fromkeys(run.config.hook for run in runs))
-    given = ["allreduce", "fp16", "topk:ratio=0.01,ef=true", "powersgd:rank=4,ef=true", "quantize:bits=4"]
-    assert hooks == [str(HookSpec.parse(hook)) for hook in given]
-    assert {(run.config.task, run.config.ranks, run.config.network) for run in runs} == {("digits", 2, "loopback")}
-    assert len(runs) == 5 * len({run.config.seed for run in runs})
+    given = ["fp16", "topk:ratio=0.01,ef=true", "powersgd:rank=4,ef=true", "quantize:bits=4"]
+    assert hooks == ["torch:allreduce", "torch:fp16", *(str(HookSpec.parse(hook)) for hook in given)]
+    assert {(run.config.task, run.config.ranks) for run in runs} == {("digits:hidden=1024-1024", 2)}
+    assert {run.config.network for run in runs} == {"loopback", "1gbit"}
+    assert len(runs) == 6 * 2 * len({run.config.seed for run in runs}) == 36
+
+
+def test_networks_this_machine_cannot_build_are_left_out_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def check(profile: str) -> None:
+        if profile != "loopback":
+            raise ValueError(f"network {profile!r}: emulated networks need root")
+
+    monkeypatch.setattr(netem, "check", check)
+    config = str(ROOT / "experiments/configs/quick.toml")
+    with pytest.raises(ValueError, match="emulated networks need root"):
+        plan.load(config, str(tmp_path))
+    skipped: dict[str, str] = {}
+    runs = plan.load(config, str(tmp_path), skipped)
+    assert {run.config.network for run in runs} == {"loopback"} and len(runs) == 18
+    assert skipped == {"1gbit": "network '1gbit': emulated networks need root"}
 
 
 def test_the_full_study_covers_tasks_methods_seeds_and_networks(

@@ -10,6 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from gradcomp.experiments.report import records
 from gradcomp.experiments.sweep import plan
 from gradcomp.experiments.sweep.runner import Progress, existing, format_summary, lock, run_sweep
 
@@ -32,12 +33,21 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", help="directory of the runs (default: runs/<config name>)")
     parser.add_argument("--dry-run", action="store_true", help="check the config and list the runs; run nothing")
+    parser.add_argument(
+        "--skip-unavailable-networks",
+        action="store_true",
+        help="leave out the runs on emulated networks this machine cannot build (saying why), instead of refusing",
+    )
+    parser.add_argument("--no-report", action="store_true", help="do not write OUT/report.html at the end")
 
 
 def _command(args: argparse.Namespace) -> int:
     path = plan.find_config(args.config)
     out = args.out or os.path.join("runs", os.path.splitext(os.path.basename(path))[0])
-    runs = plan.load(path, out)
+    skipped: dict[str, str] | None = {} if args.skip_unavailable_networks else None
+    runs = plan.load(path, out, skipped)
+    for network, reason in (skipped or {}).items():
+        sys.stderr.write(f"sweep: leaving out the runs on {network}: {reason}\n")
     if args.dry_run:
         statuses = existing(runs)
         for run in runs:
@@ -46,6 +56,9 @@ def _command(args: argparse.Namespace) -> int:
         return 0
     try:
         with lock(out):
+            planned = [{"name": r.name, "label": r.label, "hook": r.config.hook, "network": r.config.network,
+                        "ranks": r.config.ranks, "seed": r.config.seed} for r in runs]  # fmt: skip
+            records.write_plan(out, os.path.abspath(path), planned)  # a report lists what is not made yet
             rows = run_sweep(runs, Progress(sys.stderr))
     except KeyboardInterrupt:
         sys.stderr.write("\nsweep interrupted: run the same command again to continue where it stopped\n")
@@ -53,8 +66,20 @@ def _command(args: argparse.Namespace) -> int:
     sys.stdout.write("\n" + format_summary(rows))
     with open(os.path.join(out, "summary.json"), "w") as file:
         json.dump({"config": os.path.abspath(path), "runs": [dataclasses.asdict(r) for r in rows]}, file, indent=2)
+    if not args.no_report:
+        sys.stdout.write(f"\nReport: {_report(out)}")
     sys.stdout.write(f"\nTensorBoard: tensorboard --logdir {out}\n")
     return 0 if all(r.status == "finished" for r in rows) else 1
+
+
+def _report(out: str) -> str:
+    """Write OUT/report.html (``gradcomp report OUT``); its path, or why it could not be written."""
+    try:
+        from gradcomp.experiments.report.command import write
+
+        return write(out) + "\n"
+    except (ImportError, ValueError) as error:
+        return f"not written ({error})\n"
 
 
 def command_parser() -> argparse.ArgumentParser:

@@ -85,8 +85,10 @@ def find_config(name_or_path: str) -> str:
     raise ValueError(f"no sweep config {name_or_path!r}: give a TOML file, or one of {', '.join(shipped())}")
 
 
-def load(path: str, out: str) -> list[Run]:
-    """Read, check and expand the sweep config at ``path``; runs go to ``out/<name>``."""
+def load(path: str, out: str, unavailable_networks: dict[str, str] | None = None) -> list[Run]:
+    """Read, check and expand the sweep config at ``path``; runs go to ``out/<name>``. With a dict as
+    ``unavailable_networks``, the runs on networks this machine cannot emulate are left out, and each
+    such network's reason is put in it, instead of refusing the whole config."""
     try:
         with open(path, "rb") as file:
             document = tomllib.load(file)
@@ -94,12 +96,18 @@ def load(path: str, out: str) -> list[Run]:
         raise ValueError(f"cannot read sweep config {path}: {error.strerror}") from None
     except tomllib.TOMLDecodeError as error:
         raise ValueError(f"{path}: not valid TOML: {error}") from None
-    return expand(document, out, base=os.path.dirname(os.path.abspath(path)), where=path)
+    return expand(document, out, os.path.dirname(os.path.abspath(path)), path, unavailable_networks)
 
 
-def expand(document: Mapping[str, Any], out: str, base: str = ".", where: str = "sweep config") -> list[Run]:
+def expand(
+    document: Mapping[str, Any],
+    out: str,
+    base: str = ".",
+    where: str = "sweep config",
+    unavailable_networks: dict[str, str] | None = None,
+) -> list[Run]:
     """The runs a parsed config describes, every one of them checked. ``base``: where relative
-    ``data`` paths start (the config file's directory)."""
+    ``data`` paths start (the config file's directory); ``unavailable_networks``: as for :func:`load`."""
     _known(document, SECTIONS, where, "section")
     shared = _table(document, "sweep", where)
     grid = _table(document, "grid", where)
@@ -123,7 +131,13 @@ def expand(document: Mapping[str, Any], out: str, base: str = ".", where: str = 
     _check_unique(runs, where)
     runinfo.check_out(out)
     for network in dict.fromkeys(run.config.network for run in runs):
-        netem.check(network)
+        try:
+            netem.check(network)
+        except ValueError as error:
+            if unavailable_networks is None or not netem.Profile.parse(network).emulated:
+                raise
+            unavailable_networks[network] = str(error)
+    runs = [run for run in runs if run.config.network not in (unavailable_networks or {})]
     _check_batches(runs, where)
     return runs
 

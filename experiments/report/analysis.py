@@ -1,0 +1,338 @@
+"""What a report says about a set of runs: groups, the target, time to target, speedups, the verdict.
+
+A **group** is the runs of one task label, network and world size; within it, a **method** is a hook
+spec, and its runs are its seeds. The **target** is the baseline's final metric (mean over its
+finished seeds) less the tolerance: percentage points for accuracy, percent of the baseline's value
+for other metrics (loss and perplexity count lower as better). A method's **time to target** is the
+training time (steps only: evaluation and checkpoints excluded) at the first evaluation where the
+mean over its finished seeds meets the target, the time itself a mean over the seeds: the baseline
+always reaches it (its final mean is above the target by construction), and one unlucky seed does not
+rule a method out. Each seed's own time to target (its first evaluation that meets the target) is
+kept too, for the spread and the tests. Speedups are ratios of times to target: over the baseline,
+and over the fastest of torch's hooks (``torch:...``). Spreads over seeds use scipy: a 95% Student-t
+interval of the final metric, and Welch's t-test against the baseline (final metric) and against the
+fastest torch hook (the seeds' times to target).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from scipy import stats
+
+from gradcomp.engine.spec import HookSpec
+from gradcomp.experiments.report.records import Run
+from gradcomp.hooks.torch_hooks import is_torch_spec
+from gradcomp.options import format_value
+
+BASELINES = ("torch:allreduce", "allreduce")
+"""The default baseline of a group: the first of these that it has."""
+CONFIDENCE = 0.95
+DEFINING = ("ratio", "rank", "bits", "format", "tau")
+"""Compressor options a method's short name keeps even at their defaults: they say how much is sent."""
+SIGNIFICANCE = 0.05
+"""A speedup whose Welch p-value is this or more is called within the seeds' noise in the verdict."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """The headline metric of a group (the key in a run's final metrics, ``eval_accuracy``)."""
+
+    key: str
+
+    @property
+    def name(self) -> str:
+        """Its key in evaluation points (``accuracy``)."""
+        return self.key.removeprefix("eval_")
+
+    @property
+    def higher_is_better(self) -> bool:
+        return not any(word in self.name for word in ("loss", "perplexity"))
+
+    @property
+    def percent(self) -> bool:
+        """Shown in percent, its tolerance in percentage points."""
+        return "accuracy" in self.name
+
+    def target(self, baseline: float, tolerance: float) -> float:
+        """``baseline`` less ``tolerance`` (percentage points, or percent of the baseline)."""
+        if self.percent:
+            return baseline - tolerance / 100
+        margin = abs(baseline) * tolerance / 100
+        return baseline - margin if self.higher_is_better else baseline + margin
+
+    def meets(self, value: float, target: float) -> bool:
+        return value >= target if self.higher_is_better else value <= target
+
+    def format(self, value: float | None) -> str:
+        if value is None:
+            return "-"
+        return f"{100 * value:.2f}%" if self.percent else f"{value:.4g}"
+
+
+@dataclasses.dataclass
+class Method:
+    """One method (hook spec) of a group: its seeds, and what they reached."""
+
+    hook: str
+    runs: list[Run]
+    final: list[float] = dataclasses.field(default_factory=list)
+    """The final metric of each finished run (in run order)."""
+    times_to_target: list[float | None] = dataclasses.field(default_factory=list)
+    """Each finished seed's own time to target (None: it never met it; empty: no target)."""
+    final_ci: tuple[float, float] | None = None
+    final_p: float | None = None
+    """Welch's t-test of the final metric against the baseline's (two-sided); None where undefined."""
+    time_to_target: float | None = None
+    """Where the mean over seeds meets the target (None: never)."""
+    speedup_vs_baseline: float | None = None
+    speedup_vs_torch: float | None = None
+    time_p: float | None = None
+    """Welch's t-test of the time to target against the fastest torch hook's; None where undefined."""
+
+    @property
+    def torch(self) -> bool:
+        return is_torch_spec(self.hook)
+
+    @property
+    def name(self) -> str:
+        """The hook spec as shown (:func:`short_name`)."""
+        return short_name(self.hook)
+
+    @property
+    def finished(self) -> list[Run]:
+        return [r for r in self.runs if r.status == "finished"]
+
+    @property
+    def failed(self) -> list[Run]:
+        return [r for r in self.runs if r.status == "failed"]
+
+    @property
+    def unfinished(self) -> list[Run]:
+        """Runs still to make or to finish (running, stopped, missing)."""
+        return [r for r in self.runs if r.status not in ("finished", "failed")]
+
+    @property
+    def final_mean(self) -> float | None:
+        return statistics.fmean(self.final) if self.final else None
+
+    @property
+    def final_std(self) -> float | None:
+        return statistics.stdev(self.final) if len(self.final) > 1 else (0.0 if self.final else None)
+
+    @property
+    def reached(self) -> int:
+        return sum(t is not None for t in self.times_to_target)
+
+    def mean(self, key: str, scale: float = 1.0) -> float | None:
+        """The mean over finished runs of a final metric (None where no run has it)."""
+        values = [r.metrics[key] * scale for r in self.finished if r.metrics.get(key) is not None]
+        return statistics.fmean(values) if values else None
+
+    @property
+    def step_ms(self) -> float | None:
+        values = [1e3 * r.metrics["train_time_s"] / r.metrics["step"] for r in self.finished if r.metrics.get("step")]
+        return statistics.fmean(values) if values else None
+
+    @property
+    def wire_mb_per_step(self) -> float | None:
+        values = [r.metrics["wire_bytes"] / r.metrics["step"] / 1e6 for r in self.finished if r.metrics.get("step")]
+        return statistics.fmean(values) if values else None
+
+    @property
+    def compress_ms(self) -> float | None:
+        """Compression and decompression per step (None where the hook does not time them: torch's)."""
+        parts = [self.mean("compress_ms"), self.mean("decompress_ms")]
+        return None if parts[0] is None else sum(p or 0.0 for p in parts)
+
+    @property
+    def exposed_ms(self) -> float | None:
+        """What a step costs beyond its compute and compression: the communication backward could not hide."""
+        step, compute = self.step_ms, self.mean("compute_ms")
+        if step is None or compute is None:
+            return None
+        return max(0.0, step - compute - (self.compress_ms or 0.0))
+
+
+@dataclasses.dataclass
+class Group:
+    """The runs of one task label, network and world size."""
+
+    label: str
+    network: str
+    world: int
+    metric: Metric | None
+    methods: list[Method]
+    baseline: str | None = None
+    target: float | None = None
+    fastest_torch: str | None = None
+    verdict: str = ""
+
+    @property
+    def title(self) -> str:
+        return f"{self.label}, {self.network}, {self.world} rank{'s' if self.world != 1 else ''}"
+
+    def method(self, hook: str | None) -> Method | None:
+        return next((m for m in self.methods if m.hook == hook), None)
+
+
+def analyze(runs: Sequence[Run], tolerance: float = 0.5, baseline: str | None = None) -> list[Group]:
+    """The groups of ``runs`` (in order of first appearance), each analysed against ``baseline``
+    (a hook spec's canonical text; default: the first of :data:`BASELINES` that the group has)."""
+    if not math.isfinite(tolerance) or tolerance < 0:
+        raise ValueError(f"the target tolerance must be a number >= 0, got {tolerance}")
+    keys = list(dict.fromkeys(r.group for r in runs))
+    return [_group(key, [r for r in runs if r.group == key], tolerance, baseline) for key in keys]
+
+
+def _group(key: tuple[str, str, int], runs: list[Run], tolerance: float, baseline: str | None) -> Group:
+    hooks = list(dict.fromkeys(r.hook for r in runs))
+    methods = [Method(hook, [r for r in runs if r.hook == hook]) for hook in hooks]
+    headline = next((r.metric for r in runs if r.metric), None)
+    group = Group(*key, Metric(headline) if headline else None, methods)
+    if group.metric is None:
+        group.verdict = "No run of this group has started: nothing to compare yet."
+        return group
+    metric = group.metric
+    for method in methods:
+        method.final = [float(r.metrics[metric.key]) for r in method.finished if r.metrics.get(metric.key) is not None]
+        if len(method.final) > 1 and statistics.stdev(method.final) > 0:
+            interval = stats.t.interval(CONFIDENCE, len(method.final) - 1, loc=method.final_mean,
+                                        scale=stats.sem(method.final))  # fmt: skip
+            method.final_ci = (float(interval[0]), float(interval[1]))
+    candidates = [baseline] if baseline else list(BASELINES)
+    chosen = next((m for h in candidates if (m := group.method(h)) is not None and m.final), None)
+    if chosen is None:
+        group.verdict = f"No finished run of the baseline ({' or '.join(candidates)}) in this group: no target."
+        return group
+    group.baseline = chosen.hook
+    assert chosen.final_mean is not None
+    group.target = metric.target(chosen.final_mean, tolerance)
+    for method in methods:
+        method.times_to_target = [time_to_target(r.evals, metric, group.target) for r in method.finished]
+        mean = curve(method.finished, "eval", metric.name, "time_s")
+        if mean is not None:
+            points = [{"time_s": x, metric.name: y} for x, y in zip(mean.x, mean.mean, strict=True)]
+            method.time_to_target = time_to_target(points, metric, group.target)
+        method.final_p = _welch(method.final, chosen.final) if method is not chosen else None
+    torch_reached = [m for m in methods if m.torch and m.time_to_target is not None]
+    fastest_torch = min(torch_reached, key=lambda m: m.time_to_target or math.inf, default=None)
+    group.fastest_torch = fastest_torch.hook if fastest_torch else None
+    for method in methods:
+        if method.time_to_target is None:
+            continue
+        if chosen.time_to_target:
+            method.speedup_vs_baseline = chosen.time_to_target / method.time_to_target
+        if fastest_torch is not None and fastest_torch.time_to_target:
+            method.speedup_vs_torch = fastest_torch.time_to_target / method.time_to_target
+            if method is not fastest_torch:
+                method.time_p = _welch(_reached(method), _reached(fastest_torch))
+    group.verdict = verdict(group)
+    return group
+
+
+def time_to_target(evals: Sequence[dict[str, Any]], metric: Metric, target: float) -> float | None:
+    """The training time of the first evaluation that meets ``target`` (None if none does)."""
+    for point in evals:
+        value = point.get(metric.name)
+        if value is not None and metric.meets(value, target):
+            return float(point["time_s"])
+    return None
+
+
+def verdict(group: Group) -> str:
+    """One line: the fastest method to the target and by how much, or plainly that nothing beats the
+    baseline, or that nothing reached the target."""
+    assert group.metric is not None and group.target is not None
+    target = f"the target ({group.metric.format(group.target)})"
+    reached = sorted((m for m in group.methods if m.time_to_target is not None), key=lambda m: m.time_to_target or 0)
+    if not reached:
+        return f"No method reached {target} (in the mean over its seeds)."
+    best = reached[0]
+    baseline = short_name(group.baseline or "")
+    ours = [m for m in reached if not m.torch and m.hook != group.baseline]
+    if best.torch or best.hook == group.baseline:
+        text = f"Nothing beats {best.name} here: it reaches {target} first, in {best.time_to_target:.2f} s"
+        if best.hook != group.baseline and best.speedup_vs_baseline is not None:
+            text += f" ({best.speedup_vs_baseline:.2f}x sooner than {baseline})"
+        if ours:
+            text += f"; the fastest gradcomp method, {ours[0].name}, takes {ours[0].time_to_target:.2f} s"
+        return text + "."
+    text = f"{best.name} reaches {target} first, in {best.time_to_target:.2f} s"
+    if best.speedup_vs_baseline is not None:
+        text += f": {best.speedup_vs_baseline:.2f}x sooner than {baseline}"
+    if best.speedup_vs_torch is not None and group.fastest_torch != group.baseline:
+        text += f", {best.speedup_vs_torch:.2f}x sooner than the fastest torch hook ({group.fastest_torch})"
+    elif group.fastest_torch is None:
+        text += "; no torch hook reached it"
+    if best.time_p is not None and best.time_p >= SIGNIFICANCE:
+        text += f" (within the seeds' noise: Welch p = {best.time_p:.2f} against {group.fastest_torch})"
+    return text + "."
+
+
+def short_name(hook: str) -> str:
+    """A hook spec as a reader writes it: the canonical text less the options at their defaults, but
+    for the ones that say how much is sent (:data:`DEFINING`): ``topk:ratio=0.01,ef=true`` for
+    ``topk:ratio=0.01,method=exact,tolerance=0.2,ef=true``."""
+    if is_torch_spec(hook):
+        return hook
+    try:
+        spec = HookSpec.parse(hook)
+    except ValueError:
+        return hook
+    if spec.compressor is None or spec.compressor.name == "none":
+        return str(spec)
+    config, defaults = spec.compressor.config, type(spec.compressor.config)()
+    options = [
+        f"{f.name}={format_value(getattr(config, f.name))}"
+        for f in dataclasses.fields(config)
+        if f.name in DEFINING or getattr(config, f.name) != getattr(defaults, f.name)
+    ]
+    options += ["ef=true"] if spec.compressor.ef else []
+    options += [f"{key}={getattr(spec, key)}" for key in ("algo", "aggregation", "seed")
+                if getattr(spec, key) != getattr(HookSpec(None), key)]  # fmt: skip
+    return spec.compressor.name + (":" + ",".join(options) if options else "")
+
+
+def _reached(method: Method) -> list[float]:
+    return [t for t in method.times_to_target if t is not None]
+
+
+def _welch(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Welch's two-sided t-test p-value of ``a`` against ``b`` (None with fewer than two of either,
+    or no spread at all: the test is undefined)."""
+    if len(a) < 2 or len(b) < 2 or (statistics.stdev(a) == 0 and statistics.stdev(b) == 0):
+        return None
+    with warnings.catch_warnings():  # scipy warns of lost precision where the seeds agree to many digits
+        warnings.simplefilter("ignore", RuntimeWarning)
+        p = float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+    return p if math.isfinite(p) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Curve:
+    """A method's curve over its seeds: at each step that every seed logged, the mean x (step, training
+    time or wire bytes) and the mean, least and greatest y."""
+
+    x: list[float]
+    mean: list[float]
+    low: list[float]
+    high: list[float]
+
+
+def curve(runs: Sequence[Run], kind: str, y: str, x: str) -> Curve | None:
+    """The mean curve of ``y`` against ``x`` (``step``, ``time_s`` or ``wire_bytes``) over ``runs``'
+    ``kind`` points (``eval`` or ``train``); None where no run has any."""
+    series = [{p["step"]: p for p in (r.evals if kind == "eval" else r.trains) if y in p} for r in runs]
+    series = [s for s in series if s]
+    if not series:
+        return None
+    steps = sorted(set.intersection(*(set(s) for s in series)))
+    xs = [statistics.fmean(float(s[step][x]) for s in series) for step in steps]
+    ys = [[float(s[step][y]) for s in series] for step in steps]
+    return Curve(xs, [statistics.fmean(v) for v in ys], [min(v) for v in ys], [max(v) for v in ys])

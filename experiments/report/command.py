@@ -1,0 +1,55 @@
+"""``gradcomp report RUNS_DIR [-o report.html] [--target-tolerance 0.5] [--baseline SPEC]``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from gradcomp.engine.spec import HookSpec
+from gradcomp.hooks.torch_hooks import TorchHookSpec, is_torch_spec
+
+
+def add_command(commands: argparse._SubParsersAction) -> None:
+    """Add ``gradcomp report`` (an entry point of the group ``gradcomp.commands``)."""
+    parser = commands.add_parser(
+        "report",
+        help="an HTML page comparing a sweep's runs by time to accuracy",
+        description="Write one self-contained HTML page (no script, no external URL) comparing the runs in "
+        "RUNS_DIR: curves against step, training time and wire bytes, time to target, speedups over the "
+        "baseline and over the fastest torch hook, and a verdict per group (see docs/report.md).",
+    )
+    parser.add_argument("runs_dir", metavar="RUNS_DIR", help="a sweep's output directory, or one run's")
+    parser.add_argument("-o", "--output", help="the HTML file to write (default: RUNS_DIR/report.html)")
+    parser.add_argument(
+        "--target-tolerance",
+        type=float,
+        default=0.5,
+        help="the target is the baseline's final metric less this: percentage points for accuracy, else "
+        "percent of the baseline's value (default 0.5)",
+    )
+    parser.add_argument(
+        "--baseline", help="the hook spec every group is measured against (default: torch:allreduce, else allreduce)"
+    )
+    parser.set_defaults(run=_command)
+
+
+def _command(args: argparse.Namespace) -> int:
+    path = write(args.runs_dir, args.output, args.target_tolerance, args.baseline)
+    sys.stdout.write(f"report: {path}\n")
+    return 0
+
+
+def write(runs_dir: str, output: str | None = None, tolerance: float = 0.5, baseline: str | None = None) -> str:
+    """Analyse the runs in ``runs_dir``, write the page (default ``runs_dir/report.html``), return its path."""
+    from gradcomp.experiments.report import analysis, page, records
+
+    if baseline is not None:
+        baseline = str(TorchHookSpec.parse(baseline) if is_torch_spec(baseline) else HookSpec.parse(baseline))
+    runs = records.load(runs_dir)
+    groups = analysis.analyze(runs, tolerance, baseline)
+    path = output or os.path.join(runs_dir, "report.html")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as file:
+        file.write(page.render(groups, runs, os.path.normpath(runs_dir), tolerance, baseline))
+    return path

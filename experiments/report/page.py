@@ -1,0 +1,154 @@
+"""The report as one HTML page: inline CSS and SVG, no script, no external URL (it opens offline)."""
+
+from __future__ import annotations
+
+import datetime
+import html
+from collections.abc import Sequence
+
+from gradcomp.experiments.report import plots
+from gradcomp.experiments.report.analysis import Group, Method
+from gradcomp.experiments.report.records import Run
+
+STYLE = """
+body { font-family: sans-serif; margin: 2em auto; max-width: 1400px; color: #222; line-height: 1.4; }
+h1 { font-size: 1.6em; } h2 { font-size: 1.3em; margin-top: 2.2em; border-bottom: 1px solid #ccc; }
+table { border-collapse: collapse; margin: 0.8em 0; font-size: 0.86em; }
+th, td { border: 1px solid #ddd; padding: 0.25em 0.5em; text-align: right; white-space: nowrap; }
+th { background: #f3f3f3; white-space: normal; vertical-align: bottom; } td.name, th.name { text-align: left; }
+.verdict { font-size: 1.08em; background: #eef5ff; border-left: 4px solid #1f77b4; padding: 0.5em 0.8em; }
+.swatch { display: inline-block; width: 0.9em; height: 0.9em; margin-right: 0.4em; vertical-align: -0.1em; }
+.note { color: #555; font-size: 0.9em; } .failed { color: #a00; } figure { margin: 0.5em 0; }
+"""
+
+
+def render(groups: Sequence[Group], runs: Sequence[Run], source: str, tolerance: float, baseline: str | None) -> str:
+    """The whole page for ``groups`` (analysed from ``runs``, read from ``source``)."""
+    colours = plots.palette([m.hook for g in groups for m in g.methods])
+    finished = sum(r.status == "finished" for r in runs)
+    settings = f"target: the baseline's final metric less {tolerance:g} (percentage points for accuracy, else percent)"
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>gradcomp report: {_e(source)}</title><style>{STYLE}</style></head><body>",
+        f"<h1>Time to accuracy: {_e(source)}</h1>",
+        f'<p class="note">{len(runs)} runs, {finished} finished, in {len(groups)} group(s); {_e(settings)}; '
+        f"baseline {_e(baseline or 'torch:allreduce, else allreduce')}. Generated "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC by gradcomp report.</p>",
+        _environment(runs),
+        "<h2>Verdicts</h2><ul>",
+        *(f"<li><b>{_e(g.title)}</b>: {_e(g.verdict)}</li>" for g in groups),
+        "</ul>",
+    ]
+    for number, group in enumerate(groups, 1):
+        parts += _section(number, group, colours)
+    missing = [r for r in runs if r.status == "missing"]
+    if missing:
+        parts += [f"<h2>Runs not made yet ({len(missing)})</h2>", '<p class="note">',
+                  ", ".join(_e(r.name) for r in missing), "</p>"]  # fmt: skip
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def _section(number: int, group: Group, colours: dict[str, str]) -> list[str]:
+    parts = [f'<h2 id="group-{number}">{_e(group.title)}</h2>', f'<p class="verdict">{_e(group.verdict)}</p>']
+    if group.metric is None:
+        return parts
+    target = group.metric.format(group.target) if group.target is not None else "none"
+    parts.append(
+        f'<p class="note">Metric: {_e(group.metric.key)}; baseline: {_e(group.baseline or "none")}; '
+        f"target: {_e(target)}. Time to target: training time (steps only) at the first evaluation where the "
+        "mean over seeds meets it (reached: by how many seeds on their own). Step time: compute (the "
+        "same step without communication) + compression (compress and decompress, where the hook times "
+        "them) + exposed communication (the rest).</p>"
+    )
+    parts.append(_table(group, colours))
+    failed = [r for m in group.methods for r in m.failed]
+    if failed:
+        parts.append('<p class="failed"><b>Failed runs</b>:</p><ul class="failed">')
+        parts += [f"<li>{_e(r.name)}: {_e(r.reason)}</li>" for r in failed]
+        parts.append("</ul>")
+    unfinished = [r for m in group.methods for r in m.unfinished]
+    if unfinished:
+        listed = ", ".join(f"{_e(r.name)} ({_e(r.status)})" for r in unfinished)
+        parts.append(f'<p class="note"><b>Not finished</b> (left out of the figures): {listed}</p>')
+    if any(m.time_to_target is not None for m in group.methods):
+        parts.append(f'<figure class="chart">{plots.time_to_target_figure(group, colours)}</figure>')
+    if any(m.finished for m in group.methods):
+        parts.append(f'<figure class="chart">{plots.curves_figure(group, colours)}</figure>')
+    return parts
+
+
+HEADER = (
+    "method", "seeds", "final (mean ± std)", "95% CI", "p vs baseline", "time to target (s)", "reached",
+    "speedup vs baseline", "speedup vs fastest torch hook", "p (time) vs it", "wire MB/step", "compression",
+    "step ms", "compute ms", "compress ms", "exposed comm ms",
+)  # fmt: skip
+
+
+def _table(group: Group, colours: dict[str, str]) -> str:
+    assert group.metric is not None
+    metric = group.metric
+    rows = ["<table><tr>" + "".join(f'<th{" class=name" if i == 0 else ""}>{_e(h)}</th>'
+                                    for i, h in enumerate(HEADER)) + "</tr>"]  # fmt: skip
+    for method in group.methods:
+        swatch = f'<span class="swatch" style="background:{colours[method.hook]}"></span>'
+        std = method.final_std
+        final = f"{metric.format(method.final_mean)} ± {metric.format(std) if std is not None else '-'}"
+        if method.final_mean is None:
+            final = "-"
+        ci = f"{metric.format(method.final_ci[0])} to {metric.format(method.final_ci[1])}" if method.final_ci else "-"
+        cells = [
+            f'{swatch}<span title="{_e(method.hook)}">{_e(method.name)}</span>'
+            + (" (baseline)" if method.hook == group.baseline else ""),
+            f"{len(method.finished)}/{len(method.runs)}",
+            final,
+            ci,
+            _number(method.final_p, "{:.3f}"),
+            _time_to_target(method),
+            f"{method.reached}/{len(method.times_to_target)}" if method.times_to_target else "-",
+            _number(method.speedup_vs_baseline, "{:.2f}x"),
+            _number(method.speedup_vs_torch, "{:.2f}x"),
+            _number(method.time_p, "{:.3f}"),
+            _number(method.wire_mb_per_step, "{:.3f}"),
+            _number(method.mean("compression_ratio"), "{:.1f}x"),
+            _number(method.step_ms, "{:.2f}"),
+            _number(method.mean("compute_ms"), "{:.2f}"),
+            _number(method.compress_ms, "{:.2f}"),
+            _number(method.exposed_ms, "{:.2f}"),
+        ]
+        row = "".join(f"<td{' class=name' if i == 0 else ''}>{c}</td>" for i, c in enumerate(cells))
+        rows.append(f"<tr>{row}</tr>")
+    rows.append("</table>")
+    return "\n".join(rows)
+
+
+def _time_to_target(method: Method) -> str:
+    if method.time_to_target is not None:
+        return f"{method.time_to_target:.2f}"
+    if method.times_to_target:
+        return "not reached"
+    return "-"
+
+
+def _number(value: float | None, form: str) -> str:
+    return "-" if value is None else form.format(value)
+
+
+def _environment(runs: Sequence[Run]) -> str:
+    """The machine of the runs, as the first of them that recorded one says."""
+    env = next((r.environment for r in runs if r.environment), None)
+    if env is None:
+        return ""
+    facts = [
+        f"{env.get('cpu', 'unknown CPU')} ({env.get('cpus', '?')} cores)",
+        f"torch {env.get('torch', '?')}",
+        f"gradcomp {env.get('gradcomp', '?')}",
+        f"backend {env.get('backend', '?')}",
+        f"{env.get('threads_per_rank', '?')} thread(s) per rank",
+    ]
+    return f'<p class="note">Machine: {_e(", ".join(facts))}.</p>'
+
+
+def _e(text: object) -> str:
+    return html.escape(str(text), quote=True)

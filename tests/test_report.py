@@ -1,0 +1,280 @@
+"""``gradcomp report``: its figures from a fixture of run records against values computed here, failed,
+unfinished and missing runs, a single run, and the page itself (self-contained, rendered by Chromium)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from scipy import stats
+
+from gradcomp.cli import main
+from gradcomp.experiments.report import analysis, records
+from gradcomp.experiments.report.analysis import Metric
+from gradcomp.experiments.training import runinfo
+
+TIMES = [0.0, 1.0, 2.0, 3.0, 4.0]
+"""Training seconds of the five evaluations of every fixture run (steps 0, 10, 20, 30, 40), scaled per method."""
+# Per method and seed: the accuracy at each evaluation. The baseline (torch:allreduce) ends at 0.95,
+# 0.96 and 0.97: mean 0.96, so the target at 0.5 pp is 0.955.
+ACCURACY = {
+    "torch:allreduce": [[0.1, 0.5, 0.8, 0.93, 0.95], [0.1, 0.6, 0.9, 0.956, 0.96], [0.1, 0.6, 0.96, 0.97, 0.97]],
+    "torch:fp16": [[0.1, 0.5, 0.8, 0.955, 0.96], [0.1, 0.6, 0.9, 0.958, 0.96], [0.1, 0.7, 0.95, 0.96, 0.96]],
+    "topk:ratio=0.01,ef=true": [
+        [0.1, 0.5, 0.96, 0.96, 0.96], [0.1, 0.7, 0.956, 0.96, 0.96], [0.1, 0.8, 0.9, 0.955, 0.958]
+    ],
+    "quantize:bits=4": [[0.1, 0.5, 0.8, 0.9, 0.94], [0.1, 0.6, 0.9, 0.955, 0.96], [0.1, 0.5, 0.8, 0.95, 0.956]],
+}  # fmt: skip
+SPEED = {
+    "1gbit": {"torch:allreduce": 1.0, "torch:fp16": 0.8, "topk:ratio=0.01,ef=true": 0.5, "quantize:bits=4": 0.6},
+    "loopback": {"torch:allreduce": 1.0, "torch:fp16": 1.4, "topk:ratio=0.01,ef=true": 1.6, "quantize:bits=4": 1.5},
+}
+"""Each method's training time as a fraction of the baseline's, per network."""
+WIRE = {"torch:allreduce": 4e6, "torch:fp16": 2e6, "topk:ratio=0.01,ef=true": 8e4, "quantize:bits=4": 5e5}
+"""Bytes sent per rank per step."""
+STEPS = 40
+LABEL = "digits-mlp"
+
+
+def _write_run(root: Path, hook: str, network: str, seed: int, *, status: str = "finished", error: str = "") -> str:
+    name = f"{LABEL}_{re.sub(r'[^A-Za-z0-9._=+]+', '-', hook)}_p2_{network}_seed{seed}"
+    out = root / name
+    speed = SPEED[network].get(hook, 1.0)
+    accuracy = ACCURACY.get(hook, ACCURACY["torch:allreduce"])[seed]
+    record: dict[str, Any] = {
+        "name": name,
+        "config": {"task": "digits", "hook": hook, "network": network, "ranks": 2, "seed": seed},
+        "world_size": 2,
+        "task": {"name": "digits", "model": "mlp", "headline": "eval_accuracy"},
+        "environment": {"cpu": "Fixture CPU", "cpus": 2, "torch": "2.13.0", "backend": "gloo"},
+        "status": status,
+    }
+    if status == "failed":
+        record["error"] = error
+        runinfo.write(str(out), record)
+        return name
+    points = []
+    for i, (time, value) in enumerate(zip(TIMES, accuracy, strict=True)):
+        step = 10 * i
+        where = {"step": step, "time_s": time * speed, "wire_bytes": step * WIRE.get(hook, 0)}
+        points.append({"kind": "eval", **where, "accuracy": value, "loss": 1 - value})
+        if step:
+            points.append({"kind": "train", **where, "loss": 1.1 - value})
+    if status == "finished":
+        compress = None if hook.startswith("torch:") else 1.0
+        record["metrics"] = {
+            "step": STEPS, "eval_accuracy": accuracy[-1], "train_time_s": TIMES[-1] * speed,
+            "wire_bytes": STEPS * WIRE.get(hook, 0), "compression_ratio": 4e6 / WIRE.get(hook, 4e6),
+            "compute_ms": 30.0, "compress_ms": compress, "decompress_ms": compress and 0.5,
+        }  # fmt: skip
+    runinfo.write(str(out), record)
+    with open(out / "curves.jsonl", "w") as file:
+        file.writelines(json.dumps(p) + "\n" for p in points)
+    return name
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A sweep's directory: four methods x 3 seeds on 1gbit and loopback; torch's PowerSGD failed on
+    1gbit; one quantize run still running and one never started (in the sweep's plan only)."""
+    root = tmp_path_factory.mktemp("sweep")
+    planned = []
+    for network in ("1gbit", "loopback"):
+        for seed in range(3):
+            for hook in ACCURACY:
+                if network == "loopback" and hook == "quantize:bits=4" and seed == 2:
+                    name = f"{LABEL}_quantize-bits=4_p2_loopback_seed2"  # planned, never started
+                elif network == "loopback" and hook == "quantize:bits=4" and seed == 1:
+                    name = _write_run(root, hook, network, seed, status="running")
+                else:
+                    name = _write_run(root, hook, network, seed)
+                planned.append({"name": name, "label": LABEL, "hook": hook, "network": network, "ranks": 2,
+                                "seed": seed})  # fmt: skip
+        error = (
+            "rank 0 of 2 failed:\nTraceback (most recent call last):\n  File x\nValueError: torch's PowerSGD hook hangs"
+        )
+        name = _write_run(root, "torch:powersgd:rank=4", network, 0, status="failed", error=error)
+        planned.append({"name": name, "label": LABEL, "hook": "torch:powersgd:rank=4", "network": network,
+                        "ranks": 2, "seed": 0})  # fmt: skip
+    records.write_plan(str(root), "fixture.toml", planned)
+    return root
+
+
+def _expected_time_to_target(hook: str, network: str, target: float) -> list[float | None]:
+    """Each seed's time at its first evaluation that meets ``target``."""
+    speed = SPEED[network][hook]
+    times = []
+    for accuracy in ACCURACY[hook]:
+        first = next((i for i, value in enumerate(accuracy) if value >= target), None)
+        times.append(None if first is None else TIMES[first] * speed)
+    return times
+
+
+def test_figures_equal_an_independent_computation(sweep: Path) -> None:
+    groups = analysis.analyze(records.load(str(sweep)), tolerance=0.5)
+    assert [g.title for g in groups] == ["digits-mlp, 1gbit, 2 ranks", "digits-mlp, loopback, 2 ranks"]
+    group = groups[0]
+    assert group.baseline == "torch:allreduce" and group.target == pytest.approx(0.96 - 0.005)
+    target = 0.955
+    expected = {h: _expected_time_to_target(h, "1gbit", target) for h in ACCURACY}
+    # by hand: torch:allreduce's seeds meet 0.955 at evaluations -, 3, 2 (times 0..4 s); topk's at 2, 2, 3 (x 0.5)
+    assert expected["torch:allreduce"] == [None, 3.0, 2.0] and expected["topk:ratio=0.01,ef=true"] == [1.0, 1.0, 1.5]
+    assert expected["quantize:bits=4"] == pytest.approx([None, 1.8, 2.4])
+    # the means over seeds at each evaluation: allreduce .1 .567 .887 .952 .960 meets 0.955 at 4 s; fp16
+    # (.955 + .958 + .96) / 3 at evaluation 3 (x 0.8: 2.4 s); topk (.96 + .96 + .955) / 3 at 3 (x 0.5: 1.5 s);
+    # quantize .935 then .952: never
+    mean_time = {"torch:allreduce": 4.0, "torch:fp16": 2.4, "topk:ratio=0.01,ef=true": 1.5, "quantize:bits=4": None}
+    for method in group.methods:
+        if method.hook not in ACCURACY:
+            continue
+        finals = [a[-1] for a in ACCURACY[method.hook]]
+        assert method.final_mean == pytest.approx(sum(finals) / 3)
+        assert method.final_std == pytest.approx(math.sqrt(sum((f - sum(finals) / 3) ** 2 for f in finals) / 2))
+        assert method.times_to_target == pytest.approx(expected[method.hook])
+        assert method.time_to_target == pytest.approx(mean_time[method.hook])
+        if method.final_ci is not None:
+            half = stats.t.ppf(0.975, 2) * statistics.stdev(finals) / math.sqrt(3)
+            assert method.final_ci == pytest.approx((statistics.fmean(finals) - half, statistics.fmean(finals) + half))
+        assert method.wire_mb_per_step == pytest.approx(WIRE[method.hook] / 1e6)
+        assert method.step_ms == pytest.approx(1e3 * 4.0 * SPEED["1gbit"][method.hook] / STEPS)
+    by_hook = {m.hook: m for m in group.methods}
+    topk = by_hook["topk:ratio=0.01,ef=true"]
+    assert topk.speedup_vs_baseline == pytest.approx(4.0 / 1.5)
+    assert group.fastest_torch == "torch:fp16"
+    assert topk.speedup_vs_torch == pytest.approx(2.4 / 1.5)
+    seeds = ([1.0, 1.0, 1.5], [2.4, 2.4, 2.4])
+    assert topk.time_p == pytest.approx(_welch_p(*seeds))
+    assert topk.compress_ms == pytest.approx(1.5) and by_hook["torch:fp16"].compress_ms is None
+    assert topk.exposed_ms == pytest.approx(1e3 * 2.0 / STEPS - 30.0 - 1.5)
+    assert by_hook["quantize:bits=4"].time_to_target is None and by_hook["quantize:bits=4"].reached == 2
+    a, b = [a[-1] for a in ACCURACY["torch:fp16"]], [a[-1] for a in ACCURACY["torch:allreduce"]]
+    assert by_hook["torch:fp16"].final_p == pytest.approx(_welch_p(a, b))
+    failed = by_hook["torch:powersgd:rank=4"]
+    assert [r.reason for r in failed.failed] == ["ValueError: torch's PowerSGD hook hangs"]
+    assert group.verdict == (
+        "topk:ratio=0.01,ef=true reaches the target (95.50%) first, in 1.50 s: 2.67x sooner than torch:allreduce, "
+        "1.60x sooner than the fastest torch hook (torch:fp16)."
+    )
+
+
+def _welch_p(a: list[float], b: list[float]) -> float:
+    """Welch's two-sided t-test, from its formula."""
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    t = (statistics.fmean(a) - statistics.fmean(b)) / math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    return float(2 * stats.t.sf(abs(t), df))
+
+
+def test_where_nothing_beats_the_baseline_the_verdict_says_so_and_partial_runs_are_listed(sweep: Path) -> None:
+    groups = analysis.analyze(records.load(str(sweep)))
+    loopback = groups[1]
+    # on loopback the compressors are slower per step: the baseline's mean meets 0.955 at 4.0 s, fp16's
+    # at 3 x 1.4 = 4.2 s, topk's at 3 x 1.6 = 4.8 s
+    assert loopback.verdict == (
+        "Nothing beats torch:allreduce here: it reaches the target (95.50%) first, in 4.00 s; the fastest "
+        "gradcomp method, topk:ratio=0.01,ef=true, takes 4.80 s."
+    )
+    quantize = loopback.method("quantize:bits=4")
+    assert quantize is not None
+    assert [r.status for r in quantize.runs] == ["finished", "running", "missing"]
+    assert [r.status for r in quantize.unfinished] == ["running", "missing"]
+    assert quantize.times_to_target == [None]  # the finished seed never reached the target
+    only_baseline = analysis.analyze([r for r in records.load(str(sweep)) if r.hook.startswith("torch:allreduce")])
+    assert (
+        only_baseline[0].verdict
+        == "Nothing beats torch:allreduce here: it reaches the target (95.50%) first, in 4.00 s."
+    )
+    no_baseline = analysis.analyze([r for r in records.load(str(sweep)) if r.hook == "quantize:bits=4"])
+    assert "no target" in no_baseline[0].verdict
+
+
+def test_a_baseline_can_be_named_and_the_tolerance_moves_the_target(sweep: Path) -> None:
+    runs = records.load(str(sweep))
+    group = analysis.analyze(runs, tolerance=2.0, baseline="torch:fp16")[0]
+    assert group.baseline == "torch:fp16" and group.target == pytest.approx(0.96 - 0.02)
+    with pytest.raises(ValueError, match="tolerance must be"):
+        analysis.analyze(runs, tolerance=-1)
+    assert Metric("eval_perplexity").target(50.0, 10) == pytest.approx(55.0)  # lower is better: 10% above
+    assert Metric("eval_loss").meets(0.4, 0.5) and not Metric("eval_accuracy").meets(0.4, 0.5)
+
+
+def test_curves_are_the_mean_and_range_over_seeds_at_common_steps(sweep: Path) -> None:
+    runs = [r for r in records.load(str(sweep)) if r.hook == "torch:allreduce" and r.network == "1gbit"]
+    line = analysis.curve(runs, "eval", "accuracy", "time_s")
+    assert line is not None and line.x == pytest.approx(TIMES)
+    values = list(zip(*ACCURACY["torch:allreduce"], strict=True))
+    assert line.mean == pytest.approx([statistics.fmean(v) for v in values])
+    assert line.low == pytest.approx([min(v) for v in values]) and line.high == pytest.approx([max(v) for v in values])
+    wire = analysis.curve(runs, "train", "loss", "wire_bytes")
+    assert wire is not None and wire.x == pytest.approx([10 * i * 4e6 for i in range(1, 5)])
+
+
+def _page(sweep: Path, tmp_path: Path) -> str:
+    output = tmp_path / "report.html"
+    assert main(["report", str(sweep), "-o", str(output)]) == 0
+    return output.read_text()
+
+
+def test_the_page_is_self_contained_and_shows_every_group_table_and_failure(sweep: Path, tmp_path: Path) -> None:
+    text = _page(sweep, tmp_path)
+    # nothing to fetch: no scheme, no protocol-relative or file reference; url() and href only to #ids in the page
+    assert "<script" not in text and not re.search(r"[a-z]+://|\s//|@import|url\((?!#)|href=\"(?!#)|src=", text, re.I)
+    assert text.count("<svg") == 4  # per group: time to target and the curves
+    assert text.count('<h2 id="group-') == 2 and text.count("<table>") == 2
+    assert "ValueError: torch&#x27;s PowerSGD hook hangs" in text
+    assert "digits-mlp_quantize-bits=4_p2_loopback_seed2" in text  # the missing run is listed
+    assert "(running)" in text and "not reached" in text and "Fixture CPU" in text
+    assert "topk:ratio=0.01,ef=true reaches the target (95.50%) first, in 1.50 s" in text
+
+
+def test_a_single_run_makes_a_report(sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    single = next(p for p in sweep.iterdir() if "torch-allreduce_p2_1gbit_seed0" in p.name)
+    assert main(["report", str(single), "-o", str(tmp_path / "one.html")]) == 0
+    assert f"report: {tmp_path / 'one.html'}" in capsys.readouterr().out
+    text = (tmp_path / "one.html").read_text()
+    assert "Nothing beats torch:allreduce here" in text and text.count("<svg") == 2
+    with pytest.raises(SystemExit):
+        main(["report", str(tmp_path / "nowhere")])
+
+
+# -- in a browser ---------------------------------------------------------------------------------
+
+
+def _chromium() -> str | None:
+    """Debian's chromium, installed with apt-get when missing (None where it cannot be)."""
+    found = shutil.which("chromium")
+    if found or os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return found
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "timeout": 600}
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    if subprocess.run(["apt-get", "update", "-qq"], env=env, check=False, **quiet).returncode == 0:  # type: ignore[call-overload]
+        subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], env=env, check=False, **quiet)  # type: ignore[call-overload]
+    return shutil.which("chromium")
+
+
+@pytest.mark.timeout(900)
+def test_the_page_renders_in_headless_chromium(sweep: Path, tmp_path: Path) -> None:
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("no chromium, and it could not be installed here (apt-get install chromium needs root)")
+    _page(sweep, tmp_path)
+    page = f"file://{tmp_path / 'report.html'}"
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1400,3000"]
+    shot = tmp_path / "shot.png"
+    subprocess.run([browser, *flags, f"--screenshot={shot}", page], check=True, capture_output=True, timeout=120)
+    dom = subprocess.run([browser, *flags, "--dump-dom", page], check=True, capture_output=True, timeout=120).stdout
+    assert dom.decode().count("<svg") == 4  # parsed as SVG elements by the browser, every chart
+    from matplotlib import image
+
+    pixels = image.imread(str(shot))
+    assert pixels.shape[0] == 3000 and pixels.shape[1] == 1400
+    assert float(pixels[..., :3].std()) > 0.05  # not blank: text, tables and charts
+    assert (pixels[..., :3].min(axis=2) < 0.5).mean() > 0.01  # a share of dark pixels (text and lines)
