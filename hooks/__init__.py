@@ -8,7 +8,8 @@
 Specs are gradcomp compressor specs (``gradcomp compressors`` lists them), plus ``allreduce`` (the
 gradient itself, as DDP's default) and ``noop`` (no communication at all: the compute floor, for
 benchmarks; training with it does not average anything), with the engine's options (``algo``,
-``aggregation``, ``seed``). ``HookSpec.parse`` checks one without a process group. See ``docs/hooks.md``.
+``aggregation``, ``seed``). ``HookSpec.parse`` checks one without a process group. torch's own hooks, as
+baselines spelt ``torch:fp16`` and the like: :mod:`gradcomp.hooks.torch_hooks`. See ``docs/hooks.md``.
 """
 
 from gradcomp.engine.spec import HookSpec

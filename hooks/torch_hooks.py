@@ -179,9 +179,10 @@ class TorchHookState:
             kind, keys, position, has_gauss, cached = ps.rng.get_state()
             state["powersgd"] = {
                 "iter": ps.iter,
-                "error_dict": dict(ps.error_dict),
-                "p_memory_dict": dict(ps.p_memory_dict),
-                "q_memory_dict": dict(ps.q_memory_dict),
+                # copies: the hook updates its memories in place, and a saved state must not move
+                "error_dict": {b: t.clone() for b, t in ps.error_dict.items()},
+                "p_memory_dict": {b: t.clone() for b, t in ps.p_memory_dict.items()},
+                "q_memory_dict": {b: t.clone() for b, t in ps.q_memory_dict.items()},
                 "rng": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
                         "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
                 "total_numel_before_compression": ps.total_numel_before_compression,

@@ -110,6 +110,19 @@ def test_a_users_models_train_on_random_inputs_of_their_shape() -> None:
     assert all(r.status == "ok" for r in rows)
 
 
+def test_torch_powersgd_runs_alone_and_its_bytes_are_its_factors_and_vectors() -> None:
+    """The tiny model is one bucket: torch's PowerSGD runs. Rank 1 sends, per step, the factors of the
+    32x16 weight (32 + 16) and the 4x32 one (4 + 32), and both biases whole (32 + 4): 120 floats."""
+    model = bench_ddp.user_model("tests.bench_models:tiny", "16", batch_size=4)
+    rows = bench_ddp.run(model, 2, "loopback", ["torch:powersgd:rank=1"], torch_hooks=[], steps=2, rounds=1,
+                         warmup=2, timeout=300)  # fmt: skip
+    assert [r.variant for r in rows] == [NOOP, TORCH_ALLREDUCE, "torch:powersgd"] and all(
+        r.status == "ok" for r in rows
+    )
+    assert rows[-1].wire_mb_per_step == pytest.approx(120 * 4 / 1e6)
+    assert rows[1].wire_mb_per_step == pytest.approx((16 * 32 + 32 + 32 * 4 + 4) * 4 / 1e6)
+
+
 def test_a_real_run_measures_every_variant_and_counts_bytes_exactly() -> None:
     specs = ["allreduce", "fp16", "topk:ratio=0.01,ef=true"]
     rows = bench_ddp.run("mlp", 2, "loopback", specs, torch_hooks=["fp16"], steps=4, rounds=2, warmup=2, timeout=300)

@@ -46,6 +46,12 @@ hooks = ["allreduce"]
 [[tasks]]
 name = "good"
 data = "good.npz"
+
+[[tasks]]
+name = "wide"                     # 2.1 MB of gradients: DDP makes two buckets, which torch's PowerSGD hangs on
+task = "classify:hidden=1024-512"
+data = "good.npz"
+hooks = ["torch:powersgd:rank=2"]
 """
 
 
@@ -93,7 +99,7 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.timeout(180)
 def test_an_interrupted_sweep_runs_only_what_is_missing(resumed: dict[str, Any]) -> None:
     runs = resumed["runs"]
-    assert resumed["launched"] == [runs["corrupt/allreduce"].name, runs["good/allreduce"].name]
+    assert resumed["launched"] == [runs["corrupt/allreduce"].name, runs["good/allreduce"].name, runs["wide/torch"].name]
     finished = runs["good/quantize"].config.out
     assert Path(finished, "run.json").read_text() == resumed["before"]  # left alone
     assert sorted(os.listdir(finished)) == ["run.json"]
@@ -109,6 +115,9 @@ def test_a_failed_run_is_recorded_and_the_sweep_goes_on(resumed: dict[str, Any])
     rerun = runinfo.read(runs["good/allreduce"].config.out)  # launched after the failure
     assert rerun is not None and rerun["status"] == "finished"
     assert not Path(runs["good/allreduce"].config.out, "events.out.tfevents.0.stale").exists()
+    refused = runinfo.read(runs["wide/torch"].config.out)  # torch's PowerSGD with two buckets on gloo: not a hang
+    assert refused is not None and refused["status"] == "failed"
+    assert "ValueError: torch's PowerSGD hook hangs on gloo when DDP splits the gradients" in refused["error"]
 
 
 @pytest.mark.timeout(180)
@@ -127,7 +136,7 @@ def test_native_all_reduce_bytes_count_a_ring(resumed: dict[str, Any]) -> None:
 def test_the_summary_and_the_progress_bar(resumed: dict[str, Any]) -> None:
     rows = {row.name: row for row in resumed["rows"]}
     runs = resumed["runs"]
-    assert [rows[run.name].status for run in runs.values()] == ["failed", "finished", "finished"]
+    assert [rows[run.name].status for run in runs.values()] == ["failed", "finished", "finished", "failed"]
     good = rows[runs["good/allreduce"].name]
     assert good.metric == "eval_accuracy" and good.value is not None and 0 <= good.value <= 1
     assert good.wire_mb is not None and good.wire_mb > 0 and good.train_s is not None
@@ -138,8 +147,8 @@ def test_the_summary_and_the_progress_bar(resumed: dict[str, Any]) -> None:
     ]  # fmt: skip
     assert len(lines) == 2 + len(runs) and all(run.name in table for run in runs.values())
     progress = resumed["progress"]
-    assert "3 runs, 1 finished before, 2 to run" in progress
-    assert "1/2" in progress and "2/2" in progress and "ETA" in progress
+    assert "4 runs, 1 finished before, 3 to run" in progress
+    assert "1/3" in progress and "3/3" in progress and "ETA" in progress
 
 
 # -- configs checked before anything runs ---------------------------------------------------------
@@ -251,6 +260,22 @@ def test_the_quick_sweep_compares_six_methods_with_torch_hooks_on_two_networks(
     assert {(run.config.task, run.config.ranks) for run in runs} == {("digits:hidden=1024-1024", 2)}
     assert {run.config.network for run in runs} == {"loopback", "1gbit"}
     assert len(runs) == 6 * 2 * len({run.config.seed for run in runs}) == 36
+
+
+def test_the_study_compares_the_methods_of_the_issue_against_torch_on_three_networks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(netem, "check", lambda profile: None)  # building networks needs root
+    runs = plan.load(str(ROOT / "experiments/configs/study.toml"), str(tmp_path))
+    hooks = set(dict.fromkeys(run.config.hook for run in runs))
+    torch_hooks = {"torch:allreduce", "torch:fp16", "torch:powersgd:rank=4"}
+    given = ["fp16", "powersgd:rank=1,ef=true", "powersgd:rank=4,ef=true", "topk:ratio=0.01,ef=true", "sign:ef=true",
+             "quantize:bits=4", "randomk:ratio=0.01,ef=true"]  # fmt: skip
+    assert hooks == torch_hooks | {str(HookSpec.parse(hook)) for hook in given}
+    assert {run.label for run in runs} == {"digits-mlp1024", "signal-mlp2048"}
+    assert {run.config.network for run in runs} == {"loopback", "1gbit", "100mbit"}
+    assert {run.config.seed for run in runs} == {0, 1, 2} and {run.config.ranks for run in runs} == {2}
+    assert len(runs) == 2 * 10 * 3 * 3
 
 
 def test_networks_this_machine_cannot_build_are_left_out_when_asked(

@@ -271,7 +271,7 @@ def verdict(group: Group) -> str:
     elif group.fastest_torch is None:
         text += "; no torch hook reached it"
     if best.time_p is not None and best.time_p >= SIGNIFICANCE:
-        text += f" (within the seeds' noise: Welch p = {best.time_p:.2f} against {group.fastest_torch})"
+        text += f"; within the seeds' noise against {group.fastest_torch} (Welch p = {best.time_p:.2f})"
     return text + "."
 
 

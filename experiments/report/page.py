@@ -18,7 +18,7 @@ th, td { border: 1px solid #ddd; padding: 0.25em 0.5em; text-align: right; white
 th { background: #f3f3f3; white-space: normal; vertical-align: bottom; } td.name, th.name { text-align: left; }
 .verdict { font-size: 1.08em; background: #eef5ff; border-left: 4px solid #1f77b4; padding: 0.5em 0.8em; }
 .swatch { display: inline-block; width: 0.9em; height: 0.9em; margin-right: 0.4em; vertical-align: -0.1em; }
-.note { color: #555; font-size: 0.9em; } .failed { color: #a00; } figure { margin: 0.5em 0; }
+.scroll { overflow-x: auto; } .note { color: #555; font-size: 0.9em; } .failed { color: #a00; } figure { margin: 0.5em 0; }
 """
 
 
@@ -120,7 +120,7 @@ def _table(group: Group, colours: dict[str, str]) -> str:
         row = "".join(f"<td{' class=name' if i == 0 else ''}>{c}</td>" for i, c in enumerate(cells))
         rows.append(f"<tr>{row}</tr>")
     rows.append("</table>")
-    return "\n".join(rows)
+    return '<div class="scroll">' + "\n".join(rows) + "</div>"
 
 
 def _time_to_target(method: Method) -> str:
