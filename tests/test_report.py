@@ -235,6 +235,17 @@ def test_the_page_is_self_contained_and_shows_every_group_table_and_failure(swee
     assert "topk:ratio=0.01,ef=true reaches the target (95.50%) first, in 1.50 s" in text
 
 
+def test_the_tables_also_go_to_markdown(sweep: Path, tmp_path: Path) -> None:
+    tables = tmp_path / "tables.md"
+    assert main(["report", str(sweep), "-o", str(tmp_path / "r.html"), "--markdown", str(tables)]) == 0
+    text = tables.read_text()
+    assert text.count("### digits-mlp, ") == 2 and "topk:ratio=0.01,ef=true reaches the target (95.50%)" in text
+    row = next(line for line in text.splitlines() if line.startswith("| topk:ratio=0.01,ef=true"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[5:9] == ["1.50", "3/3", "2.67x", "1.60x"]  # time to target, reached, speedups
+    assert "- failed: digits-mlp_torch-powersgd-rank=4_p2_1gbit_seed0: ValueError" in text
+
+
 def test_a_single_run_makes_a_report(sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     single = next(p for p in sweep.iterdir() if "torch-allreduce_p2_1gbit_seed0" in p.name)
     assert main(["report", str(single), "-o", str(tmp_path / "one.html")]) == 0

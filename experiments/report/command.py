@@ -31,17 +31,25 @@ def add_command(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--baseline", help="the hook spec every group is measured against (default: torch:allreduce, else allreduce)"
     )
+    parser.add_argument("--markdown", metavar="FILE", help="also write the verdicts and tables as Markdown to FILE")
     parser.set_defaults(run=_command)
 
 
 def _command(args: argparse.Namespace) -> int:
-    path = write(args.runs_dir, args.output, args.target_tolerance, args.baseline)
-    sys.stdout.write(f"report: {path}\n")
+    path = write(args.runs_dir, args.output, args.target_tolerance, args.baseline, args.markdown)
+    sys.stdout.write(f"report: {path}\n" + (f"tables: {args.markdown}\n" if args.markdown else ""))
     return 0
 
 
-def write(runs_dir: str, output: str | None = None, tolerance: float = 0.5, baseline: str | None = None) -> str:
-    """Analyse the runs in ``runs_dir``, write the page (default ``runs_dir/report.html``), return its path."""
+def write(
+    runs_dir: str,
+    output: str | None = None,
+    tolerance: float = 0.5,
+    baseline: str | None = None,
+    markdown: str | None = None,
+) -> str:
+    """Analyse the runs in ``runs_dir``, write the page (default ``runs_dir/report.html``) and, if
+    ``markdown`` names a file, the verdicts and tables as Markdown there; return the page's path."""
     from gradcomp.experiments.report import analysis, page, records
 
     if baseline is not None:
@@ -52,4 +60,7 @@ def write(runs_dir: str, output: str | None = None, tolerance: float = 0.5, base
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as file:
         file.write(page.render(groups, runs, os.path.normpath(runs_dir), tolerance, baseline))
+    if markdown:
+        with open(markdown, "w") as file:
+            file.write(page.markdown(groups))
     return path

@@ -6,6 +6,7 @@ import datetime
 import html
 from collections.abc import Sequence
 
+from gradcomp.bench.report import markdown_table
 from gradcomp.experiments.report import plots
 from gradcomp.experiments.report.analysis import Group, Method
 from gradcomp.experiments.report.records import Run
@@ -18,7 +19,8 @@ th, td { border: 1px solid #ddd; padding: 0.25em 0.5em; text-align: right; white
 th { background: #f3f3f3; white-space: normal; vertical-align: bottom; } td.name, th.name { text-align: left; }
 .verdict { font-size: 1.08em; background: #eef5ff; border-left: 4px solid #1f77b4; padding: 0.5em 0.8em; }
 .swatch { display: inline-block; width: 0.9em; height: 0.9em; margin-right: 0.4em; vertical-align: -0.1em; }
-.scroll { overflow-x: auto; } .note { color: #555; font-size: 0.9em; } .failed { color: #a00; } figure { margin: 0.5em 0; }
+.scroll { overflow-x: auto; } .note { color: #555; font-size: 0.9em; } .failed { color: #a00; }
+figure { margin: 0.5em 0; }
 """
 
 
@@ -87,40 +89,59 @@ HEADER = (
 
 
 def _table(group: Group, colours: dict[str, str]) -> str:
-    assert group.metric is not None
-    metric = group.metric
-    rows = ["<table><tr>" + "".join(f'<th{" class=name" if i == 0 else ""}>{_e(h)}</th>'
-                                    for i, h in enumerate(HEADER)) + "</tr>"]  # fmt: skip
+    head = "".join(f"<th{' class=name' if i == 0 else ''}>{_e(h)}</th>" for i, h in enumerate(HEADER))
+    rows = [f"<table><tr>{head}</tr>"]
     for method in group.methods:
+        cells = [_e(c) for c in cells_of(group, method)]
         swatch = f'<span class="swatch" style="background:{colours[method.hook]}"></span>'
-        std = method.final_std
-        final = f"{metric.format(method.final_mean)} ± {metric.format(std) if std is not None else '-'}"
-        if method.final_mean is None:
-            final = "-"
-        ci = f"{metric.format(method.final_ci[0])} to {metric.format(method.final_ci[1])}" if method.final_ci else "-"
-        cells = [
-            f'{swatch}<span title="{_e(method.hook)}">{_e(method.name)}</span>'
-            + (" (baseline)" if method.hook == group.baseline else ""),
-            f"{len(method.finished)}/{len(method.runs)}",
-            final,
-            ci,
-            _number(method.final_p, "{:.3f}"),
-            _time_to_target(method),
-            f"{method.reached}/{len(method.times_to_target)}" if method.times_to_target else "-",
-            _number(method.speedup_vs_baseline, "{:.2f}x"),
-            _number(method.speedup_vs_torch, "{:.2f}x"),
-            _number(method.time_p, "{:.3f}"),
-            _number(method.wire_mb_per_step, "{:.3f}"),
-            _number(method.mean("compression_ratio"), "{:.1f}x"),
-            _number(method.step_ms, "{:.2f}"),
-            _number(method.mean("compute_ms"), "{:.2f}"),
-            _number(method.compress_ms, "{:.2f}"),
-            _number(method.exposed_ms, "{:.2f}"),
-        ]
+        cells[0] = f'{swatch}<span title="{_e(method.hook)}">{cells[0]}</span>'
         row = "".join(f"<td{' class=name' if i == 0 else ''}>{c}</td>" for i, c in enumerate(cells))
         rows.append(f"<tr>{row}</tr>")
     rows.append("</table>")
     return '<div class="scroll">' + "\n".join(rows) + "</div>"
+
+
+def cells_of(group: Group, method: Method) -> list[str]:
+    """A method's row of the group's table, as text (the columns of :data:`HEADER`)."""
+    assert group.metric is not None
+    metric = group.metric
+    std = method.final_std
+    final = "-" if method.final_mean is None else f"{metric.format(method.final_mean)} ± {metric.format(std)}"
+    ci = f"{metric.format(method.final_ci[0])} to {metric.format(method.final_ci[1])}" if method.final_ci else "-"
+    return [
+        method.name + (" (baseline)" if method.hook == group.baseline else ""),
+        f"{len(method.finished)}/{len(method.runs)}",
+        final,
+        ci,
+        _p(method.final_p),
+        _time_to_target(method),
+        f"{method.reached}/{len(method.times_to_target)}" if method.times_to_target else "-",
+        _number(method.speedup_vs_baseline, "{:.2f}x"),
+        _number(method.speedup_vs_torch, "{:.2f}x"),
+        _p(method.time_p),
+        _number(method.wire_mb_per_step, "{:.3f}"),
+        _number(method.mean("compression_ratio"), "{:.1f}x"),
+        _number(method.step_ms, "{:.2f}"),
+        _number(method.mean("compute_ms"), "{:.2f}"),
+        _number(method.compress_ms, "{:.2f}"),
+        _number(method.exposed_ms, "{:.2f}"),
+    ]
+
+
+def markdown(groups: Sequence[Group]) -> str:
+    """The verdicts and tables as Markdown (for documents that quote a report: ``--markdown FILE``)."""
+    parts = []
+    for group in groups:
+        parts += [f"### {group.title}", "", group.verdict, ""]
+        if group.metric is None:
+            continue
+        target = group.metric.format(group.target) if group.target is not None else "none"
+        parts += [f"Baseline {group.baseline or 'none'}, target {target} ({group.metric.key}).", ""]
+        parts += [markdown_table(HEADER, [cells_of(group, m) for m in group.methods]), ""]
+        parts += [f"- failed: {r.name}: {r.reason}" for m in group.methods for r in m.failed]
+        parts += [f"- not finished: {r.name} ({r.status})" for m in group.methods for r in m.unfinished]
+        parts += [""] if any(m.failed or m.unfinished for m in group.methods) else []
+    return "\n".join(parts)
 
 
 def _time_to_target(method: Method) -> str:
@@ -129,6 +150,10 @@ def _time_to_target(method: Method) -> str:
     if method.times_to_target:
         return "not reached"
     return "-"
+
+
+def _p(value: float | None) -> str:
+    return "-" if value is None else "<0.001" if value < 0.001 else f"{value:.3f}"
 
 
 def _number(value: float | None, form: str) -> str:
