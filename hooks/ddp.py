@@ -74,18 +74,23 @@ class HookState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned, from a hook of the same spec and world size
         (residuals are in units of the gradient over the world size): anything else is refused."""
-        if not isinstance(state, dict) or "spec" not in state or "world_size" not in state:
-            raise ValueError("not a gradcomp hook state (it records no spec and world size)")
-        saved, mine = (state["spec"], state["world_size"]), (str(self.spec), self.world)
-        if saved != mine:
-            raise ValueError(
-                f"this hook state was saved by the hook {saved[0]!r} at world size {saved[1]}; "
-                f"this hook is {mine[0]!r} at world size {mine[1]}"
-            )
+        check_saved(state, str(self.spec), self.world, "gradcomp")
         if self.engine is not None:
             self.engine.compressor.load_state_dict(state["compressor"])
             if "engine" in state:  # states saved before the engine kept any have none
                 self.engine.load_state_dict(state["engine"])
+
+
+def check_saved(state: Any, spec: str, world: int, kind: str) -> None:
+    """Refuse a hook state that is not a ``kind`` hook's, or was saved by another spec or world size."""
+    if not isinstance(state, dict) or "spec" not in state or "world_size" not in state:
+        raise ValueError(f"not a {kind} hook state (it records no spec and world size)")
+    saved, mine = (state["spec"], state["world_size"]), (spec, world)
+    if saved != mine:
+        raise ValueError(
+            f"this hook state was saved by the hook {saved[0]!r} at world size {saved[1]}; "
+            f"this hook is {mine[0]!r} at world size {mine[1]}"
+        )
 
 
 def _gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[Tensor]:

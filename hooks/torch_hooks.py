@@ -42,6 +42,7 @@ from torch import Tensor
 from torch.distributed import GradBucket
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+from gradcomp.hooks.ddp import check_saved
 from gradcomp.options import format_value, options_from, split_spec
 
 PREFIX = "torch:"
@@ -194,14 +195,7 @@ class TorchHookState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned, from a hook of the same spec and world size."""
-        if not isinstance(state, dict) or "spec" not in state or "world_size" not in state:
-            raise ValueError("not a torch hook state (it records no spec and world size)")
-        saved, mine = (state["spec"], state["world_size"]), (str(self.spec), self.world)
-        if saved != mine:
-            raise ValueError(
-                f"this hook state was saved by the hook {saved[0]!r} at world size {saved[1]}; "
-                f"this hook is {mine[0]!r} at world size {mine[1]}"
-            )
+        check_saved(state, str(self.spec), self.world, "torch")
         ps = self.powersgd
         if ps is None:
             return

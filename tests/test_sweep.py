@@ -249,11 +249,16 @@ def test_the_command_line_lists_the_runs_of_a_dry_run(tmp_path: Path, capsys: py
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _shipped(name: str, out: Path, monkeypatch: pytest.MonkeyPatch) -> list[Run]:
+    """The runs of a shipped config, its emulated networks taken as buildable (that needs root)."""
+    monkeypatch.setattr(netem, "check", lambda profile: None)
+    return plan.load(str(ROOT / f"experiments/configs/{name}.toml"), str(out))
+
+
 def test_the_quick_sweep_compares_six_methods_with_torch_hooks_on_two_networks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(netem, "check", lambda profile: None)  # building networks needs root
-    runs = plan.load(str(ROOT / "experiments/configs/quick.toml"), str(tmp_path))
+    runs = _shipped("quick", tmp_path, monkeypatch)
     hooks = list(dict.fromkeys(run.config.hook for run in runs))
     given = ["fp16", "topk:ratio=0.01,ef=true", "powersgd:rank=4,ef=true", "quantize:bits=4"]
     assert hooks == ["torch:allreduce", "torch:fp16", *(str(HookSpec.parse(hook)) for hook in given)]
@@ -265,8 +270,7 @@ def test_the_quick_sweep_compares_six_methods_with_torch_hooks_on_two_networks(
 def test_the_study_compares_the_methods_of_the_issue_against_torch_on_three_networks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(netem, "check", lambda profile: None)  # building networks needs root
-    runs = plan.load(str(ROOT / "experiments/configs/study.toml"), str(tmp_path))
+    runs = _shipped("study", tmp_path, monkeypatch)
     hooks = set(dict.fromkeys(run.config.hook for run in runs))
     torch_hooks = {"torch:allreduce", "torch:fp16", "torch:powersgd:rank=4"}
     given = ["fp16", "powersgd:rank=1,ef=true", "powersgd:rank=4,ef=true", "topk:ratio=0.01,ef=true", "sign:ef=true",
@@ -298,8 +302,7 @@ def test_networks_this_machine_cannot_build_are_left_out_when_asked(
 def test_the_full_study_covers_tasks_methods_seeds_and_networks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(netem, "check", lambda profile: None)  # building networks needs root
-    runs: list[Run] = plan.load(str(ROOT / "experiments/configs/full.toml"), str(tmp_path))
+    runs = _shipped("full", tmp_path, monkeypatch)
     assert {run.label for run in runs} == {"digits-mlp", "digits-cnn", "signal-cnn", "charlm"}
     assert len({run.config.hook for run in runs}) >= 6
     assert len({run.config.seed for run in runs}) >= 3 and len({run.config.network for run in runs}) >= 2
