@@ -33,6 +33,13 @@ SPECS = [
 ]
 
 
+def with_feedback(spec: str) -> str:
+    """``spec`` under error feedback (``ef=true``); random-k unscaled, as error feedback requires."""
+    if spec.startswith("randomk") and "scale=" not in spec:
+        spec += ",scale=false" if ":" in spec else ":scale=false"
+    return f"{spec}{',' if ':' in spec else ':'}ef=true"
+
+
 def index_bytes(n: int) -> int:
     return 1 if n <= 2**8 else 2 if n <= 2**15 else 4 if n <= 2**31 else 8
 

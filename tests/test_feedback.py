@@ -10,7 +10,7 @@ import torch
 from gradcomp.compressors import make_compressor
 from gradcomp.compressors.feedback import ErrorFeedback
 from gradcomp.compressors.simulate import compress_all, simulate
-from tests.helpers import SPECS
+from tests.helpers import SPECS, with_feedback
 
 
 def gradients(steps: int, shape: tuple[int, ...] = (40, 30), seed: int = 0) -> list[torch.Tensor]:
@@ -21,7 +21,7 @@ def gradients(steps: int, shape: tuple[int, ...] = (40, 30), seed: int = 0) -> l
 @pytest.mark.parametrize("spec", SPECS)
 def test_conservation_is_exact_each_step(spec: str) -> None:
     """g + e_old == contribution + e_new, to float rounding, at every step."""
-    ef = make_compressor(f"{spec}{',' if ':' in spec else ':'}ef=true")
+    ef = make_compressor(with_feedback(spec))
     assert ef.has_feedback
     for g in gradients(4):
         e_old = ef.residuals.get("w", torch.zeros_like(g)).clone()
@@ -89,8 +89,8 @@ def test_keys_are_independent_and_checked() -> None:
 def test_checkpoint_resumes_exactly(spec: str) -> None:
     """N steps, save, load into a fresh compressor, M more steps == N + M uninterrupted."""
     grads = gradients(6)
-    reference = make_compressor(f"{spec}{',' if ':' in spec else ':'}ef=true", seed=4)
-    first = make_compressor(f"{spec}{',' if ':' in spec else ':'}ef=true", seed=4)
+    reference = make_compressor(with_feedback(spec), seed=4)
+    first = make_compressor(with_feedback(spec), seed=4)
     for g in grads[:3]:
         compress_all([reference], [g], key=("layer", 0))
         compress_all([first], [g], key=("layer", 0))
@@ -98,7 +98,7 @@ def test_checkpoint_resumes_exactly(spec: str) -> None:
     torch.save(first.state_dict(), buffer)
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
-    resumed = make_compressor(f"{spec}{',' if ':' in spec else ':'}ef=true", seed=4)
+    resumed = make_compressor(with_feedback(spec), seed=4)
     resumed.load_state_dict(state)
     for g in grads[3:]:
         ctx_a, final_a = compress_all([reference], [g], key=("layer", 0))
@@ -131,7 +131,7 @@ def test_a_non_contractive_compressor_makes_the_residual_grow() -> None:
 def test_a_non_finite_step_leaves_the_residual_as_it_was(spec: str, bad: float) -> None:
     """The step with a NaN or Inf carries it (GradScaler sees it and skips the step); the residual
     is bitwise what it was before, so the next step is clean."""
-    ef = make_compressor(f"{spec}{',' if ':' in spec else ':'}ef=true")
+    ef = make_compressor(with_feedback(spec))
     good, poisoned, after = gradients(3)
     compress_all([ef], [good], key="w")
     before = ef.residuals["w"].clone()
@@ -174,7 +174,7 @@ def test_a_peers_nan_leaves_powersgd_memory_and_residuals_as_they_were() -> None
 def test_compress_divided_is_bitwise_compress_of_the_quotient(spec: str, ef: bool, divisor: int) -> None:
     """The engine's first step, compress(g / p), folded into one pass by casts and error feedback,
     sends bitwise the same payloads and keeps bitwise the same residuals as dividing first, step after step."""
-    text = f"{spec}{',' if ':' in spec else ':'}ef=true" if ef else spec
+    text = with_feedback(spec) if ef else spec
     folded, reference = make_compressor(text, seed=5), make_compressor(text, seed=5)
     for g in gradients(3, shape=(60, 50)):
         payload, ctx = folded.compress_divided(g.clone(), divisor, "w")
@@ -189,7 +189,7 @@ def test_compress_divided_is_bitwise_compress_of_the_quotient(spec: str, ef: boo
 
 
 @pytest.mark.parametrize(
-    "spec", ["topk:ratio=0.05", "topk:ratio=0.01,method=sampled", "threshold:tau=0.5", "randomk:ratio=0.1"]
+    "spec", ["topk:ratio=0.05", "topk:ratio=0.01,method=sampled", "threshold:tau=0.5", "randomk:ratio=0.1,scale=false"]
 )
 def test_a_fused_sparse_residual_is_bitwise_the_dense_subtraction(spec: str) -> None:
     """Sparsifiers and random-k subtract their contribution at their k elements only: the residual

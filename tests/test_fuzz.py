@@ -14,7 +14,7 @@ from gradcomp.compressors import make_compressor, parse_spec
 from gradcomp.engine import packing
 from gradcomp.engine.spec import HookSpec
 from gradcomp.experiments.tasks import parse_task
-from tests.helpers import SPECS
+from tests.helpers import SPECS, with_feedback
 
 NAMES = ["topk", "quantize", "allreduce", "noop", "fp16", "powersgd", "signal", "digits", "x"]
 KEYS = ["ratio", "bits", "ef", "algo", "seed", "aggregation", "rounding", "chunk", "rank", "samples", "noise", ""]
@@ -59,7 +59,7 @@ def gradients(draw: st.DrawFn) -> torch.Tensor:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(x=gradients(), spec=st.sampled_from([*SPECS, *(f"{s}{',' if ':' in s else ':'}ef=true" for s in SPECS)]))
+@given(x=gradients(), spec=st.sampled_from([*SPECS, *(with_feedback(s) for s in SPECS)]))
 def test_any_gradient_compresses_and_its_payload_packs_losslessly(x: torch.Tensor, spec: str) -> None:
     """Through every round, the payload survives packing bitwise, and decompresses to the input's
     shape and dtype (finite where the input is)."""

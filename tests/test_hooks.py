@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradcomp import hooks
 from tests.distributed import Failures, parameters_identical_on_all_ranks, run_checks, spawn_ranks
-from tests.helpers import SPECS
+from tests.helpers import SPECS, with_feedback
 from tests.toy_ddp import TORCH_FP16, gradients, sgd_steps, toy_batches, toy_model, train, wrap
 
 SAME_MODEL = "parameters differ between ranks"
@@ -308,7 +308,7 @@ def test_two_phase_is_refused_for_summable_compressors() -> None:
 
 
 def every_compressor(rank: int, world: int) -> dict[str, Any]:
-    specs: list[Any] = [*SPECS, *[f"{s}{',' if ':' in s else ':'}ef=true" for s in SPECS]]
+    specs: list[Any] = [*SPECS, *[with_feedback(s) for s in SPECS]]
     specs += ["fp16:algo=ring", "sign:aggregation=two_phase,seed=5", ("topk", {"ratio": 0.1, "algo": "tree"})]
     failures = Failures()
     for spec in specs:

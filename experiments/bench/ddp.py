@@ -63,7 +63,7 @@ from gradcomp.launch import RankError, spawn
 
 NOOP, TORCH_ALLREDUCE = "noop", "torch:allreduce"
 DEFAULT_HOOKS = (
-    "allreduce;fp16;bf16;randomk:ratio=0.01,ef=true;powersgd:rank=1;powersgd:rank=4,ef=true;sign:ef=true;"
+    "allreduce;fp16;bf16;randomk:ratio=0.01,scale=false,ef=true;powersgd:rank=1;powersgd:rank=4,ef=true;sign:ef=true;"
     "topk:ratio=0.01,ef=true;quantize:bits=4"
 )
 """What ``gradcomp bench ddp`` measures when ``--hooks`` is not given."""

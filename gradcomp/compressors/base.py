@@ -129,6 +129,13 @@ class Compressor(ABC):
     always puts a non-finite value into the payload's floating tensors: error feedback then checks
     the payload (a few elements) for a bad step, instead of a pass over a whole tensor."""
 
+    @classmethod
+    def feedback_problem(cls, config: CompressorConfig) -> str | None:
+        """Why error feedback cannot wrap this compressor with ``config`` (None: it can). Error
+        feedback needs a contraction, ``|C(x) - x| < |x|``; a compressor that scales what it keeps up
+        is none, and its residual grows without bound."""
+        return None
+
     def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
         config = self.Config() if config is None else config
         if not isinstance(config, self.Config):

@@ -67,7 +67,11 @@ def parse_spec(spec: SpecLike) -> Spec:
     if name not in REGISTRY:
         raise ValueError(f"unknown compressor {name!r}; valid names: {', '.join(sorted(REGISTRY))}")
     ef = convert("ef", options.pop("ef", False), bool)
-    return Spec(name, options_from(REGISTRY[name].Config, options, repr(name), also_valid=WRAPPER_OPTIONS), ef)
+    config = options_from(REGISTRY[name].Config, options, repr(name), also_valid=WRAPPER_OPTIONS)
+    problem = REGISTRY[name].feedback_problem(config) if ef else None
+    if problem:
+        raise ValueError(f"{name!r} with ef=true: {problem}")
+    return Spec(name, config, ef)
 
 
 def make_compressor(spec: SpecLike, *, seed: int = 0, rank: int = 0) -> Compressor:
