@@ -55,6 +55,30 @@ def test_allreduce_and_fp16_hooks_match_torch() -> None:
         assert result["fp16 identical elements"] > 0.95
 
 
+def wide_replicas(rank: int, world: int) -> Failures:
+    """Matrices large enough for BLAS to split them over threads (1024 x 1024): PowerSGD rank 4 decompresses
+    on the backend's completion thread, which must multiply as the process's other threads do."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    ddp = DistributedDataParallel(net)
+    hooks.register(ddp, "powersgd:rank=4,ef=true")
+    generator = torch.Generator().manual_seed(rank)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for _ in range(12):
+        optimizer.zero_grad()
+        x, y = torch.randn(32, 64, generator=generator), torch.randint(0, 10, (32,), generator=generator)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+    failures = Failures()
+    failures.expect(parameters_identical_on_all_ranks(list(net.parameters())), SAME_MODEL)
+    return failures
+
+
+@pytest.mark.timeout(180)
+def test_replicas_stay_bitwise_equal_when_the_backend_thread_decompresses_wide_matrices() -> None:
+    run_checks(2, wide_replicas, timeout=120)
+
+
 def train_many_buckets(rank: int, world: int, spec: str) -> Failures:
     params, _ = train(rank, spec, 200, bucket_cap_mb=0.002)
     failures = Failures()

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Generic, TypeVar
 
+import torch
+
 from gradcomp.collectives.link import Traffic
 
 T = TypeVar("T")
@@ -93,6 +95,7 @@ class Executor:
             self._pending -= 1
 
     def _run(self) -> None:
+        match_torch_threads()
         while True:
             operation, future = self._queue.get()
             if future.set_running_or_notify_cancel():
@@ -119,3 +122,19 @@ def executor() -> Executor:
         if _executor is None:
             _executor = Executor()
         return _executor
+
+
+_matched = threading.local()
+
+
+def match_torch_threads() -> None:
+    """Give the calling thread the intra-op thread count of the process (``torch.set_num_threads``),
+    once per thread. torch applies that count to a thread lazily, when one of its own parallel loops
+    first runs there; a BLAS call (a matmul) does not, so a thread torch did not start (this
+    executor's, a backend's completion thread) would multiply with the library's default count,
+    whose other blocking changes the last bits of the product. Ranks that decompress the same
+    payload on different threads then diverge (measured: PowerSGD rank 4, before this): every
+    thread that computes on gradients calls this first."""
+    if not getattr(_matched, "done", False):
+        torch.set_num_threads(torch.get_num_threads())
+        _matched.done = True

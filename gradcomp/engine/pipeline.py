@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gradcomp import collectives
-from gradcomp.collectives.executor import Handle, executor
+from gradcomp.collectives.executor import Handle, executor, match_torch_threads
 from gradcomp.collectives.groups import private
 from gradcomp.collectives.link import Traffic
 from gradcomp.compressors import Aggregation, Compressor, Key, Payload, make_compressor
@@ -270,6 +270,7 @@ class Engine:
 
         def landed(collected: torch.futures.Future[list[torch.futures.Future[Any]]]) -> None:
             def finish() -> None:
+                match_torch_threads()  # the backend's thread: decompress with the process's thread count
                 try:
                     for future in collected.value():
                         future.value()  # raises the backend's error (``work.wait()`` here would deadlock)
