@@ -125,7 +125,9 @@ def test_torch_powersgd_runs_alone_and_its_bytes_are_its_factors_and_vectors() -
 
 def test_a_real_run_measures_every_variant_and_counts_bytes_exactly() -> None:
     specs = ["allreduce", "fp16", "topk:ratio=0.01,ef=true"]
-    rows = bench_ddp.run("mlp", 2, "loopback", specs, torch_hooks=["fp16"], steps=4, rounds=2, warmup=2, timeout=300)
+    rows = bench_ddp.run(
+        "mlp", 2, "loopback", specs, torch_hooks=[TORCH_FP16], steps=4, rounds=2, warmup=2, timeout=300
+    )
     assert [r.variant for r in rows] == [NOOP, TORCH_ALLREDUCE, TORCH_FP16, *specs]
     wire = {r.variant: r.wire_mb_per_step for r in rows}
     for row in rows:
