@@ -301,9 +301,14 @@ def run(
         raise ValueError(f"need rounds >= 1, steps >= rounds and warmup >= 2; got {rounds}, {steps}, {warmup}")
     if runs < 1:
         raise ValueError(f"--runs must be >= 1, got {runs}")
-    # every spec canonical (a bad one fails here, before any rank starts), each variant once
+    # every spec checked here (a bad one fails before any rank starts); each variant once, as given
     baselines = list(dict.fromkeys([NOOP, TORCH_ALLREDUCE, *(str(TorchHookSpec.parse(h)) for h in torch_hooks)]))
-    specs = [v for v in dict.fromkeys(_canonical(s) for s in specs) if v not in baselines]
+    seen, given = set(baselines), []
+    for spec in specs:
+        if _canonical(spec) not in seen:
+            seen.add(_canonical(spec))
+            given.append(spec.strip())
+    specs = given
     variants = [*baselines, *specs]
     measured = [
         _run_once(workload, ranks, network, baselines, specs, (steps, warmup, rounds, seed), threads, timeout)
