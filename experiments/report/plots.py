@@ -52,11 +52,13 @@ def curves_figure(group: Group, colours: dict[str, str]) -> str:
     )
     for row, (kind, key, ylabel) in zip(axes, rows, strict=True):
         scale = 100.0 if kind == "eval" and metric.percent else 1.0
+        starts: list[float] = []
         for ax, (x, xlabel, xscale) in zip(row, X_AXES, strict=True):
             for method in group.methods:
                 line = curve(method.finished, kind, key, x)
                 if line is None:
                     continue
+                starts.append(line.mean[0] * scale)
                 xs = [v * xscale for v in line.x]
                 colour = colours[method.hook]
                 ax.plot(xs, [v * scale for v in line.mean], color=colour, linewidth=1.6, label=method.name,
@@ -69,6 +71,8 @@ def curves_figure(group: Group, colours: dict[str, str]) -> str:
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
+            if kind == "train" and starts:  # a diverging method leaves the chart instead of flattening the rest
+                ax.set_ylim(0, 1.2 * max(starts))
     handles, labels = axes[0][0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4), frameon=False)
     return svg(figure)
