@@ -43,7 +43,7 @@ class HookState:
         (None with the native all-reduce), seconds in compress / communicate / decompress, and the
         tail (``tail_s``: from the last bucket's hand-over to the end of the step's communication).
         Read it after a step's backward (DDP has waited for every bucket by then)."""
-        return [] if self.engine is None else per_step(self.engine.records)
+        return self.steps_since(0)
 
     def steps_since(self, first: int) -> list[dict[str, Any]]:
         """:meth:`steps` from step ``first`` on, reading only the newest records (cheap at every step)."""

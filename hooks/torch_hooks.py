@@ -33,6 +33,7 @@ cannot follow a layout change at all (its factors are of the whole bucket as one
 import collections
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,7 @@ NAMES = ("allreduce", "allreduce_hook", "fp16", "bf16", "powersgd")
 """torch's hooks by name (after ``torch:``)."""
 BUILTIN = "allreduce"
 """DDP's own all-reduce: nothing is registered."""
+Hook = Callable[["TorchHookState", GradBucket], torch.futures.Future[Tensor]]
 RECORDS = 10_000
 """Steps a :class:`TorchHookState` keeps (its memory stays flat however long the run)."""
 
@@ -131,8 +133,6 @@ class TorchHookState:
     ``2 (p - 1) / p`` of the payload, as for gradcomp's native all-reduce.
     """
 
-    engine = None  # no gradcomp engine: what reads a gradcomp HookState's engine finds none here
-
     def __init__(self, spec: TorchHookSpec, model: torch.nn.parallel.DistributedDataParallel, seed: int) -> None:
         self.spec = spec
         parameters = list(model.parameters())
@@ -169,7 +169,7 @@ class TorchHookState:
         """Per step: ``step``, ``buckets``, ``input_bytes``, ``payload_bytes``, ``sent_bytes`` (None),
         and the phases' seconds of a gradcomp hook (``compress_s``, ``communicate_s``, ``decompress_s``,
         ``tail_s``), None here: torch's hooks do not time them."""
-        return list(self.records)
+        return self.steps_since(0)
 
     def state_dict(self) -> dict[str, Any]:
         """The spec, world size and PowerSGD's state (iteration, residuals, factors, its generator), as
@@ -300,20 +300,16 @@ def register(
     return state
 
 
-def _allreduce(state: TorchHookState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
-    buffer = bucket.buffer()
-    state._bucket(bucket, buffer.numel() * buffer.element_size())
-    return default_hooks.allreduce_hook(state.group, bucket)
+def _forwarding(hook: Callable[[Any, GradBucket], torch.futures.Future[Tensor]], element_bytes: int | None) -> Hook:
+    """torch's ``hook`` (called with the state's group), recording a payload of ``element_bytes`` per
+    gradient element (None: the gradient's own size)."""
 
+    def forward(state: TorchHookState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
+        buffer = bucket.buffer()
+        state._bucket(bucket, buffer.numel() * (element_bytes or buffer.element_size()))
+        return hook(state.group, bucket)
 
-def _fp16(state: TorchHookState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
-    state._bucket(bucket, bucket.buffer().numel() * 2)
-    return default_hooks.fp16_compress_hook(state.group, bucket)
-
-
-def _bf16(state: TorchHookState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
-    state._bucket(bucket, bucket.buffer().numel() * 2)
-    return default_hooks.bf16_compress_hook(state.group, bucket)
+    return forward
 
 
 def _powersgd(state: TorchHookState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
@@ -345,4 +341,9 @@ def _reorder(flat: Tensor, pieces: list[tuple[int, int]], order: list[int]) -> T
     return torch.cat([chunks[key] for key in order if key in chunks])
 
 
-_HOOKS = {"allreduce_hook": _allreduce, "fp16": _fp16, "bf16": _bf16, "powersgd": _powersgd}
+_HOOKS: dict[str, Hook] = {
+    "allreduce_hook": _forwarding(default_hooks.allreduce_hook, None),
+    "fp16": _forwarding(default_hooks.fp16_compress_hook, 2),
+    "bf16": _forwarding(default_hooks.bf16_compress_hook, 2),
+    "powersgd": _powersgd,
+}

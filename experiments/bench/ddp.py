@@ -334,10 +334,10 @@ def _run_once(
     arguments = (workload, shared, *settings)
     measured = spawn(ranks, measure, arguments, timeout=timeout, threads=threads, network=network)[0]
     rows = {v: _row(v, network, measured[v]) for v in shared}
+    # In ranks of their own, with a deadline of a few times the average variant's time: on gloo
+    # with several buckets torch's PowerSGD is refused (it would hang: its callbacks issue collectives).
+    deadline = 20 + 3 * (time.monotonic() - started) / len(shared)
     for variant in isolated:
-        # In ranks of its own, with a deadline of a few times the average variant's time: on gloo
-        # with several buckets it is refused (it would hang: its callbacks issue collectives).
-        deadline = 20 + 3 * (time.monotonic() - started) / len(shared)
         try:
             alone = spawn(ranks, measure, (workload, [variant], *settings), timeout=deadline, threads=threads,
                           network=network, group_timeout=deadline)[0]  # fmt: skip
