@@ -166,7 +166,14 @@ def _rank_main(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=group_timeout),
         )
-        results.put((rank, "ok", target(rank, world_size, *args)))
+        value = target(rank, world_size, *args)
+        # Stay until every rank is done with the group: a rank that exits at once (a quick target)
+        # can close its end of the mesh while a slower peer is still connecting to it, failing that
+        # peer's init ("Connection closed by peer"). A failed peer's exit ends this wait at once.
+        if dist.is_initialized():  # (the target may have destroyed the group itself)
+            with contextlib.suppress(RuntimeError):
+                dist.barrier()
+        results.put((rank, "ok", value))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
