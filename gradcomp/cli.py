@@ -3,6 +3,7 @@
 gradcomp compressors                       list compressors and their options
 gradcomp bench compressors [--sizes ...]   time every compressor against the memory floor
 gradcomp bench collectives [--ranks ...]   all-reduce bus bandwidth per algorithm, beside gloo's
+gradcomp calibrate --net N -o FILE         fit the link and the kernels' costs into a profile (JSON)
 gradcomp netem cleanup|list                namespaces of emulated networks (``--net`` elsewhere)
 
 The layers above the core add their own commands (``gradcomp bench ddp``, ``gradcomp sweep``) through
@@ -78,6 +79,20 @@ def command_parser() -> argparse.ArgumentParser:
     links.add_argument("--net", default="loopback", help=NET_HELP)
     links.add_argument("--json", metavar="FILE", help="also write every figure and the machine to FILE")
     links.set_defaults(run=_bench_collectives)
+
+    calibrate = commands.add_parser("calibrate", help="fit this link's latency and bandwidth and the kernels' costs")
+    calibrate.add_argument("--net", default="loopback", help="one network profile: loopback (default), 1gbit, ...")
+    calibrate.add_argument("--ranks", type=int, default=2, help="processes to start on this machine (default 2)")
+    calibrate.add_argument("-o", "--output", required=True, metavar="PROFILE", help="where to write the profile (JSON)")
+    calibrate.add_argument("--name", help="the profile's name (default NET-PRANKS)")
+    calibrate.add_argument(
+        "--sizes", default="4KiB,32KiB,256KiB,1MiB,4MiB,16MiB", help=f"collective sizes per rank: {SIZES_HELP}"
+    )
+    calibrate.add_argument("--repeats", type=int, default=10, help="timed collectives per size; the median is kept")
+    calibrate.add_argument(
+        "--specs", default=None, help="semicolon-separated compressor specs (default: the usual ones)"
+    )
+    calibrate.set_defaults(run=_calibrate)
 
     network = commands.add_parser("netem", help="emulated networks (network namespaces shaped with tc)")
     network_commands = network.add_subparsers(dest="netem", required=True)
@@ -180,6 +195,23 @@ def _bench_collectives(args: argparse.Namespace) -> int:
         rows += measured
     if args.json:
         write_report(args.json, host, ranks=args.ranks, networks=networks, rows=[r.as_dict() for r in rows])
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from gradcomp.cost import calibrate
+
+    profiles = netem.parse_profiles(args.net)
+    if len(profiles) != 1:
+        raise ValueError(f"calibrate takes one network profile at a time, got {profiles}")
+    netem.check(profiles[0])
+    sizes = [size.as_bytes() for size in parse_sizes(args.sizes)]
+    specs = [s.strip() for s in args.specs.split(";") if s.strip()] if args.specs else list(calibrate.KERNEL_SPECS)
+    profile = calibrate.calibrate(
+        profiles[0], args.ranks, name=args.name, sizes=sizes, repeats=args.repeats, specs=specs
+    )
+    profile.save(args.output)
+    sys.stdout.write(f"{calibrate.describe(profile)}\nwritten to {args.output}\n")
     return 0
 
 

@@ -43,6 +43,8 @@ from torch import Tensor
 from torch.distributed import GradBucket
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+from gradcomp.compressors import parse_spec
+from gradcomp.cost.step import Method
 from gradcomp.hooks.ddp import check_saved
 from gradcomp.options import format_value, options_from, split_spec
 
@@ -116,6 +118,21 @@ class TorchHookSpec:
             if getattr(self.powersgd, f.name) != f.default
         ]
         return text + (":" + ",".join(changed) if changed else "")
+
+    def cost_method(self) -> Method:
+        """How the cost model (:mod:`gradcomp.cost.step`) prices this hook: the all-reduce hooks send
+        the bucket as it is, the casts run the same kernel as gradcomp's ``fp16``/``bf16``, and
+        PowerSGD is priced as gradcomp's ``powersgd`` of the same rank and error feedback."""
+        if self.name in ("allreduce", "allreduce_hook"):
+            compressor = parse_spec("none")
+        elif self.name in ("fp16", "bf16"):
+            compressor = parse_spec(self.name)
+        else:
+            options = self.powersgd or PowerSGDOptions()
+            compressor = parse_spec(
+                ("powersgd", {"rank": options.rank, "warm_start": options.warm_start, "ef": options.ef})
+            )
+        return Method(str(self), compressor)
 
 
 def is_torch_spec(text: object) -> bool:

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from gradcomp.bench.units import Size, format_bytes, format_elements, parse_size, parse_sizes
+from gradcomp.bench.units import (
+    Size,
+    format_bytes,
+    format_elements,
+    parse_bandwidth,
+    parse_duration,
+    parse_size,
+    parse_sizes,
+)
 
 
 @pytest.mark.parametrize(
@@ -49,3 +57,16 @@ def test_lists_and_their_formatting_round_trip() -> None:
     assert parse_size(format_elements(25_000_000)) == Size(25_000_000, "elements")
     assert parse_size(format_bytes(16 * 2**20).replace(" ", "")) == Size(16 * 2**20, "bytes")
     assert format_bytes(1000) == "1000 B" and format_elements(1234) == "1234"
+
+
+def test_bandwidths_in_bits_or_bytes_and_durations() -> None:
+    assert parse_bandwidth("25gbit") == pytest.approx(25e9 / 8)
+    assert parse_bandwidth("100mbit") == pytest.approx(12.5e6)
+    assert parse_bandwidth("600GB/s") == pytest.approx(600e9)
+    assert parse_bandwidth("12.5 MB/s") == pytest.approx(12.5e6)
+    assert parse_duration("5us") == pytest.approx(5e-6) and parse_duration("2ms") == pytest.approx(2e-3)
+    for bad in ("fast", "0gbit", "25gb", "-1mbit"):
+        with pytest.raises(ValueError, match="expected a positive rate"):
+            parse_bandwidth(bad)
+    with pytest.raises(ValueError, match=r"expected e\.g\. 5us"):
+        parse_duration("5 minutes")

@@ -85,3 +85,27 @@ def format_bytes(size: int) -> str:
         if size >= scale and size % scale == 0:
             return f"{size // scale} {suffix}"
     return f"{size} B"
+
+
+_RATE_BITS = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+_RATE_BYTES = {"kb/s": 10**3, "mb/s": 10**6, "gb/s": 10**9, "tb/s": 10**12}
+_DURATIONS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+
+
+def parse_bandwidth(text: str) -> float:
+    """``"25gbit"`` -> 3.125e9 and ``"600GB/s"`` -> 6e11: bytes per second, from bits (``kbit``,
+    ``mbit``, ``gbit``, ``tbit``, as ``tc`` writes them) or bytes (``KB/s``, ``MB/s``, ``GB/s``, ``TB/s``)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z/]+)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or (unit not in _RATE_BITS and unit not in _RATE_BYTES) or float(match.group(1)) <= 0:
+        raise ValueError(f"bandwidth {text.strip()!r}: expected a positive rate such as 25gbit, 100mbit or 600GB/s")
+    value = float(match.group(1))
+    return value * _RATE_BITS[unit] / 8 if unit in _RATE_BITS else value * _RATE_BYTES[unit]
+
+
+def parse_duration(text: str) -> float:
+    """``"5us"`` -> 5e-6 seconds (``s``, ``ms``, ``us``, ``ns``)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*", text)
+    if match is None or match.group(2) not in _DURATIONS:
+        raise ValueError(f"duration {text.strip()!r}: expected e.g. 5us, 2ms or 0.1s")
+    return float(match.group(1)) * _DURATIONS[match.group(2)]

@@ -30,7 +30,7 @@ from gradcomp.engine import packing
 from gradcomp.errors import backend_failure
 
 # torch 2.13 renamed all_gather_into_tensor (kept, deprecated); older releases have only the old name
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 Meter = Callable[[Traffic | None], None]
 """Receives the traffic of every collective (None where the backend does not report it)."""
@@ -76,7 +76,7 @@ class GroupExchange:
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
         out = torch.empty(self.world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         try:
-            _all_gather_single(out, tensor, group=self.group)
+            all_gather_single(out, tensor, group=self.group)
         except RuntimeError as error:
             raise backend_failure("the backend's all-gather of a bucket", self.rank, self.world, error) from error
         # gloo's and NCCL's all-gathers are rings: each rank forwards p - 1 blocks and receives as many

@@ -1,0 +1,285 @@
+"""``gradcomp plan``: which compressor and algorithm to use on a cluster, before renting it.
+
+::
+
+    gradcomp plan --params 25M --compute-ms 150 --ranks 1024 --nodes 128x8 --net 25gbit --intra 600GB/s
+    gradcomp plan --model cnn --ranks 64 --net 10gbit --calibration 1gbit.json --html plan.html
+
+The model is ``--params N`` (layers of 2048 x 2048 and a remainder, their gradients ready evenly over
+backward; ``--compute-ms`` is then required), a preset of ``gradcomp bench ddp`` (``mlp``, ``cnn``,
+``transformer``: its compute timed here unless ``--compute-ms`` is given), or your own
+``pkg.module:factory`` (its parameters' shapes; ``--compute-ms`` required). The link between nodes is
+``--net`` (a rate, with ``--latency``) or, without it, the one a calibration profile fitted; the
+compressors' kernel costs come from ``--calibration`` (``gradcomp calibrate``) or are timed on this
+machine now. The output says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from gradcomp.bench.report import markdown_table
+from gradcomp.bench.units import parse_bandwidth, parse_duration, parse_size
+from gradcomp.collectives.cost_model import LinkCosts
+from gradcomp.cost import plan
+from gradcomp.cost.cluster import Cluster
+from gradcomp.cost.kernels import KernelTable
+from gradcomp.cost.profile import Profile
+from gradcomp.cost.step import Method, Workload, method_of
+from gradcomp.hooks.torch_hooks import TorchHookSpec, is_torch_spec
+
+LAYER = 2048
+"""``--params N`` is priced as layers of LAYER x LAYER (and a remainder)."""
+MAX_RANKS = 1 << 20
+DEFAULT_LATENCY = "20us"
+"""One-way latency between nodes when ``--net`` gives none (a TCP message inside a data centre)."""
+DEFAULT_INTRA_LATENCY = "2us"
+DEFAULT_TORCH_HOOKS = ("torch:allreduce", "torch:fp16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """Everything a plan is computed from, and where each part came from (for the output)."""
+
+    workload: Workload
+    model: str
+    ranks: int
+    local_size: int
+    inter: LinkCosts
+    intra: LinkCosts | None
+    link_source: str
+    kernels: KernelTable
+    kernel_source: str
+    gather: LinkCosts | None = None
+
+    def cluster(self, ranks: int | None = None) -> Cluster:
+        """The cluster at ``ranks`` (default: the one asked about): nodes of ``local_size`` ranks,
+        or one node when there are fewer ranks than that."""
+        p = ranks or self.ranks
+        local = min(self.local_size, p)
+        if p % local:
+            raise ValueError(f"{p} ranks do not fill nodes of {local}")
+        return Cluster(p, self.inter, local, self.intra, native_all_gather=self.gather)
+
+
+def layers(numel: int) -> list[tuple[int, ...]]:
+    """``numel`` parameters as LAYER x LAYER matrices, then what is left (rows of LAYER, then a vector)."""
+    block = LAYER * LAYER
+    shapes: list[tuple[int, ...]] = [(LAYER, LAYER)] * (numel // block)
+    rest = numel % block
+    if rest >= LAYER:
+        shapes.append((rest // LAYER, LAYER))
+    if rest % LAYER:
+        shapes.append((rest % LAYER,))
+    return shapes
+
+
+def _workload(args: argparse.Namespace) -> tuple[Workload, str]:
+    from gradcomp.experiments.bench import ddp, predict
+
+    compute_s = None if args.compute_ms is None else args.compute_ms / 1e3
+    if compute_s is not None and compute_s < 0:
+        raise ValueError(f"--compute-ms must be >= 0, got {args.compute_ms}")
+    if (args.params is None) == (args.model is None):
+        raise ValueError("give the model as --params N or --model PRESET_OR_IMPORT_PATH (one of them)")
+    if args.params is not None:
+        numel = parse_size(args.params).as_elements()
+        if numel < 1:
+            raise ValueError("--params must be at least 1")
+        if compute_s is None:
+            raise ValueError("--params needs --compute-ms (the model's forward + backward + optimizer per step)")
+        return Workload.uniform(layers(numel), compute_s), f"{numel:,} parameters ({args.compute_ms:g} ms of compute)"
+    if args.model in ddp.PRESETS:
+        preset = ddp.PRESETS[args.model]
+        measured = predict.workload_of(preset)
+        if compute_s is None:
+            return measured, f"{preset.about} (compute timed here: {measured.compute_s * 1e3:.1f} ms per step)"
+        return predict.scaled(measured, compute_s), f"{preset.about} ({args.compute_ms:g} ms of compute)"
+    module_name, colon, function = args.model.partition(":")
+    if not colon:
+        raise ValueError(f"--model takes a preset ({', '.join(ddp.PRESETS)}) or pkg.module:factory, got {args.model!r}")
+    if compute_s is None:
+        raise ValueError(f"--model {args.model} needs --compute-ms (its step's compute is not known here)")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        model = getattr(importlib.import_module(module_name), function)()
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"cannot build --model {args.model}: {error}") from error
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{args.model} returned a {type(model).__name__}, not a torch.nn.Module")
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    if not shapes:
+        raise ValueError(f"{args.model} has no trainable parameters")
+    count = sum(math.prod(s) for s in shapes)
+    return Workload.uniform(
+        shapes, compute_s
+    ), f"{args.model}, {count:,} parameters ({args.compute_ms:g} ms of compute)"
+
+
+def setting(args: argparse.Namespace) -> Setting:
+    """Check every input (clear errors, before anything is timed) and build the :class:`Setting`."""
+    if not 1 <= args.ranks <= MAX_RANKS:
+        raise ValueError(f"--ranks must be in 1..{MAX_RANKS}, got {args.ranks}")
+    local = 1
+    if args.nodes:
+        nodes, x, per_node = args.nodes.lower().partition("x")
+        if not x or not nodes.isdigit() or not per_node.isdigit() or int(nodes) < 1 or int(per_node) < 1:
+            raise ValueError(f"--nodes takes NODESxRANKS_PER_NODE (128x8), got {args.nodes!r}")
+        if int(nodes) * int(per_node) != args.ranks:
+            raise ValueError(f"--nodes {args.nodes} is {int(nodes) * int(per_node)} ranks, but --ranks is {args.ranks}")
+        local = int(per_node)
+    profile = Profile.load(args.calibration) if args.calibration else None
+    gather = None
+    if args.net:
+        inter = LinkCosts(parse_duration(args.latency), 1 / parse_bandwidth(args.net))
+        link_source = f"{args.net}, {args.latency} latency"
+    elif profile is not None:
+        inter = profile.link("all_reduce")
+        gather = profile.links["all_gather"].costs if "all_gather" in profile.links else None
+        link_source = f"calibrated: profile {profile.name} ({profile.network}, {1 / inter.beta / 1e9:.3f} GB/s)"
+    else:
+        raise ValueError("give the link between nodes as --net RATE (25gbit, 100mbit) or --calibration PROFILE")
+    intra = None
+    if args.intra:
+        if local == 1:
+            raise ValueError("--intra describes the link inside a node: give --nodes too")
+        intra = LinkCosts(parse_duration(args.intra_latency), 1 / parse_bandwidth(args.intra))
+    workload, model = _workload(args)
+    kernels = KernelTable(profile.kernels if profile else {})
+    kernel_source = f"profile {profile.name} ({args.calibration})" if profile else "timed on this machine now"
+    return Setting(workload, model, args.ranks, local, inter, intra, link_source, kernels, kernel_source, gather)
+
+
+def methods_of(candidates: Sequence[str], torch_hooks: Sequence[str]) -> list[Method]:
+    """gradcomp's candidates and torch's hooks as cost-model methods (a bad spec is refused here)."""
+    found = [method_of(c) for c in candidates] + [TorchHookSpec.parse(t).cost_method() for t in torch_hooks]
+    labels = [m.label for m in found]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"a candidate is given twice: {labels}")
+    return found
+
+
+def _table(found: Sequence[plan.Option], baseline: plan.Option | None) -> str:
+    rows = sorted(found, key=lambda o: o.step.step_s)
+    header = ("method", "route", "hook runs it", "ms/step", "vs allreduce", "beyond compute", "MB sent/rank")
+    lines = [
+        (o.method.label, o.route, "yes" if o.available else "predicted only", f"{o.step.step_s * 1e3:.1f}",
+         f"{baseline.step.step_s / o.step.step_s:.2f}x" if baseline else "-", f"{o.step.communication_share:.0%}",
+         f"{o.step.sent_bytes / 1e6:.2f}")
+        for o in rows
+    ]  # fmt: skip
+    return markdown_table(header, lines, right=[False, False, False, True, True, True, True])
+
+
+def _scaling_table(curves: dict[str, list[tuple[int, plan.Option]]]) -> str:
+    ranks = sorted({p for curve in curves.values() for p, _ in curve})
+    header = ("method", *(str(p) for p in ranks))
+    lines = []
+    for label, curve in curves.items():
+        at = {p: o for p, o in curve}
+        lines.append((label, *(f"{at[p].step.step_s * 1e3:.0f}" if p in at else "-" for p in ranks)))
+    return markdown_table(header, lines)
+
+
+def _command(args: argparse.Namespace) -> int:
+    chosen = setting(args)
+    from gradcomp.experiments.bench.ddp import split_hooks
+
+    candidates = split_hooks(args.candidates)
+    named = [] if args.torch_hooks.strip() == "none" else split_hooks(args.torch_hooks)
+    torch_hooks = [h if is_torch_spec(h) else "torch:" + h for h in named]
+    methods = methods_of(candidates, torch_hooks)
+    torch_labels = [m.label for m in methods if is_torch_spec(m.label)]
+    found = plan.options(chosen.workload, chosen.cluster(), methods, chosen.kernels, torch_labels)
+    baseline = plan.best(found, "allreduce")
+    choice, reason = plan.recommend(found)
+    ranks = [p for p in plan.SCALING_RANKS if p % min(chosen.local_size, p) == 0]
+    curves = plan.scaling(chosen.workload, chosen.cluster, methods, chosen.kernels, ranks, torch_labels)
+    nodes = f", {chosen.ranks // chosen.local_size} nodes of {chosen.local_size}" if chosen.local_size > 1 else ""
+    intra = (f"; inside nodes {1 / chosen.intra.beta / 1e9:.1f} GB/s, {chosen.intra.alpha * 1e6:.1f} us"
+             if chosen.intra else "")  # fmt: skip
+    sys.stdout.write(
+        f"gradcomp plan: {chosen.model}; {chosen.ranks} ranks{nodes}; link between nodes: {chosen.link_source}{intra}; "
+        f"kernels: {chosen.kernel_source}\n\n{_table(found, baseline)}\n\nRecommendation: {reason}\n\n"
+        f"Predicted ms per step from 2 to {ranks[-1]} ranks (each method over its fastest route a hook runs):\n\n"
+        f"{_scaling_table(curves)}\n\nThese are step times, not accuracy: lossy compressors may need more steps "
+        "to the same accuracy (the time-to-accuracy study: docs/results.md).\n"
+    )
+    if chosen.kernels.timed_here:
+        sys.stdout.write(f"Kernels timed on this machine now: {', '.join(chosen.kernels.timed_here)}\n")
+    figures = _figures(chosen, found, choice, reason, curves)
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(figures, file, indent=1)
+    if args.html:
+        from gradcomp.experiments.plan.page import render
+
+        with open(args.html, "w") as file:
+            file.write(render(figures))
+    return 0
+
+
+def _figures(
+    chosen: Setting, found: Sequence[plan.Option], choice: plan.Option, reason: str,
+    curves: dict[str, list[tuple[int, plan.Option]]],
+) -> dict[str, Any]:  # fmt: skip
+    def option(o: plan.Option) -> dict[str, Any]:
+        return {"method": o.method.label, "route": o.route, "available": o.available,
+                **dataclasses.asdict(o.step), "exposed_s": o.step.exposed_s,
+                "communication_share": o.step.communication_share}  # fmt: skip
+
+    return {
+        "command": " ".join(sys.argv),
+        "model": chosen.model,
+        "ranks": chosen.ranks,
+        "local_size": chosen.local_size,
+        "link": chosen.link_source,
+        "inter": dataclasses.asdict(chosen.inter),
+        "intra": dataclasses.asdict(chosen.intra) if chosen.intra else None,
+        "kernels": chosen.kernel_source,
+        "timed_here": list(chosen.kernels.timed_here),
+        "options": [option(o) for o in found],
+        "recommendation": {"method": choice.method.label, "route": choice.route, "reason": reason},
+        "scaling": {label: [{"ranks": p, **option(o)} for p, o in curve] for label, curve in curves.items()},
+    }
+
+
+def add_command(commands: argparse._SubParsersAction) -> None:
+    """``gradcomp plan`` (an entry point of the ``gradcomp.commands`` group)."""
+    parser = commands.add_parser("plan", help="predict every compressor and algorithm on a cluster; recommend one")
+    parser.add_argument("--params", help="the model as N parameters (25M), with --compute-ms")
+    parser.add_argument("--model", help="a preset (mlp, cnn, transformer) or pkg.module:factory")
+    parser.add_argument(
+        "--compute-ms", type=float, help="forward + backward + optimizer per step, without communication"
+    )
+    parser.add_argument("--ranks", type=int, required=True, help="data-parallel ranks")
+    parser.add_argument("--nodes", help="NODESxRANKS_PER_NODE (128x8): ranks in a node share the --intra link")
+    parser.add_argument("--net", help="the link between nodes, per rank: 25gbit, 100mbit, 12.5GB/s")
+    parser.add_argument(
+        "--latency", default=DEFAULT_LATENCY, help="one message's latency on --net (default %(default)s)"
+    )
+    parser.add_argument("--intra", help="the link inside a node, per rank: 600GB/s (NVLink), 100gbit")
+    parser.add_argument(
+        "--intra-latency", default=DEFAULT_INTRA_LATENCY, help="latency inside a node (default %(default)s)"
+    )
+    parser.add_argument(
+        "--calibration", metavar="PROFILE", help="a gradcomp calibrate profile: kernels (and the link without --net)"
+    )
+    parser.add_argument("--candidates", default=";".join(plan.CANDIDATES), help="gradcomp hook specs, ';'-separated")
+    parser.add_argument(
+        "--torch-hooks", default=";".join(DEFAULT_TORCH_HOOKS), help="torch's hooks to compare, or none"
+    )
+    parser.add_argument("--json", metavar="FILE", help="also write every prediction to FILE")
+    parser.add_argument("--html", metavar="FILE", help="also write a page with the scaling curves to FILE")
+    parser.set_defaults(run=_command)

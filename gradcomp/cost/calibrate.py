@@ -1,0 +1,240 @@
+"""``gradcomp calibrate``: measure this machine's link and kernels, fit them, save a profile.
+
+::
+
+    gradcomp calibrate --net 1gbit --ranks 2 -o 1gbit.json
+
+Ranks are started on this machine (:mod:`gradcomp.launch`), on loopback or in an emulated network.
+They time the backend's own all-reduce and all-gather at sizes from 4 KiB to 16 MiB (every repeat
+after a barrier, the slowest rank's time, the median of repeats), and :func:`gradcomp.cost.profile.fit_link`
+fits latency and bandwidth to each. The compressors' kernels are timed in this process
+(:mod:`gradcomp.cost.kernels`) in every rank at once, as the ranks compress at once in training
+(on a shared machine they slow each other down), one thread each. Last, the engine itself averages
+one bucket of each size with every spec, and what it takes beyond the kernels and the link is kept
+as the engine's overhead per bucket (:class:`~gradcomp.cost.kernels.KernelCost`). All of it goes
+into one :class:`~gradcomp.cost.profile.Profile`, with the raw timings.
+
+Costs: a few seconds on loopback; on a slow link the largest sizes dominate (about 30 s at 100 Mbit/s);
+timing the default kernels takes 10-20 s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradcomp.bench.compressors import DEFAULT_SPECS
+from gradcomp.bench.report import machine
+from gradcomp.compressors import parse_spec
+from gradcomp.cost import kernels
+from gradcomp.cost.kernels import KernelCost
+from gradcomp.cost.profile import COLLECTIVES, Profile, fit_link
+from gradcomp.cost.step import Workload, method_of, predict
+from gradcomp.engine import Engine
+from gradcomp.engine.transport import all_gather_single
+from gradcomp.launch import spawn
+
+WARMUP = 3
+"""Untimed runs of each collective at each size first (connections, buffers, caches)."""
+ENGINE_SIDES = (256, 1024, 2048)
+"""Buckets the engine is timed on: square matrices of 64K, 1M and 4.2M elements."""
+SIZES = (4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+"""Bytes per rank timed by default: 4 KiB to 16 MiB."""
+KERNEL_SPECS = tuple(
+    dict.fromkeys(
+        str(parse_spec(s))
+        for s in (
+            *DEFAULT_SPECS,
+            "randomk:ratio=0.01,scale=false,ef=true",
+            "powersgd:rank=1",
+            "powersgd:rank=4,ef=true",
+            "sign:ef=true",
+            "topk:ratio=0.01,ef=true",
+            "quantize:bits=4,ef=true",
+            "quantize:bits=2,ef=true",
+        )
+    )
+)
+"""Compressors whose kernels a profile holds by default: ``gradcomp bench compressors``' list and the
+error-feedback variants of the benchmarks and of the ``auto`` hook (canonical specs)."""
+
+
+def time_collectives(rank: int, world: int, sizes: Sequence[int], repeats: int) -> dict[str, list[list[float]]]:
+    """Inside every rank: per collective, [bytes, median seconds of the slowest rank] per size."""
+    timings: dict[str, list[list[float]]] = {name: [] for name in COLLECTIVES}
+    # A group's first collectives are slow (connections, buffers): warm both up at the largest size first.
+    largest = torch.zeros(max(sizes) // 4)
+    for _ in range(WARMUP):
+        dist.all_reduce(largest)
+        all_gather_single(torch.empty(world * largest.numel()), largest)
+    for size in sizes:
+        tensor = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
+        gathered = torch.empty(world * tensor.numel())
+        runs: dict[str, Callable[[], Any]] = {
+            "all_reduce": functools.partial(dist.all_reduce, tensor),
+            "all_gather": functools.partial(all_gather_single, gathered, tensor),
+        }
+        for name, run in runs.items():
+            timings[name].append(
+                [float(size), _slowest_median(run, repeats, WARMUP, functools.partial(tensor.div_, world))]
+            )
+    return timings
+
+
+def _slowest_median(run: Callable[[], Any], repeats: int, warmup: int, after: Callable[[], Any] | None = None) -> float:
+    """The median over ``repeats`` (after ``warmup``) of ``run``'s time on the slowest rank, each run
+    after a barrier; ``after()`` follows every run (to keep the values bounded)."""
+    times = []
+    for repeat in range(-warmup, repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        run()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if after is not None:
+            after()
+        if repeat >= 0:
+            times.append(float(elapsed))
+    return statistics.median(times)
+
+
+def time_kernels(
+    rank: int, world: int, specs: Sequence[str], repeats: int, sides: Sequence[int] = kernels.SIDES
+) -> dict[str, list[list[Any]]]:
+    """Inside every rank: every spec's kernel timings (:func:`gradcomp.cost.kernels.measure`), all
+    ranks timing the same kernel at once, as they compress at once in training (sharing the
+    machine's caches, memory bandwidth and cores)."""
+    timings = {}
+    for spec in specs:
+        dist.barrier()
+        timings[spec] = [list(dataclasses.astuple(s)) for s in kernels.measure(spec, sides, repeats=repeats)]
+    return timings
+
+
+def time_engine(
+    rank: int, world: int, specs: Sequence[str], repeats: int, sides: Sequence[int] = ENGINE_SIDES
+) -> dict[str, list[list[float]]]:
+    """Inside every rank: per spec, [elements, median seconds of the slowest rank] of the engine
+    averaging one bucket (a square matrix of each of ``sides``), end to end."""
+    timings: dict[str, list[list[float]]] = {}
+    for spec in specs:
+        engine = Engine(spec)
+        timings[spec] = []
+        for side in sides:
+            bucket = torch.randn(side * side, generator=torch.Generator().manual_seed(rank))
+            run = functools.partial(_reduce, engine, bucket, side)
+            # two warm-ups: the first step's checks, workspaces, the padded all-gather's capacity
+            timings[spec].append([float(side * side), _slowest_median(run, repeats, 2)])
+    return timings
+
+
+def _reduce(engine: Engine, bucket: torch.Tensor, side: int) -> None:
+    engine.reduce(bucket, [side], [torch.Size([side, side])]).wait()
+
+
+def time_everything(
+    rank: int,
+    world: int,
+    sizes: Sequence[int],
+    repeats: int,
+    specs: Sequence[str],
+    kernel_repeats: int,
+    sides: tuple[Sequence[int], Sequence[int]],
+) -> tuple[dict[str, list[list[float]]], dict[str, list[list[Any]]], dict[str, list[list[float]]]]:
+    """Inside every rank: :func:`time_collectives`, :func:`time_kernels`, then :func:`time_engine`
+    (``sides``: the kernels' and the engine's matrix sides)."""
+    return (
+        time_collectives(rank, world, sizes, repeats),
+        time_kernels(rank, world, specs, kernel_repeats, sides[0]),
+        time_engine(rank, world, specs, kernel_repeats, sides[1]),
+    )
+
+
+def overheads(profile: Profile, engine: dict[str, list[list[float]]]) -> Profile:
+    """``profile`` with each kernel's engine overhead: the engine's measured bucket time minus what
+    the kernels and the link predict for the same bucket (:func:`gradcomp.cost.step.predict`)."""
+    cluster = profile.cluster()
+    fitted = dict(profile.kernels)
+    for spec, rows in engine.items():
+        kernel = fitted[spec]
+        extra = []
+        for numel, seconds in rows:
+            side = math.isqrt(int(numel))
+            bucket = Workload(((side, side),), (1.0,), 0.0, 0.0)
+            extra.append(seconds - predict(bucket, method_of(spec), cluster, functools.partial(_same, kernel)).step_s)
+        sizes = tuple(int(numel) for numel, _ in rows)
+        fitted[spec] = dataclasses.replace(kernel, bucket_numel=sizes, overhead_s=tuple(extra))
+    return dataclasses.replace(profile, kernels=fitted)
+
+
+def calibrate(
+    network: str = "loopback",
+    ranks: int = 2,
+    *,
+    name: str | None = None,
+    sizes: Sequence[int] = SIZES,
+    repeats: int = 10,
+    specs: Sequence[str] = KERNEL_SPECS,
+    kernel_repeats: int = 5,
+    kernel_sides: Sequence[int] = kernels.SIDES,
+    engine_sides: Sequence[int] = ENGINE_SIDES,
+    timeout: float = 1800.0,
+) -> Profile:
+    """Measure and fit: the backend's collectives among ``ranks`` ranks on ``network`` (a netem
+    profile), and the kernels of ``specs``. Bad arguments fail before anything runs."""
+    if ranks < 2:
+        raise ValueError(f"--ranks must be >= 2 (a link needs two ends), got {ranks}")
+    if repeats < 1 or kernel_repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats} and {kernel_repeats}")
+    if len(set(sizes)) < 2 or min(sizes) < 4 or any(s % 4 for s in sizes):
+        raise ValueError(f"need two or more distinct sizes, multiples of 4 bytes, got {list(sizes)}")
+    canonical = list(dict.fromkeys(str(parse_spec(s)) for s in specs))  # a bad spec fails here
+    arguments = (list(sizes), repeats, canonical, kernel_repeats, (list(kernel_sides), list(engine_sides)))
+    results = spawn(ranks, time_everything, arguments, timeout=timeout, network=network)
+    measured, engine = results[0][0], results[0][2]
+    links = {
+        collective: fit_link(collective, ranks, [s for s, _ in rows], [t for _, t in rows])
+        for collective, rows in measured.items()
+    }
+    # each kernel timing: the median over ranks (they timed it at the same moment)
+    timed = {
+        spec: [
+            [*results[0][1][spec][i][:-1], statistics.median(r[1][spec][i][-1] for r in results)]
+            for i in range(len(results[0][1][spec]))
+        ]
+        for spec in canonical
+    }
+    fitted = Profile(
+        name or f"{network}-{ranks}ranks",
+        network,
+        ranks,
+        links,
+        {spec: kernels.fit([kernels.Sample(*row) for row in rows]) for spec, rows in timed.items()},
+        machine(),
+        {**measured, "kernels": timed, "engine": engine},
+    )
+    return overheads(fitted, engine)
+
+
+def _same(kernel: KernelCost, _: str) -> KernelCost:
+    return kernel
+
+
+def describe(profile: Profile) -> str:
+    """A few lines: each link's fit, and how many kernels were timed."""
+    lines = [f"profile {profile.name}: network {profile.network}, {profile.ranks} ranks"]
+    for collective, fit in profile.links.items():
+        lines.append(
+            f"  {collective:10s} latency {fit.costs.alpha * 1e6:8.1f} us (+-{fit.alpha_stderr * 1e6:.1f}), "
+            f"bandwidth {fit.bandwidth / 1e9:7.3f} GB/s, median error of the fit {fit.rel_error:.1%}"
+        )
+    lines.append(f"  kernels of {len(profile.kernels)} compressors timed")
+    return "\n".join(lines)

@@ -1,0 +1,236 @@
+"""A data-parallel step, predicted: compute, bucketed communication overlapped with backward, the tail.
+
+DDP hands gradients over in buckets, in the order backward produces them; each bucket's hook
+compresses it (in backward's thread: on a CPU that delays the rest of backward), the collectives of
+successive buckets queue on one link (the engine's ordered executor), and each bucket is decompressed
+when its collective lands (on a CPU, on the same core as backward). The step ends when backward and
+every bucket's decompression are done, then the optimizer steps. :func:`predict` replays that
+schedule with the costs of a :class:`~gradcomp.cost.cluster.Cluster` and of the compressor's kernels
+(:mod:`gradcomp.cost.kernels`)::
+
+    forward | backward ... ready(b0) compress(b0) backward ... ready(b1) compress(b1) ... | tail | optimizer
+                                     [ collective(b0) ] decompress(b0)  [ collective(b1) ] decompress(b1)
+
+What it leaves out: the backend's own CPU use (on loopback, copying through the kernel competes
+with backward), DDP's copies into bucket buffers, and jitter. The validation benchmark measures how
+far that takes it (``docs/cost-model.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from gradcomp.compressors import REGISTRY, Aggregation, Spec, make_compressor, parse_spec
+from gradcomp.cost.cluster import Cluster
+from gradcomp.cost.kernels import KernelCost
+from gradcomp.engine.spec import HookSpec, HookSpecLike
+
+FIRST_BUCKET_BYTES, BUCKET_BYTES = 1 << 20, 25 << 20
+"""DDP's bucket caps (``dist._DEFAULT_FIRST_BUCKET_BYTES`` and ``bucket_cap_mb=25``)."""
+TWO_PHASE_FROM = 8
+"""The engine's ``aggregation=auto`` runs ``gather`` compressors two-phase from this many ranks on."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A model's gradients and the compute of one step.
+
+    ``shapes`` are the parameters' shapes in the order backward produces their gradients (for most
+    models the reverse of their registration order); ``ready`` the fraction of backward after which
+    each one is ready (ascending, the last 1.0). :meth:`uniform` spreads backward by element count.
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    ready: tuple[float, ...]
+    forward_s: float
+    backward_s: float
+    optimizer_s: float = 0.0
+    element_size: int = 4
+    bucket_caps: tuple[int, int] = (FIRST_BUCKET_BYTES, BUCKET_BYTES)
+
+    def __post_init__(self) -> None:
+        if not self.shapes or len(self.ready) != len(self.shapes):
+            raise ValueError("a workload needs at least one gradient and a ready fraction for each")
+        if any(b < a for a, b in zip(self.ready, self.ready[1:], strict=False)) or not self.ready[0] >= 0:
+            raise ValueError("ready fractions must be ascending, from 0 to 1")
+        if min(self.forward_s, self.backward_s, self.optimizer_s) < 0:
+            raise ValueError("compute times must be >= 0")
+
+    @classmethod
+    def uniform(
+        cls, shapes: Sequence[Sequence[int]], compute_s: float, backward_share: float = 2 / 3, **options: float
+    ) -> Workload:
+        """``shapes`` in registration order; ``compute_s`` split into forward and backward (backward
+        ``backward_share`` of it, gradients ready in reverse order, in proportion to their elements)."""
+        if not 0 < backward_share <= 1:
+            raise ValueError(f"backward_share must be in (0, 1], got {backward_share}")
+        ordered = [tuple(s) for s in reversed(shapes)]
+        sizes = [math.prod(s) for s in ordered]
+        total, seen, ready = sum(sizes), 0, []
+        for size in sizes:
+            seen += size
+            ready.append(seen / total)
+        return cls(tuple(ordered), tuple(ready), compute_s * (1 - backward_share), compute_s * backward_share,
+                   **options)  # type: ignore[arg-type]  # fmt: skip
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s + self.optimizer_s
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+    def buckets(self) -> list[list[int]]:
+        """Indices into :attr:`shapes` per bucket, as DDP assigns them once it has seen the order
+        gradients arrive in: a bucket closes when it reaches its cap (the first one 1 MiB, then 25 MiB)."""
+        buckets: list[list[int]] = [[]]
+        filled = 0
+        for index, shape in enumerate(self.shapes):
+            buckets[-1].append(index)
+            filled += math.prod(shape) * self.element_size
+            if filled >= self.bucket_caps[min(len(buckets) - 1, 1)]:
+                buckets.append([])
+                filled = 0
+        return [b for b in buckets if b]
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """How a hook moves a bucket: its compressor (None: nothing is sent), the all-reduce algorithm for
+    ``sum`` payloads, and whether ``gather`` payloads travel two-phase (None: the engine's ``auto``)."""
+
+    label: str
+    compressor: Spec | None
+    algo: str = "native"
+    two_phase: bool | None = None
+
+    @property
+    def kernel_spec(self) -> str | None:
+        """The compressor spec whose kernels this method runs (None: no kernel)."""
+        return None if self.compressor is None else str(self.compressor)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPrediction:
+    """Seconds of one step and where they go; bytes one rank sends."""
+
+    method: str
+    step_s: float
+    compute_s: float
+    compress_s: float
+    decompress_s: float
+    communicate_s: float
+    """The collectives' time, summed over buckets (overlapped with backward or not)."""
+    payload_bytes: float
+    sent_bytes: float
+
+    @property
+    def exposed_s(self) -> float:
+        """What communication adds to the step beyond computing and (de)compressing."""
+        return max(0.0, self.step_s - self.compute_s - self.compress_s - self.decompress_s)
+
+    @property
+    def communication_share(self) -> float:
+        """The part of the step that is not the model's own compute."""
+        return 1 - self.compute_s / self.step_s if self.step_s else 0.0
+
+
+@functools.lru_cache(maxsize=4096)
+def payload_bytes(spec: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Bytes per round of ``spec``'s payload for one float32 tensor of ``shape``: the compressor's own
+    ``wire_bytes`` of a real compression of a generated tensor (cached per spec and shape)."""
+    compressor = make_compressor(parse_spec(spec))
+    tensor = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    payload, ctx = compressor.compress(tensor, key="payload_bytes")
+    sizes = [compressor.wire_bytes(payload)]
+    for _ in range(1, compressor.rounds):
+        payload, ctx = compressor.next_round(payload, ctx)
+        sizes.append(compressor.wire_bytes(payload))
+    return tuple(sizes)
+
+
+def predict(
+    workload: Workload, method: Method, cluster: Cluster, kernels: Callable[[str], KernelCost]
+) -> StepPrediction:
+    """The step time of ``workload`` on ``cluster`` with ``method`` (see the module's docstring);
+    ``kernels(spec)`` gives a compressor's kernel costs."""
+    p = cluster.ranks
+    compute = workload.compute_s
+    if method.compressor is None or p == 1:
+        return StepPrediction(method.label, compute, compute, 0.0, 0.0, 0.0, 0.0, 0.0)
+    spec = method.compressor
+    cls = REGISTRY[spec.name]
+    kernel = kernels(str(spec))
+    gather = cls.aggregation is Aggregation.GATHER
+    two_phase = gather and (method.two_phase if method.two_phase is not None else p >= TWO_PHASE_FROM)
+    core = workload.forward_s  # the clock of backward's core
+    link = 0.0  # when the link is free
+    done_at: list[tuple[float, float]] = []  # per bucket: when its collectives end, its decompression's cost
+    decompressed = 0  # buckets whose decompression has run
+    totals = {"compress": 0.0, "decompress": 0.0, "communicate": 0.0, "payload": 0.0, "sent": 0.0}
+    previous = 0.0
+    for bucket in workload.buckets():
+        shapes = [workload.shapes[i] for i in bucket]
+        sizes = [math.prod(s) for s in shapes]
+        ready = workload.ready[bucket[-1]]
+        # decompressions whose collective landed take the core between backward's chunks
+        while decompressed < len(done_at) and done_at[decompressed][0] <= core:
+            core += done_at[decompressed][1]
+            decompressed += 1
+        core += (ready - previous) * workload.backward_s
+        previous = ready
+        if cls.elementwise:  # the bucket compresses whole
+            squeeze, unsqueeze = kernel.compress(sum(sizes)), kernel.decompress(sum(sizes))
+            rounds = [sum(payload_bytes(str(spec), (n,))[0] for n in sizes)]
+        else:
+            squeeze = sum(kernel.compress(n) for n in sizes)
+            unsqueeze = sum(kernel.decompress(n, p if gather and not two_phase else 1) for n in sizes)
+            per_tensor = [payload_bytes(str(spec), s) for s in shapes]
+            rounds = [sum(r[i] for r in per_tensor) for i in range(cls.rounds)]
+        if two_phase:  # a compressed reduce-scatter (each rank sums p shards), then an all-gather
+            squeeze += sum(kernel.compress(n / p) for n in sizes)
+            unsqueeze = sum(kernel.decompress(n / p, p) * 2 for n in sizes)
+        core += squeeze
+        start = max(core, link)
+        if not gather:
+            seconds = sum(cluster.all_reduce(method.algo, b) for b in rounds)
+            sent = sum(rounds) * 2 * (p - 1) / p
+        elif two_phase:
+            seconds = cluster.all_to_all(rounds[0]) + cluster.all_gather(rounds[0] / p)
+            sent = rounds[0] * (p - 1) / p * 2
+        else:
+            seconds = cluster.all_gather(rounds[0])
+            sent = rounds[0] * (p - 1)
+        # the later rounds' compute runs between the collectives; the engine's overhead (measured
+        # in calibration) delays the bucket's landing
+        link = start + seconds + _later_rounds(kernel, sizes, cls.rounds) + kernel.overhead(sum(sizes))
+        done_at.append((link, unsqueeze))
+        totals["compress"] += squeeze
+        totals["decompress"] += unsqueeze
+        totals["communicate"] += seconds
+        totals["payload"] += sum(rounds)
+        totals["sent"] += sent
+    core += (1 - previous) * workload.backward_s
+    for landed, cost in done_at[decompressed:]:
+        core = max(core, landed) + cost
+    step = core + workload.optimizer_s
+    return StepPrediction(method.label, step, compute, totals["compress"], totals["decompress"],
+                          totals["communicate"], totals["payload"], totals["sent"])  # fmt: skip
+
+
+def _later_rounds(kernel: KernelCost, sizes: list[int], rounds: int) -> float:
+    """The later rounds' compute of a multi-round compressor: between its collectives, on the link's clock."""
+    return sum(kernel.next_round(n) for n in sizes) if rounds > 1 else 0.0
+
+
+def method_of(spec: HookSpecLike) -> Method:
+    """The :class:`Method` of a gradcomp hook spec (``allreduce``, ``noop``, any compressor's)."""
+    parsed = HookSpec.parse(spec)
+    two_phase = {"auto": None, "gather": False, "two_phase": True}[parsed.aggregation]
+    return Method(str(parsed), parsed.compressor, parsed.algo, two_phase)

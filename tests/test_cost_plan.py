@@ -1,0 +1,132 @@
+"""The planner: routes per method, the recommendation where the link is free or dear, scaling, the command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gradcomp import cli
+from gradcomp.collectives.cost_model import LinkCosts
+from gradcomp.cost import plan
+from gradcomp.cost.cluster import Cluster
+from gradcomp.cost.kernels import FREE, KernelCost
+from gradcomp.cost.profile import LinkFit, Profile
+from gradcomp.cost.step import Workload, method_of
+from gradcomp.experiments.plan.command import layers
+from gradcomp.hooks.torch_hooks import TorchHookSpec
+
+WORKLOAD = Workload.uniform([(2048, 2048)] * 6, compute_s=0.15)
+METHODS = [method_of(s) for s in ("allreduce", "fp16", "topk:ratio=0.01,ef=true", "powersgd:rank=4,ef=true")]
+
+
+def cheap(spec: str) -> KernelCost:
+    """Memory-bound kernels (in proportion to the elements: 2 ms per 4M to compress, 1 ms to
+    decompress, 0.1 ms more per further payload), the same for every compressor; none for ``none``."""
+    if spec == "none":
+        return FREE
+    return KernelCost((1,), (2e-3 / 2**22,), (1e-3 / 2**22,), (1e-3 / 2**22,), (1e-4 / 2**22,))
+
+
+def test_routes_per_aggregation() -> None:
+    single = Cluster(4, LinkCosts(1e-5, 1e-9))
+    nodes = Cluster(16, LinkCosts(1e-5, 1e-9), local_size=4, intra=LinkCosts(1e-6, 1e-11))
+    assert [r for r, _, _ in plan.routes(method_of("topk:ratio=0.01"), nodes)] == ["all_gather", "two_phase"]
+    flat = {r: ok for r, ok, _ in plan.routes(method_of("fp16"), single)}
+    assert flat == {"native": True, "ring": True, "tree": True, "halving_doubling": True, "in_network": False}
+    assert {r for r, _, _ in plan.routes(method_of("fp16"), nodes)} == {*flat, "hierarchical"}
+    torch_fp16 = TorchHookSpec.parse("torch:fp16").cost_method()
+    assert [r for r, _, _ in plan.routes(torch_fp16, nodes, torch_hook=True)] == ["native"]
+
+
+def test_a_free_link_keeps_the_gradient_uncompressed() -> None:
+    free_link = Cluster(8, LinkCosts(0.0, 0.0))
+    found = plan.options(WORKLOAD, free_link, METHODS, cheap)
+    choice, reason = plan.recommend(found)
+    assert choice.method.label == "allreduce"
+    assert "compression does not pay" in reason
+
+
+def test_a_dear_link_picks_a_compressor_and_says_why() -> None:
+    slow = Cluster(8, LinkCosts(1e-4, 8e-8))  # 12.5 MB/s
+    found = plan.options(WORKLOAD, slow, METHODS, cheap)
+    choice, reason = plan.recommend(found)
+    assert choice.method.label in ("topk:ratio=0.01,ef=true", "powersgd:rank=4,warm_start=true,ef=true")
+    allreduce = plan.best(found, "allreduce")
+    assert allreduce is not None and choice.step.step_s < allreduce.step.step_s / 5
+    assert "faster per step than allreduce" in reason and "Lossy" in reason
+    # the in-network option is priced but never recommended: no hook runs it
+    assert any(o.route == "in_network" for o in found) and choice.available
+
+
+def test_scaling_follows_each_methods_best_route() -> None:
+    link = LinkCosts(2e-5, 1 / 3.125e9)
+    curves = plan.scaling(WORKLOAD, lambda p: Cluster(p, link), METHODS, cheap, ranks=(2, 64, 4096))
+    assert set(curves) == {m.label for m in METHODS}
+    ring = curves["allreduce"]
+    assert [p for p, _ in ring] == [2, 64, 4096]
+    assert ring[0][1].step.step_s < ring[-1][1].step.step_s  # latency terms grow with p
+    topk = dict(curves[METHODS[2].label])
+    assert topk[4096].route == "two_phase"  # all-gathering 4095 payloads loses at that scale
+
+
+def test_params_become_layers() -> None:
+    assert layers(2048 * 2048 * 2 + 2048 * 3 + 5) == [(2048, 2048), (2048, 2048), (3, 2048), (5,)]
+    assert sum(a * (b[0] if b else 1) for a, *b in layers(25_000_000)) == 25_000_000
+
+
+def _profile(tmp_path) -> str:  # type: ignore[no-untyped-def]
+    """A calibration profile with made-up kernels for every default candidate (nothing is timed)."""
+    specs = [m.kernel_spec for m in METHODS] + [str(method_of(s).compressor) for s in plan.CANDIDATES]
+    kernel = cheap("")
+    profile = Profile("made-up", "1gbit", 2, {"all_reduce": LinkFit(LinkCosts(1e-4, 8e-9), 0, 0, 0)},
+                      {s: kernel for s in specs if s})  # fmt: skip
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    return str(path)
+
+
+def test_the_plan_command(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    calibration = _profile(tmp_path)
+    out_json, out_html = tmp_path / "plan.json", tmp_path / "plan.html"
+    code = cli.main(["plan", "--params", "25M", "--compute-ms", "150", "--ranks", "1024", "--nodes", "128x8",
+                     "--net", "25gbit", "--intra", "600GB/s", "--calibration", calibration,
+                     "--json", str(out_json), "--html", str(out_html)])  # fmt: skip
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "Recommendation:" in text and "in_network" in text and "predicted only" in text
+    figures = json.loads(out_json.read_text())
+    assert figures["ranks"] == 1024 and figures["local_size"] == 8
+    assert figures["inter"]["beta"] == pytest.approx(8 / 25e9)
+    assert {o["method"] for o in figures["options"]} >= {"allreduce", "torch:allreduce", "torch:fp16"}
+    assert max(p["ranks"] for p in figures["scaling"]["allreduce"]) == 4096
+    page = out_html.read_text()
+    assert page.count("<svg") == 2 and "<script" not in page and "http" not in page.replace("http://www.w3.org", "")
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--params", "25M", "--ranks", "8", "--net", "1gbit"], "needs --compute-ms"),
+        (["--params", "25M", "--model", "mlp", "--compute-ms", "1", "--ranks", "8", "--net", "1gbit"], "one of them"),
+        (["--params", "25M", "--compute-ms", "1", "--ranks", "8"], "--net RATE"),
+        (["--params", "25M", "--compute-ms", "1", "--ranks", "8", "--nodes", "3x2", "--net", "1gbit"], "is 6 ranks"),
+        (
+            ["--params", "25M", "--compute-ms", "1", "--ranks", "8", "--net", "1gbit", "--intra", "1GB/s"],
+            "give --nodes",
+        ),
+        (["--params", "25M", "--compute-ms", "1", "--ranks", "0", "--net", "1gbit"], "--ranks must be"),
+        (["--params", "25M", "--compute-ms", "1", "--ranks", "8", "--net", "fast"], "bandwidth 'fast'"),
+        (["--params", "25M", "--compute-ms", "-1", "--ranks", "8", "--net", "1gbit"], "--compute-ms must be >= 0"),
+        (["--model", "nomodule:f", "--compute-ms", "1", "--ranks", "8", "--net", "1gbit"], "cannot build"),
+        (
+            ["--params", "1M", "--compute-ms", "1", "--ranks", "8", "--net", "1gbit", "--candidates", "zip"],
+            "unknown compressor",
+        ),
+    ],
+)
+def test_the_plan_command_refuses_impossible_inputs(arguments: list[str], message: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["plan", *arguments])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
