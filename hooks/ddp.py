@@ -3,7 +3,7 @@
 # No ``from __future__ import annotations`` here: DDP checks a hook's annotations at run time.
 import datetime
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -94,11 +94,31 @@ def check_saved(state: Any, spec: str, world: int, kind: str) -> None:
 
 
 def _gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
-    buffer = bucket.buffer()
-    done: torch.futures.Future[Tensor | BaseException] = torch.futures.Future()
     if state.engine is None:  # noop: the compute floor
-        done.set_result(buffer)
-        return done  # type: ignore[return-value]  # a noop future never holds an error
+        done: torch.futures.Future[Tensor] = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+    keys, shapes = None, None
+    if state.engine.per_tensor:
+        parameters = bucket.parameters()
+        keys = state.keys(parameters)
+        shapes = shapes_of(parameters)
+    return deliver(state, state.engine.reduce(bucket.buffer(), keys, shapes, bucket.index(), bucket.is_last()))
+
+
+def shapes_of(parameters: list[Tensor]) -> list[torch.Size]:
+    """The shapes a bucket holds its parameters' gradients in: complex ones as pairs of reals."""
+    return [torch.view_as_real(p).shape if p.is_complex() else p.shape for p in parameters]
+
+
+class _Failing(Protocol):
+    error: BaseException | None
+
+
+def deliver(state: _Failing, handle: Handle[Tensor]) -> torch.futures.Future[Tensor]:
+    """The future DDP waits on for ``handle``'s bucket: its result, or its error raised in DDP's wait
+    (the first error is kept in ``state.error``: later buckets fail because of it)."""
+    done: torch.futures.Future[Tensor | BaseException] = torch.futures.Future()
 
     def finished(handle: Handle[Tensor]) -> None:
         try:
@@ -107,13 +127,7 @@ def _gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future
             state.error = state.error or error  # the first is the cause; later buckets fail because of it
             done.set_result(error)
 
-    keys, shapes = None, None
-    if state.engine.per_tensor:
-        parameters = bucket.parameters()
-        keys = state.keys(parameters)
-        # Complex parameters travel as pairs of reals: the bucket holds them that way.
-        shapes = [torch.view_as_real(p).shape if p.is_complex() else p.shape for p in parameters]
-    state.engine.reduce(buffer, keys, shapes, bucket.index(), bucket.is_last()).then(finished)
+    handle.then(finished)
     # DDP reads the future in C++, where only an error raised by a `then` callback counts as one
     # (torch's Future.set_exception stores the exception as the value: "Unable to cast ... to Tensor").
     return done.then(_raise)
@@ -149,6 +163,10 @@ def make(
         timeout: what any collective of the hook may take before it fails, naming the peer (a frozen
             or failed rank); default: ``group``'s own (what ``init_process_group`` was given).
     """
+    if isinstance(spec, str) and spec.strip().partition(":")[0] == "auto":
+        raise ValueError(
+            "auto times the model's forward and backward: attach it with gradcomp.hooks.register(model, 'auto')"
+        )
     given = {"algo": algo, "aggregation": aggregation, "seed": seed}
     parsed = HookSpec.parse(spec, **{key: value for key, value in given.items() if value is not None})
     engine = None if parsed.noop else Engine(parsed, group=group, timeout=timeout)

@@ -54,7 +54,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradcomp import hooks
 from gradcomp.bench.report import markdown_table
-from gradcomp.engine.spec import HookSpec
 from gradcomp.engine.stats import wire_bytes
 from gradcomp.experiments.tasks import build_task
 from gradcomp.hooks import torch_hooks
@@ -186,7 +185,7 @@ def split_hooks(text: str) -> list[str]:
 
 def _make_ddp(
     build: Callable[[], nn.Module], variant: str, seed: int
-) -> tuple[DistributedDataParallel, hooks.HookState | TorchHookState]:
+) -> tuple[DistributedDataParallel, hooks.HookState | hooks.AutoState | TorchHookState]:
     torch.manual_seed(seed)  # the same initial weights for every variant (DDP broadcasts rank 0's anyway)
     model = DistributedDataParallel(build())
     if is_torch_spec(variant):
@@ -228,7 +227,7 @@ def measure(
         report[variant] = {
             "step_s": slowest[variant],
             "wire_bytes": _wire(state, timed, world),
-            "phases_ms": _phases(state, timed) if isinstance(state, hooks.HookState) else None,
+            "phases_ms": _phases(state, timed) if not isinstance(state, TorchHookState) else None,
         }
     return report
 
@@ -237,7 +236,7 @@ PHASES = ("compress", "decompress", "communicate", "tail")
 """The engine's phases that ``gradcomp bench ddp`` reports per step, in its second table."""
 
 
-def _phases(state: hooks.HookState, timed: int) -> dict[str, float] | None:
+def _phases(state: hooks.HookState | hooks.AutoState, timed: int) -> dict[str, float] | None:
     """Medians over the last ``timed`` steps of each phase's ms per step (None for noop)."""
     recorded = state.steps()[-timed:] if timed else []
     if not recorded:
@@ -267,7 +266,7 @@ def _slowest(times: dict[str, list[float]], world: int) -> dict[str, list[float]
     return {v: [max(rank[v][i] for rank in everyone) for i in range(len(times[v]))] for v in times}
 
 
-def _wire(state: hooks.HookState | TorchHookState, timed: int, world: int) -> float:
+def _wire(state: hooks.HookState | hooks.AutoState | TorchHookState, timed: int, world: int) -> float:
     """Bytes one rank sends per step, over the last ``timed`` steps (see the module's docstring)."""
     recorded = state.steps()[-timed:] if timed else []
     return statistics.fmean(wire_bytes(s, world) for s in recorded) if recorded else 0.0
@@ -349,7 +348,7 @@ def _run_once(
 
 def _canonical(spec: str) -> str:
     """A variant's canonical text: ``noop``, a ``torch:`` spec, or a gradcomp hook spec."""
-    return str(TorchHookSpec.parse(spec) if is_torch_spec(spec) else HookSpec.parse(spec))
+    return str(hooks.parse(spec))
 
 
 def _isolated(variant: str) -> bool:

@@ -6,8 +6,7 @@ import argparse
 import os
 import sys
 
-from gradcomp.engine.spec import HookSpec
-from gradcomp.hooks.torch_hooks import TorchHookSpec, is_torch_spec
+from gradcomp import hooks
 
 
 def add_command(commands: argparse._SubParsersAction) -> None:
@@ -53,7 +52,7 @@ def write(
     from gradcomp.experiments.report import analysis, page, records
 
     if baseline is not None:
-        baseline = str(TorchHookSpec.parse(baseline) if is_torch_spec(baseline) else HookSpec.parse(baseline))
+        baseline = str(hooks.parse(baseline))
     runs = records.load(runs_dir)
     groups = analysis.analyze(runs, tolerance, baseline)
     path = output or os.path.join(runs_dir, "report.html")

@@ -14,10 +14,9 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gradcomp.engine.spec import HookSpec
+from gradcomp import hooks
 from gradcomp.experiments.tasks import parse_task
 from gradcomp.experiments.training.optim import OPTIMIZERS, SCHEDULES
-from gradcomp.hooks.torch_hooks import TorchHookSpec, is_torch_spec
 from gradcomp.options import convert, format_value
 
 BACKENDS = ("gloo", "nccl")
@@ -116,20 +115,17 @@ class TrainConfig:
         if self.batch_size % self.ranks:
             raise ValueError(f"batch_size {self.batch_size} does not split evenly over {self.ranks} ranks")
         try:  # frozen: set once, canonical
-            canonical = TorchHookSpec.parse(self.hook) if is_torch_spec(self.hook) else HookSpec.parse(self.hook)
-            object.__setattr__(self, "hook", str(canonical))
+            object.__setattr__(self, "hook", str(hooks.parse(self.hook)))
         except ValueError as error:
             raise ValueError(f"hook {self.hook!r}: {error}") from None
         if not self.network.strip():
             raise ValueError("network must be a profile such as loopback or 1gbit")
 
     @property
-    def hook_spec(self) -> HookSpec | TorchHookSpec:
+    def hook_spec(self) -> hooks.AnySpec:
         """The hook spec, its generators seeded by :attr:`seed` unless the spec sets a seed (torch's
         PowerSGD is seeded by :attr:`seed` when registered)."""
-        if is_torch_spec(self.hook):
-            return TorchHookSpec.parse(self.hook)
-        return HookSpec.parse(self.hook, seed=self.seed)
+        return hooks.parse(self.hook, seed=self.seed)
 
     @property
     def checkpoint_path(self) -> str:

@@ -164,6 +164,8 @@ class Loop:
             **self.meter.drain(),
         }
         self.writer.scalars(scalars, self.step, self.elapsed)
+        for decision in self.meter.decisions():  # the auto hook's: what it chose and why
+            self.writer.text("hook/decision", f"step {decision['step']}: {decision['reason']}", self.step, self.elapsed)
         self.writer.points("train", {"loss": self.train_loss}, self.step, self.elapsed, self.meter.total)
         logger.info(
             "step %d/%d: train loss %.4f, %.1f ms/step", self.step, self.end, self.train_loss, 1e3 * step_seconds

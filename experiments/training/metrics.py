@@ -16,6 +16,8 @@ TensorBoard tags (``step`` is always the optimizer step):
   communication overlapping it), ``optimizer``, ``step``; from the hook: ``compress``, ``communicate``,
   ``decompress`` (on the hook's thread, overlapping backward)
 - ``comm/compression_ratio``, ``comm/sent_bytes_per_step``, ``comm/payload_bytes_per_step``, ``comm/wire_bytes``
+- the ``auto`` hook's: ``hook/predicted_step_ms`` (its prediction of the step it chose), and in the Text
+  dashboard ``hook/decision`` (each decision: every bucket's method and why)
 
 plus a custom-scalars layout (:data:`LAYOUT`) that puts every run's curve of one tag on one chart.
 Curves against training time and wire bytes, which TensorBoard's step cannot carry without
@@ -31,7 +33,7 @@ from typing import Any, Protocol
 
 from gradcomp.engine.stats import wire_bytes
 from gradcomp.experiments.training import curves
-from gradcomp.hooks import HookState
+from gradcomp.hooks import AutoState, HookState
 from gradcomp.hooks.torch_hooks import TorchHookState
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,7 @@ class WireMeter:
         self.steps = 0
         self._next = 0  # the hook's next step to read (a fresh hook counts from 0, also on resume)
         self._window: dict[str, float] = {}
+        self._decided = 0  # the auto hook's decisions already handed out
 
     def collect(self) -> None:
         """Take in the steps finished since the last call (after a backward, every bucket is in)."""
@@ -95,7 +98,16 @@ class WireMeter:
         }
         if w["payload"]:
             scalars["comm/compression_ratio"] = w["input"] / w["payload"]
+        predicted = getattr(self.state, "predicted_s", None)
+        if predicted:  # the auto hook's prediction of its step
+            scalars["hook/predicted_step_ms"] = 1e3 * predicted
         return scalars
+
+    def decisions(self) -> list[dict[str, Any]]:
+        """The ``auto`` hook's decisions since the last call (none for other hooks)."""
+        made = getattr(self.state, "decisions", [])
+        fresh, self._decided = made[self._decided :], len(made)
+        return list(fresh)
 
     @property
     def compression_ratio(self) -> float | None:
@@ -104,7 +116,7 @@ class WireMeter:
 
 HOOK_TIMES = ("compress_s", "communicate_s", "decompress_s")
 """The hook's own times that a run reports (per step, on the hook's thread, overlapping backward)."""
-AnyHookState = HookState | TorchHookState
+AnyHookState = HookState | AutoState | TorchHookState
 """A gradcomp hook's state or one of torch's hooks' (``torch:...``)."""
 
 
@@ -116,6 +128,8 @@ class Writer(Protocol):
     def points(self, kind: str, values: Mapping[str, float], step: int, elapsed: float, wire_bytes: int) -> None: ...
 
     def hparams(self, hparams: Mapping[str, Any], metrics: Mapping[str, float], step: int, elapsed: float) -> None: ...
+
+    def text(self, tag: str, text: str, step: int, elapsed: float) -> None: ...
 
     def flush(self) -> None: ...
 
@@ -130,6 +144,9 @@ class NullWriter:
         pass
 
     def hparams(self, hparams: Mapping[str, Any], metrics: Mapping[str, float], step: int, elapsed: float) -> None:
+        pass
+
+    def text(self, tag: str, text: str, step: int, elapsed: float) -> None:
         pass
 
     def flush(self) -> None:
@@ -190,6 +207,10 @@ class TensorBoardWriter:
         for summary in summarize(plain, finite):
             file_writer.add_summary(summary, step, walltime)
         self.scalars(finite, step, elapsed)
+
+    def text(self, tag: str, text: str, step: int, elapsed: float) -> None:
+        """A note in TensorBoard's Text dashboard (the ``auto`` hook's decisions)."""
+        self.writer.add_text(tag, text, step, walltime=self.origin + elapsed)
 
     def flush(self) -> None:
         self.writer.flush()

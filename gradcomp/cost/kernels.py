@@ -23,10 +23,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from gradcomp.bench.compressors import gradient
 from gradcomp.bench.timing import median_seconds
-from gradcomp.compressors import Aggregation, Compressor, make_compressor, parse_spec
+from gradcomp.compressors import Aggregation, Compressor, Key, make_compressor, parse_spec
 
 SIDES = (64, 256, 1024, 2048, 3072)
 """Square matrices timed by default: 4K to 9.4M elements (square, for PowerSGD's sake)."""
@@ -132,12 +133,20 @@ def measure(spec: str, sides: Sequence[int] = SIDES, repeats: int = 5, seed: int
 
 def _time_side(compressor: Compressor, side: int, seed: int, repeats: int) -> list[Sample]:
     x = gradient(side * side, seed)
-    x = x.view(side, side) if x.dim() == 1 else x
+    return time_tensor(compressor, x.view(side, side) if x.dim() == 1 else x, ("calibrate", side), repeats)
+
+
+def time_tensor(
+    compressor: Compressor, x: Tensor, key: Key, repeats: int = 3, peers: Sequence[int] = PEERS
+) -> list[Sample]:
+    """Time ``compressor`` on the tensor ``x`` (keyed ``key`` for its state): compress, the later
+    rounds, and decompress (of 1 and of ``peers`` payloads for ``gather`` compressors). ``x`` is not
+    modified. Used on real gradients by the ``auto`` hook."""
     out = torch.empty_like(x)
     state: dict[str, Any] = {}
 
     def compress() -> None:
-        state["payload"], state["ctx"] = compressor.compress(x, key=("calibrate", side))
+        state["payload"], state["ctx"] = compressor.compress(x, key=key)
 
     def later_rounds() -> None:
         payload, ctx = state["payload"], state["ctx"]
@@ -161,28 +170,32 @@ def _time_side(compressor: Compressor, side: int, seed: int, repeats: int) -> li
             rounds.append(median_seconds(later_rounds, x.device, repeats=1, warmup=0))
         samples.append(Sample("next_round", x.numel(), 1, statistics.median(rounds[1:])))
         state["payload"], state["ctx"] = state["final"], state["final_ctx"]
-    for count in PEERS if compressor.aggregation is Aggregation.GATHER else (1,):
+    for count in sorted({1, *peers}) if compressor.aggregation is Aggregation.GATHER else (1,):
         seconds = median_seconds(functools.partial(decompress, count), x.device, repeats)
         samples.append(Sample("decompress", x.numel(), count, seconds))
     return samples
 
 
 def fit(samples: Sequence[Sample]) -> KernelCost:
-    """The :class:`KernelCost` of :func:`measure`'s timings: each further payload's cost is the
-    slope between the largest and the smallest payload count timed at a size."""
+    """The :class:`KernelCost` of :func:`measure`'s timings (medians where a size was timed more than
+    once): each further payload's cost is the slope between the largest and the smallest payload
+    count timed at a size."""
     sizes = sorted({s.numel for s in samples})
     compress, later, decompress, extra = [], [], [], []
     for numel in sizes:
         at = [s for s in samples if s.numel == numel]
-        opened = sorted((s for s in at if s.phase == "decompress"), key=lambda s: s.payloads)
         squeezed = [s.seconds for s in at if s.phase == "compress"]
-        if not squeezed or not opened or opened[0].payloads != 1:
+        opened: dict[int, list[float]] = {}
+        for sample in at:
+            if sample.phase == "decompress":
+                opened.setdefault(sample.payloads, []).append(sample.seconds)
+        if not squeezed or 1 not in opened:
             raise ValueError(f"no compress and single-payload decompress timings at {numel} elements")
+        one, most = statistics.median(opened[1]), max(opened)
         compress.append(statistics.median(squeezed))
         later.append(statistics.median([s.seconds for s in at if s.phase == "next_round"] or [0.0]))
-        decompress.append(opened[0].seconds)
-        most = opened[-1]
-        extra.append(max(0.0, (most.seconds - opened[0].seconds) / (most.payloads - 1)) if most.payloads > 1 else 0.0)
+        decompress.append(one)
+        extra.append(max(0.0, (statistics.median(opened[most]) - one) / (most - 1)) if most > 1 else 0.0)
     return KernelCost(tuple(sizes), tuple(compress), tuple(later), tuple(decompress), tuple(extra))
 
 

@@ -52,6 +52,9 @@ class Workload:
     optimizer_s: float = 0.0
     element_size: int = 4
     bucket_caps: tuple[int, int] = (FIRST_BUCKET_BYTES, BUCKET_BYTES)
+    groups: tuple[tuple[int, ...], ...] | None = None
+    """The buckets as indices into :attr:`shapes`, when known (the ``auto`` hook sees DDP's own);
+    None: as DDP assigns them (:meth:`buckets`)."""
 
     def __post_init__(self) -> None:
         if not self.shapes or len(self.ready) != len(self.shapes):
@@ -60,6 +63,8 @@ class Workload:
             raise ValueError("ready fractions must be ascending, from 0 to 1")
         if min(self.forward_s, self.backward_s, self.optimizer_s) < 0:
             raise ValueError("compute times must be >= 0")
+        if self.groups is not None and sorted(i for g in self.groups for i in g) != list(range(len(self.shapes))):
+            raise ValueError("explicit buckets must hold every gradient exactly once")
 
     @classmethod
     def uniform(
@@ -88,7 +93,10 @@ class Workload:
 
     def buckets(self) -> list[list[int]]:
         """Indices into :attr:`shapes` per bucket, as DDP assigns them once it has seen the order
-        gradients arrive in: a bucket closes when it reaches its cap (the first one 1 MiB, then 25 MiB)."""
+        gradients arrive in: a bucket closes when it reaches its cap (the first one 1 MiB, then 25 MiB).
+        :attr:`groups` when given."""
+        if self.groups is not None:
+            return [list(g) for g in self.groups]
         buckets: list[list[int]] = [[]]
         filled = 0
         for index, shape in enumerate(self.shapes):
@@ -155,29 +163,78 @@ def payload_bytes(spec: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def predict(
-    workload: Workload, method: Method, cluster: Cluster, kernels: Callable[[str], KernelCost]
-) -> StepPrediction:
-    """The step time of ``workload`` on ``cluster`` with ``method`` (see the module's docstring);
-    ``kernels(spec)`` gives a compressor's kernel costs."""
+@dataclasses.dataclass(frozen=True)
+class BucketCost:
+    """One bucket under one method: seconds on backward's core (``compress``, ``decompress``), on
+    the link (``link``: collectives, later rounds' compute, the engine's overhead), and bytes."""
+
+    compress: float = 0.0
+    decompress: float = 0.0
+    communicate: float = 0.0
+    link: float = 0.0
+    payload: float = 0.0
+    sent: float = 0.0
+
+
+def bucket_cost(
+    shapes: Sequence[tuple[int, ...]], method: Method, cluster: Cluster, kernels: Callable[[str], KernelCost]
+) -> BucketCost:
+    """What averaging one bucket of tensors of ``shapes`` costs with ``method`` on ``cluster``."""
     p = cluster.ranks
-    compute = workload.compute_s
     if method.compressor is None or p == 1:
-        return StepPrediction(method.label, compute, compute, 0.0, 0.0, 0.0, 0.0, 0.0)
+        return BucketCost()
     spec = method.compressor
     cls = REGISTRY[spec.name]
     kernel = kernels(str(spec))
     gather = cls.aggregation is Aggregation.GATHER
     two_phase = gather and (method.two_phase if method.two_phase is not None else p >= TWO_PHASE_FROM)
+    sizes = [math.prod(s) for s in shapes]
+    if cls.elementwise:  # the bucket compresses whole
+        squeeze, unsqueeze = kernel.compress(sum(sizes)), kernel.decompress(sum(sizes))
+        rounds = [sum(payload_bytes(str(spec), (n,))[0] for n in sizes)]
+    else:
+        squeeze = sum(kernel.compress(n) for n in sizes)
+        unsqueeze = sum(kernel.decompress(n, p if gather and not two_phase else 1) for n in sizes)
+        per_tensor = [payload_bytes(str(spec), tuple(s)) for s in shapes]
+        rounds = [sum(r[i] for r in per_tensor) for i in range(cls.rounds)]
+    if two_phase:  # a compressed reduce-scatter (each rank sums p shards), then an all-gather
+        squeeze += sum(kernel.compress(n / p) for n in sizes)
+        unsqueeze = sum(kernel.decompress(n / p, p) * 2 for n in sizes)
+    if not gather:
+        seconds = sum(cluster.all_reduce(method.algo, b) for b in rounds)
+        sent = sum(rounds) * 2 * (p - 1) / p
+    elif two_phase:
+        seconds = cluster.all_to_all(rounds[0]) + cluster.all_gather(rounds[0] / p)
+        sent = rounds[0] * (p - 1) / p * 2
+    else:
+        seconds = cluster.all_gather(rounds[0])
+        sent = rounds[0] * (p - 1)
+    # the later rounds' compute runs between the collectives; the engine's overhead (measured in
+    # calibration) delays the bucket's landing
+    link = seconds + _later_rounds(kernel, sizes, cls.rounds) + kernel.overhead(sum(sizes))
+    return BucketCost(squeeze, unsqueeze, seconds, link, sum(rounds), sent)
+
+
+def predict(
+    workload: Workload,
+    method: Method | Sequence[Method],
+    cluster: Cluster,
+    kernels: Callable[[str], KernelCost],
+) -> StepPrediction:
+    """The step time of ``workload`` on ``cluster`` with ``method`` (one for every bucket, or one per
+    bucket: the ``auto`` hook's mixes); ``kernels(spec)`` gives a compressor's kernel costs. See the
+    module's docstring for the schedule."""
+    buckets = workload.buckets()
+    methods = [method] * len(buckets) if isinstance(method, Method) else list(method)
+    if len(methods) != len(buckets):
+        raise ValueError(f"{len(methods)} methods for {len(buckets)} buckets")
     core = workload.forward_s  # the clock of backward's core
     link = 0.0  # when the link is free
     done_at: list[tuple[float, float]] = []  # per bucket: when its collectives end, its decompression's cost
     decompressed = 0  # buckets whose decompression has run
-    totals = {"compress": 0.0, "decompress": 0.0, "communicate": 0.0, "payload": 0.0, "sent": 0.0}
+    costs = []
     previous = 0.0
-    for bucket in workload.buckets():
-        shapes = [workload.shapes[i] for i in bucket]
-        sizes = [math.prod(s) for s in shapes]
+    for bucket, chosen in zip(buckets, methods, strict=True):
         ready = workload.ready[bucket[-1]]
         # decompressions whose collective landed take the core between backward's chunks
         while decompressed < len(done_at) and done_at[decompressed][0] <= core:
@@ -185,43 +242,26 @@ def predict(
             decompressed += 1
         core += (ready - previous) * workload.backward_s
         previous = ready
-        if cls.elementwise:  # the bucket compresses whole
-            squeeze, unsqueeze = kernel.compress(sum(sizes)), kernel.decompress(sum(sizes))
-            rounds = [sum(payload_bytes(str(spec), (n,))[0] for n in sizes)]
-        else:
-            squeeze = sum(kernel.compress(n) for n in sizes)
-            unsqueeze = sum(kernel.decompress(n, p if gather and not two_phase else 1) for n in sizes)
-            per_tensor = [payload_bytes(str(spec), s) for s in shapes]
-            rounds = [sum(r[i] for r in per_tensor) for i in range(cls.rounds)]
-        if two_phase:  # a compressed reduce-scatter (each rank sums p shards), then an all-gather
-            squeeze += sum(kernel.compress(n / p) for n in sizes)
-            unsqueeze = sum(kernel.decompress(n / p, p) * 2 for n in sizes)
-        core += squeeze
-        start = max(core, link)
-        if not gather:
-            seconds = sum(cluster.all_reduce(method.algo, b) for b in rounds)
-            sent = sum(rounds) * 2 * (p - 1) / p
-        elif two_phase:
-            seconds = cluster.all_to_all(rounds[0]) + cluster.all_gather(rounds[0] / p)
-            sent = rounds[0] * (p - 1) / p * 2
-        else:
-            seconds = cluster.all_gather(rounds[0])
-            sent = rounds[0] * (p - 1)
-        # the later rounds' compute runs between the collectives; the engine's overhead (measured
-        # in calibration) delays the bucket's landing
-        link = start + seconds + _later_rounds(kernel, sizes, cls.rounds) + kernel.overhead(sum(sizes))
-        done_at.append((link, unsqueeze))
-        totals["compress"] += squeeze
-        totals["decompress"] += unsqueeze
-        totals["communicate"] += seconds
-        totals["payload"] += sum(rounds)
-        totals["sent"] += sent
+        cost = bucket_cost([workload.shapes[i] for i in bucket], chosen, cluster, kernels)
+        costs.append(cost)
+        core += cost.compress
+        if chosen.compressor is None:
+            continue  # nothing travels
+        link = max(core, link) + cost.link
+        done_at.append((link, cost.decompress))
     core += (1 - previous) * workload.backward_s
-    for landed, cost in done_at[decompressed:]:
-        core = max(core, landed) + cost
-    step = core + workload.optimizer_s
-    return StepPrediction(method.label, step, compute, totals["compress"], totals["decompress"],
-                          totals["communicate"], totals["payload"], totals["sent"])  # fmt: skip
+    for landed, spent in done_at[decompressed:]:
+        core = max(core, landed) + spent
+    labels = list(dict.fromkeys(m.label for m in methods))
+    return StepPrediction(
+        labels[0] if len(labels) == 1 else " + ".join(labels),
+        core + workload.optimizer_s,
+        workload.compute_s,
+        *(
+            sum(getattr(c, name) for c in costs)
+            for name in ("compress", "decompress", "communicate", "payload", "sent")
+        ),
+    )
 
 
 def _later_rounds(kernel: KernelCost, sizes: list[int], rounds: int) -> float:

@@ -1,0 +1,164 @@
+"""Measuring on the job: the link of a process group, the engine and the kernels on real gradients.
+
+What the ``auto`` hook measures before it decides (:mod:`gradcomp.hooks.auto`), as plain functions
+of a group and tensors (no DDP here):
+
+- :func:`probe_link`: all-reduces and all-gathers of a few sizes on the group, every rank taking part
+  (through the ordered executor), each size's median after a barrier; :func:`fit` turns them into
+  a :class:`~gradcomp.cost.cluster.Cluster`.
+- :func:`time_engines`: every candidate once through a fresh engine on a copy of a bucket: the
+  whole path (compression, the link, decompression, the engine's own hand-overs).
+- :func:`kernel_costs`: every candidate's kernels on each of a step's real gradients, with the
+  engine's overhead (the engine's measured time beyond what kernels and link predict).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gradcomp.collectives.executor import executor
+from gradcomp.compressors import make_compressor
+from gradcomp.cost import kernels
+from gradcomp.cost.cluster import Cluster
+from gradcomp.cost.kernels import KernelCost
+from gradcomp.cost.profile import fit_link
+from gradcomp.cost.step import Method, Workload, predict
+from gradcomp.engine import Engine
+from gradcomp.engine.spec import HookSpec
+from gradcomp.engine.transport import all_gather_single
+
+PROBE_BYTES = (4 << 10, 64 << 10, 1 << 20)
+"""All-reduce and all-gather sizes that fit the link, beside the largest bucket's (2 to 16 MiB)."""
+PROBE_REPEATS = 3
+
+Bucket = tuple[int, ...]
+"""A bucket's identity: the keys of its tensors."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkTimings:
+    """Median seconds of the group's all-reduce and all-gather at each size (bytes per rank)."""
+
+    sizes: tuple[int, ...]
+    all_reduce: tuple[float, ...]
+    all_gather: tuple[float, ...]
+
+
+def probe_link(group: dist.ProcessGroup, largest_bytes: int) -> LinkTimings:
+    """Time the group's collectives at :data:`PROBE_BYTES` and near ``largest_bytes`` (every rank
+    calls this; each keeps its own timings)."""
+    top = min(max(largest_bytes, 2 << 20), 16 << 20)
+    sizes = (*PROBE_BYTES, top - top % 4)
+    world = dist.get_world_size(group)
+
+    def probe() -> tuple[LinkTimings, None]:
+        reduce, gather = [], []
+        for size in sizes:
+            tensor = torch.zeros(size // 4)
+            gathered = torch.empty(world * tensor.numel())
+            reduce.append(_median_time(functools.partial(dist.all_reduce, tensor, group=group), group))
+            gather.append(_median_time(functools.partial(all_gather_single, gathered, tensor, group=group), group))
+        return LinkTimings(sizes, tuple(reduce), tuple(gather)), None
+
+    return executor().submit(probe, wait=True).wait()
+
+
+def fit(timings: LinkTimings, world: int) -> Cluster:
+    """``world`` ranks, each its own node behind the link the timings show (ValueError if they
+    cannot be fitted: times that do not grow with size)."""
+    reduce = fit_link("all_reduce", world, timings.sizes, timings.all_reduce).costs
+    gather = fit_link("all_gather", world, timings.sizes, timings.all_gather).costs
+    return Cluster(world, reduce, native_all_reduce=reduce, native_all_gather=gather)
+
+
+def time_engines(
+    specs: Sequence[HookSpec],
+    bucket: Tensor,
+    keys: list[int],
+    shapes: list[torch.Size],
+    group: dist.ProcessGroup | None,
+    timeout: datetime.timedelta | None,
+) -> list[float]:
+    """Each spec once through a fresh engine (its own state: nothing of training's is touched) on a
+    copy of ``bucket``: the seconds of the second of two runs (the first does the engine's first-step
+    checks). Every rank calls this, in the same order."""
+    seconds = []
+    for spec in specs:
+        engine = Engine(spec, group=group, timeout=timeout)
+        for run in range(2):
+            copy = bucket.clone()
+            start = time.perf_counter()
+            engine.reduce(copy, keys, shapes, last=True).wait()
+            if run:
+                seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def kernel_costs(
+    methods: Sequence[Method],
+    gradients: Mapping[Bucket, Tensor],
+    shapes: Mapping[Bucket, Sequence[torch.Size]],
+    cluster: Cluster,
+    engine_seconds: Sequence[float] | None,
+    largest: Bucket,
+    seed: int = 0,
+    rank: int = 0,
+) -> dict[str, KernelCost]:
+    """Per method's compressor spec: its kernels timed on every tensor of ``gradients`` (flat buckets
+    of tensors of ``shapes``; whole buckets for element-wise compressors), with the engine's overhead:
+    ``engine_seconds`` (:func:`time_engines` on the ``largest`` bucket) less what the kernels and
+    ``cluster`` predict for that bucket (none without ``engine_seconds``)."""
+    costs: dict[str, KernelCost] = {}
+    world = cluster.ranks
+    for index, method in enumerate(methods):
+        spec = method.kernel_spec
+        if spec is None:
+            raise ValueError(f"{method.label} sends nothing: it has no kernels")
+        compressor = make_compressor(spec, seed=seed, rank=rank)
+        samples = []
+        for identity, flat in gradients.items():
+            if compressor.elementwise:
+                samples += kernels.time_tensor(compressor, flat, ("online", identity), repeats=1)
+                continue
+            start = 0
+            for key, shape in zip(identity, shapes[identity], strict=True):
+                part = flat[start : start + math.prod(shape)].view(shape)
+                start += math.prod(shape)
+                samples += kernels.time_tensor(compressor, part, ("online", key), repeats=1, peers=(world,))
+        kernel = kernels.fit(samples)
+        if engine_seconds is None:
+            costs[spec] = kernel
+            continue
+        members = [tuple(s) for s in shapes[largest]]
+        alone = Workload(tuple(members), (1.0,) * len(members), 0.0, 0.0, groups=(tuple(range(len(members))),))
+        modelled = predict(alone, method, cluster, functools.partial(_same, kernel)).step_s
+        size = gradients[largest].numel()
+        overhead = engine_seconds[index] - modelled
+        costs[spec] = dataclasses.replace(kernel, bucket_numel=(size,), overhead_s=(overhead,))
+    return costs
+
+
+def _same(kernel: KernelCost, _: str) -> KernelCost:
+    return kernel
+
+
+def _median_time(run: Callable[[], Any], group: dist.ProcessGroup) -> float:
+    times = []
+    for repeat in range(PROBE_REPEATS + 1):  # the first warms up
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        run()
+        if repeat:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -1,0 +1,551 @@
+"""The ``auto`` hook: it measures the link and the compressors on the real buckets, and picks per bucket.
+
+::
+
+    state = hooks.register(ddp_model, "auto")
+    state = hooks.register(ddp_model, "auto:candidates=fp16|powersgd:rank=4,ef=true|topk:ratio=0.01,ef=true")
+
+How it decides (every rank applies the same decision: rank 0 takes it and broadcasts it):
+
+1. Steps before ``measure_at`` (default 4) go uncompressed (``allreduce``) while the hook records when
+   each bucket is handed over, between the model's forward (stamped by hooks on the DDP module)
+   and the next step: the model's compute and when each gradient is ready.
+2. At step ``measure_at``, after its last bucket: a few all-reduces and all-gathers of chosen sizes on
+   this group fit the link (:func:`gradcomp.cost.profile.fit_link`); rank 0 times every candidate's
+   kernels on copies of this step's buckets (:func:`gradcomp.cost.kernels.time_tensor`); each
+   candidate runs once through a fresh engine on the largest bucket, which gives the engine's own
+   overhead; the cost model predicts every candidate's step (:mod:`gradcomp.cost.step`) and chooses
+   per bucket (:func:`gradcomp.cost.choose.choose`). Unless something is predicted faster than the
+   uncompressed gradient by more than ``margin``, the hook stays uncompressed.
+3. Every ``check_every`` steps rank 0 compares the measured step (the median since the last check)
+   with the prediction; if they differ by more than ``stray``, or ``recheck`` steps have passed, it
+   measures and decides again (the compute stays as first measured).
+
+Each decision, with its reason and predictions, is in :attr:`AutoState.decisions` (and in
+TensorBoard for training runs). Switching a bucket away from an error-feedback compressor flushes
+its residuals: what it had not sent yet is added to the bucket's next gradient (in units of the
+gradient, so the new method sends it), so nothing is lost. Candidates are gradcomp hook specs,
+separated by ``|``; the uncompressed ``allreduce`` is always among them (the first). Options:
+``candidates``, ``measure_at``, ``recheck``, ``check_every``, ``stray``, ``margin``, ``seed``.
+
+Costs: the measuring step takes longer (the probes: on a 100 Mbit/s link a few seconds; the
+kernels: tens of ms per candidate for a model of 6M parameters), then every ``check_every`` steps one
+small broadcast. Memory: one copy of the gradients during the measuring step, and each candidate's
+state (error-feedback residuals) for the buckets it ever averaged.
+"""
+
+# No ``from __future__ import annotations`` here: DDP checks a hook's annotations at run time.
+import dataclasses
+import datetime
+import logging
+import math
+import statistics
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import GradBucket
+
+from gradcomp.collectives.cost_model import LinkCosts
+from gradcomp.collectives.executor import Handle, executor
+from gradcomp.collectives.link import Traffic
+from gradcomp.cost import online
+from gradcomp.cost.choose import choose, explain
+from gradcomp.cost.cluster import Cluster
+from gradcomp.cost.online import Bucket
+from gradcomp.cost.step import Workload, method_of
+from gradcomp.engine import Engine
+from gradcomp.engine.spec import ALLREDUCE, HookSpec
+from gradcomp.engine.stats import per_step, write_trace
+from gradcomp.hooks.ddp import check_saved, deliver, shapes_of
+from gradcomp.options import convert
+
+logger = logging.getLogger(__name__)
+
+NAME = "auto"
+DEFAULT_CANDIDATES = ("fp16", "powersgd:rank=4,ef=true", "topk:ratio=0.01,ef=true", "sign:ef=true")
+"""Beside ``allreduce``: the lossless cast and error-feedback-protected compressors."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoSpec:
+    """A parsed ``auto`` spec."""
+
+    candidates: tuple[str, ...] = DEFAULT_CANDIDATES
+    """Hook specs to choose among (canonical text), besides ``allreduce``."""
+    measure_at: int = 4
+    """The step at which it measures and decides first (DDP rebuilds its buckets at step 1)."""
+    recheck: int = 1000
+    """Measure and decide again every this many steps (0: never)."""
+    check_every: int = 50
+    """Compare the measured step with the prediction every this many steps (0: never)."""
+    stray: float = 0.25
+    """Measure again when the measured step differs from the prediction by more than this."""
+    margin: float = 0.05
+    """A choice must be predicted this much faster than the uncompressed gradient to be taken."""
+    seed: int = 0
+    """Seed of every candidate's generators (the same on every rank)."""
+
+    def __post_init__(self) -> None:
+        if not self.candidates:
+            raise ValueError("auto needs at least one candidate besides allreduce")
+        parsed = [HookSpec.parse(candidate) for candidate in self.candidates]
+        if any(spec.noop for spec in parsed):
+            raise ValueError("noop sends nothing: it cannot be an auto candidate")
+        object.__setattr__(self, "candidates", tuple(str(spec) for spec in parsed))  # frozen: canonical once
+        if self.measure_at < 2:
+            raise ValueError(f"measure_at must be >= 2 (DDP's buckets are rebuilt at step 1), got {self.measure_at}")
+        if self.recheck < 0 or self.check_every < 0:
+            raise ValueError(f"recheck and check_every must be >= 0, got {self.recheck} and {self.check_every}")
+        if self.stray <= 0 or not 0 <= self.margin < 1:
+            raise ValueError(f"need stray > 0 and 0 <= margin < 1, got {self.stray} and {self.margin}")
+
+    @classmethod
+    def parse(cls, text: str) -> "AutoSpec":
+        """``auto`` or ``auto:candidates=a|b|c,recheck=500,...``: a candidate's own options (after a
+        comma, as in ``topk:ratio=0.01,ef=true``) stay with it; ``auto``'s options start anew."""
+        name, _, rest = text.strip().partition(":")
+        if name != NAME:
+            raise ValueError(f"an auto spec starts with {NAME!r}, got {text!r}")
+        options: dict[str, str] = {}
+        current = None
+        for piece in (p.strip() for p in rest.split(",") if p.strip()):
+            key, equals, value = piece.partition("=")
+            if equals and key.strip() in OPTIONS:
+                current = key.strip()
+                options[current] = value.strip()
+            elif current == "candidates":
+                options[current] += "," + piece
+            else:
+                raise ValueError(f"unknown auto option {piece!r}; valid: {', '.join(OPTIONS)}")
+        fields: dict[str, Any] = {}
+        for key, value in options.items():
+            if key == "candidates":
+                fields[key] = tuple(str(HookSpec.parse(c)) for c in value.split("|") if c.strip())
+            else:
+                fields[key] = convert(key, value, type(getattr(cls, key)))
+        return cls(**fields)
+
+    def __str__(self) -> str:
+        """The canonical text: ``auto``, then every option that differs from its default."""
+        changed = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "candidates":
+                if value != tuple(str(HookSpec.parse(c)) for c in DEFAULT_CANDIDATES):
+                    changed.append("candidates=" + "|".join(value))
+            elif value != f.default:
+                changed.append(f"{f.name}={value}")
+        return NAME + (":" + ",".join(changed) if changed else "")
+
+    @property
+    def hook_specs(self) -> list[HookSpec]:
+        """``allreduce`` then the candidates, each once, with this spec's seed."""
+        texts = dict.fromkeys([ALLREDUCE, *self.candidates])
+        return [HookSpec.parse(text, seed=self.seed) for text in texts]
+
+
+OPTIONS = tuple(f.name for f in dataclasses.fields(AutoSpec))
+
+
+def is_auto_spec(text: object) -> bool:
+    """Whether ``text`` is an ``auto`` spec (``auto`` or ``auto:...``)."""
+    return isinstance(text, str) and text.strip().partition(":")[0] == NAME
+
+
+@dataclasses.dataclass
+class Timeline:
+    """One step as this rank saw it: forward's start and end, each bucket's hand-over, the next start."""
+
+    start: float
+    forward_end: float | None = None
+    handed: dict[Bucket, float] = dataclasses.field(default_factory=dict)
+    next_start: float | None = None
+
+    @property
+    def whole(self) -> bool:
+        return self.forward_end is not None and self.next_start is not None and bool(self.handed)
+
+
+class AutoState:
+    """The ``auto`` hook's state: the candidates' engines, the decision per bucket, what it measured."""
+
+    def __init__(
+        self,
+        spec: AutoSpec,
+        group: dist.ProcessGroup | None,
+        timeout: datetime.timedelta | None,
+        link: LinkCosts | None = None,
+    ) -> None:
+        self.spec = spec
+        self.link = link
+        """A link given instead of measured (then the engine's overhead is not measured either)."""
+        self.world = dist.get_world_size(group)
+        self.candidates = spec.hook_specs
+        self.methods = [method_of(c) for c in self.candidates]
+        self.engines = [Engine(c, group=group, timeout=timeout) for c in self.candidates]
+        self.group = self.engines[0].group  # gradcomp's own (shared by every engine of these ranks)
+        self._parent, self._timeout = group, timeout
+        self.rank = dist.get_rank(self.group)
+        self.error: BaseException | None = None
+        self.step = 0
+        self.choice: dict[int, int] = {}
+        """Per tensor (its key), the index of its candidate in :attr:`candidates` (absent: 0,
+        ``allreduce``). Per tensor, not per bucket: DDP regroups its buckets on a resumed run's first
+        step, and a bucket whose tensors have different candidates is averaged in runs, one per candidate."""
+        self.pending: dict[int, Tensor] = {}
+        """Residuals of a compressor a tensor left, added to its next gradient (units of gradient / world)."""
+        self.decisions: list[dict[str, Any]] = []
+        """Every decision: its step, the candidate of each bucket, the predictions, the reason."""
+        self.compute: Workload | None = None
+        self.order: list[Bucket] = []
+        """The buckets in the order of :attr:`compute`'s (the order backward hands them over)."""
+        self.predicted_s: float | None = None
+        self.measured_at: int | None = None
+        self._measure_next = False
+        self._indices: dict[int, int] = {}
+        self._shapes: dict[Bucket, list[torch.Size]] = {}
+        self._timelines: list[Timeline] = []
+        self._copies: dict[Bucket, Tensor] = {}
+
+    # -- what DDP and the model call -------------------------------------------------------------
+
+    def keys(self, parameters: list[Tensor]) -> list[int]:
+        return [self._indices.setdefault(id(p), len(self._indices)) for p in parameters]
+
+    def forward_started(self, *_: Any) -> None:
+        """The DDP module's forward pre-hook: a step (or a micro-batch) starts."""
+        now = time.perf_counter()
+        if self._timelines and self._timelines[-1].handed:
+            self._timelines[-1].next_start = now
+        if self._timelines and not self._timelines[-1].handed:
+            self._timelines.pop()  # a micro-batch without synchronization (no_sync): the step starts later
+        self._timelines = self._timelines[-(self.spec.check_every + self.spec.measure_at) :]
+        self._timelines.append(Timeline(now))
+
+    def forward_ended(self, *_: Any) -> None:
+        """The DDP module's forward hook: backward comes next."""
+        if self._timelines:
+            self._timelines[-1].forward_end = time.perf_counter()
+
+    def reduce(self, bucket: GradBucket) -> torch.futures.Future[Tensor]:
+        """Average one of DDP's buckets with the candidate chosen for it."""
+        now = time.perf_counter()
+        parameters = bucket.parameters()
+        keys, shapes = self.keys(parameters), shapes_of(parameters)
+        identity = tuple(keys)
+        buffer = bucket.buffer()
+        self._shapes[identity] = shapes
+        if self._timelines:
+            self._timelines[-1].handed[identity] = now
+        if self._measuring_now():
+            self._copies[identity] = buffer.clone()  # the gradients the kernels are timed on
+        self._flush(buffer, keys, shapes)
+        handles, start, first = [], 0, 0
+        for end in range(1, len(keys) + 1):  # runs of consecutive tensors with the same candidate
+            candidate = self.choice.get(keys[first], 0)
+            if end < len(keys) and self.choice.get(keys[end], 0) == candidate:
+                continue
+            size = sum(math.prod(s) for s in shapes[first:end])
+            engine = self.engines[candidate]
+            engine.step = self.step  # every engine's records count this hook's steps
+            handles.append(engine.reduce(buffer[start : start + size], keys[first:end], shapes[first:end],
+                                         bucket.index(), last=False))  # fmt: skip
+            start, first = start + size, end
+        handle = handles[0] if len(handles) == 1 else _joined(handles, buffer)
+        if bucket.is_last():
+            try:
+                self._end_of_step()
+            finally:
+                self._copies.clear()
+                self.step += 1
+        return deliver(self, handle)
+
+    # -- statistics and checkpoints --------------------------------------------------------------
+
+    def steps(self) -> list[dict[str, Any]]:
+        """Per step, as a gradcomp hook's (:meth:`gradcomp.hooks.HookState.steps`), whichever
+        candidates averaged its buckets."""
+        return self.steps_since(0)
+
+    def steps_since(self, first: int) -> list[dict[str, Any]]:
+        fresh = [r for e in self.engines for r in e.records if r.step >= first]
+        return per_step(sorted(fresh, key=lambda r: (r.step, r.queued)))
+
+    def write_trace(self, path: str) -> None:
+        records = sorted((r for e in self.engines for r in e.records), key=lambda r: (r.step, r.queued))
+        write_trace(records, path, dist.get_rank())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue exactly: the decision, the pending flushes,
+        every candidate's compressor and engine state, and what was measured (plain values and
+        tensors: loadable with ``torch.load(..., weights_only=True)``)."""
+        compute = None
+        if self.compute is not None:
+            compute = {f.name: getattr(self.compute, f.name) for f in dataclasses.fields(self.compute)}
+            compute = {key: _plain(value) for key, value in compute.items()}
+        return {
+            "spec": str(self.spec),
+            "world_size": self.world,
+            "step": self.step,
+            "choice": [[key, candidate] for key, candidate in self.choice.items()],
+            "pending": [[key, tensor] for key, tensor in self.pending.items()],
+            "candidates": [e.compressor.state_dict() for e in self.engines],
+            "engines": [e.state_dict() for e in self.engines],
+            "decisions": self.decisions,
+            "compute": compute,
+            "order": [list(identity) for identity in self.order],
+            "predicted_s": self.predicted_s,
+            "measured_at": self.measured_at,
+            "measure_next": self._measure_next,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, from a hook of the same spec and world size."""
+        check_saved(state, str(self.spec), self.world, NAME)
+        self.step = int(state["step"])
+        self.choice = {int(key): int(c) for key, c in state["choice"]}
+        self.pending = {int(key): tensor for key, tensor in state["pending"]}
+        for engine, compressor, own in zip(self.engines, state["candidates"], state["engines"], strict=True):
+            engine.compressor.load_state_dict(compressor)
+            engine.load_state_dict(own)
+        self.decisions = list(state["decisions"])
+        compute = state["compute"]
+        self.compute = None if compute is None else Workload(**{k: _tupled(k, v) for k, v in compute.items()})
+        self.order = [tuple(int(k) for k in identity) for identity in state["order"]]
+        self.predicted_s = state["predicted_s"]
+        self.measured_at = state["measured_at"]
+        self._measure_next = bool(state["measure_next"])
+
+    # -- deciding --------------------------------------------------------------------------------
+
+    def _measuring_now(self) -> bool:
+        """Whether this step ends with a measurement (the same answer on every rank, at every bucket)."""
+        if self.measured_at is None:
+            return self.step >= self.spec.measure_at and (self.compute is not None or bool(self._whole_steps()))
+        recheck = self.spec.recheck > 0 and self.step - self.measured_at >= self.spec.recheck
+        return recheck or self._measure_next
+
+    def _whole_steps(self) -> list[Timeline]:
+        """Steps seen whole since DDP's bucket rebuild (step 0 has a single bucket), the latest ones."""
+        whole = [t for t in self._timelines[:-1] if t.whole]
+        return whole[-(self.spec.measure_at - 1) :]
+
+    def _end_of_step(self) -> None:
+        """After a step's last bucket: measure and decide, or check the prediction (every rank alike)."""
+        if self._measuring_now():
+            self._measure_and_decide()
+            return
+        due = self.measured_at is not None and self.spec.check_every > 0 and self.step > self.measured_at
+        if due and (self.step - self.measured_at) % self.spec.check_every == 0:  # type: ignore[operator]
+            flag = torch.tensor([float(self._strayed())], dtype=torch.float64)
+            self._measure_next = self._broadcast(flag)[0] > 0
+
+    def _strayed(self) -> bool:
+        """Rank 0: whether the median measured step strays from the prediction by more than ``stray``."""
+        if self.rank != 0 or self.predicted_s is None:
+            return False
+        whole = [t for t in self._timelines if t.whole][-self.spec.check_every :]
+        recent = [t.next_start - t.start for t in whole if t.next_start is not None]
+        if len(recent) < 2:
+            return False
+        measured = statistics.median(recent)
+        strayed = abs(measured - self.predicted_s) > self.spec.stray * self.predicted_s
+        if strayed:
+            logger.info("auto: measured %.1f ms per step, predicted %.1f ms: measuring again",
+                        measured * 1e3, self.predicted_s * 1e3)  # fmt: skip
+        return strayed
+
+    def _measure_and_decide(self) -> None:
+        copies = self._copies
+        if self.compute is None:
+            self.compute, self.order = self._workload()
+        if set(self.order) != set(copies):  # DDP regrouped its buckets (a resumed run): start over
+            self.compute, self.order = self._workload()
+        largest = max(self.order, key=lambda identity: copies[identity].numel())
+        timings, engine_seconds = None, None
+        if self.link is None:
+            timings = online.probe_link(self.group, max(c.numel() * c.element_size() for c in copies.values()))
+            engine_seconds = online.time_engines(self.candidates, copies[largest], list(largest),
+                                                 self._shapes[largest], self._parent, self._timeout)  # fmt: skip
+        size = 1 + len(self.methods) + len(self.order)
+        vector = [0.0] * size
+        if self.rank == 0:
+            vector = self._decide(timings, copies, engine_seconds, largest)
+        received = self._broadcast(torch.tensor(vector, dtype=torch.float64))
+        predicted, uniform = received[0], received[1 : 1 + len(self.methods)]
+        assignment = [int(c) for c in received[1 + len(self.methods) :]]
+        self._install({key: c for identity, c in zip(self.order, assignment, strict=True) for key in identity})
+        self.predicted_s, self.measured_at, self._measure_next = predicted, self.step, False
+        reason = explain(self.methods, assignment, predicted, uniform, self.spec.margin)
+        self.decisions.append({
+            "step": self.step,
+            "buckets": [str(self.candidates[c]) for c in assignment],
+            "predicted_ms": predicted * 1e3,
+            "alone_ms": {str(c): t * 1e3 for c, t in zip(self.candidates, uniform, strict=True)},
+            "reason": reason,
+        })  # fmt: skip
+        logger.info("auto at step %d: %s", self.step, reason)
+
+    def _decide(
+        self,
+        timings: online.LinkTimings | None,
+        copies: dict[Bucket, Tensor],
+        engine_seconds: list[float] | None,
+        largest: Bucket,
+    ) -> list[float]:
+        """Rank 0: the choice as [predicted seconds, each candidate's alone, each bucket's candidate]."""
+        assert self.compute is not None
+        if timings is None:
+            assert self.link is not None
+            cluster = Cluster(self.world, self.link, native_all_reduce=self.link, native_all_gather=self.link)
+        else:
+            try:
+                cluster = online.fit(timings, self.world)
+            except ValueError as error:  # a link too noisy to fit: no basis for a change
+                logger.warning("auto: keeping the decision as it is: %s", error)
+                current = [self.choice.get(identity[0], 0) for identity in self.order]
+                return [self.predicted_s or 0.0, *[0.0] * len(self.methods), *current]
+        shapes = {identity: self._shapes[identity] for identity in self.order}
+        gradients = {identity: copies[identity] for identity in self.order}
+        costs = online.kernel_costs(self.methods, gradients, shapes, cluster, engine_seconds, largest,
+                                    self.spec.seed, self.rank)  # fmt: skip
+        choice = choose(self.compute, self.methods, cluster, costs.__getitem__, self.spec.margin)
+        return [choice.predicted_s, *choice.uniform_s, *choice.per_bucket]
+
+    def _workload(self) -> tuple[Workload, list[Bucket]]:
+        """The model's compute from the whole steps seen (medians): forward, each bucket's hand-over as
+        a fraction of backward, and what follows the step's communication (optimizer, data)."""
+        seen = self._whole_steps()
+        if not seen:
+            raise RuntimeError("auto: no whole step was seen before measuring (register it with hooks.register)")
+        forward = statistics.median(t.forward_end - t.start for t in seen)  # type: ignore[operator]
+        backward = statistics.median(max(t.handed.values()) - t.forward_end for t in seen)  # type: ignore[operator]
+        buckets = list(seen[-1].handed)
+        offset = {
+            identity: statistics.median(t.handed[identity] - t.forward_end for t in seen if identity in t.handed)  # type: ignore[operator]
+            for identity in buckets
+        }
+        after = statistics.median(t.next_start - self._step_end(t) for t in seen)  # type: ignore[operator]
+        order = sorted(buckets, key=lambda identity: offset[identity])
+        flat: list[tuple[int, ...]] = []
+        fractions: list[float] = []
+        groups = []
+        for identity in order:
+            members = [tuple(s) for s in self._shapes[identity]]
+            groups.append(tuple(range(len(flat), len(flat) + len(members))))
+            flat += members
+            fractions += [min(1.0, max(0.0, offset[identity] / max(backward, 1e-9)))] * len(members)
+        fractions[-1] = 1.0
+        for k in range(len(fractions) - 2, -1, -1):
+            fractions[k] = min(fractions[k], fractions[k + 1])
+        workload = Workload(tuple(flat), tuple(fractions), forward, max(backward, 0.0), max(after, 0.0),
+                            groups=tuple(groups))  # fmt: skip
+        return workload, order
+
+    def _step_end(self, timeline: Timeline) -> float:
+        """When the step's communication was done: its buckets' latest finish (else its last hand-over)."""
+        last = max(timeline.handed.values())
+        finished = [
+            r.finished
+            for e in self.engines
+            for r in e.records
+            if timeline.start <= r.queued <= last and r.finished
+        ]  # fmt: skip
+        return max([last, *finished])
+
+    def _broadcast(self, values: Tensor) -> list[float]:
+        """Rank 0's ``values`` on every rank (through the ordered executor, on gradcomp's group)."""
+        source = dist.get_global_rank(self.group, 0)
+
+        def send() -> tuple[list[float], None]:
+            dist.broadcast(values, src=source, group=self.group)
+            return values.tolist(), None
+
+        return executor().submit(send, wait=True).wait()
+
+    def _install(self, choice: dict[int, int]) -> None:
+        """Take the new decision; a tensor leaving an error-feedback compressor flushes its residual."""
+        for key, new in choice.items():
+            old = self.choice.get(key, 0)
+            residuals = getattr(self.engines[old].compressor, "residuals", None)
+            residual = residuals.pop(key, None) if residuals is not None and old != new else None
+            if residual is not None:
+                self.pending[key] = residual
+        self.choice = choice
+
+    def _flush(self, buffer: Tensor, keys: list[int], shapes: list[torch.Size]) -> None:
+        """Add pending residuals into this bucket's gradients (times the world size: the engine
+        divides by it), so the bucket's new method sends what the old one had not."""
+        start = 0
+        for key, shape in zip(keys, shapes, strict=True):
+            size = math.prod(shape)
+            residual = self.pending.pop(key, None)
+            if residual is not None:
+                buffer[start : start + size].add_(residual.reshape(-1), alpha=self.world)
+            start += size
+
+
+def _joined(handles: list[Handle[Tensor]], buffer: Tensor) -> Handle[Tensor]:
+    """One handle for a bucket averaged in runs: ``buffer`` once every run is done (or the first error)."""
+    done: Future[tuple[Tensor, Traffic | None]] = Future()
+    left = [len(handles)]
+    lock = threading.Lock()
+
+    def finished(handle: Handle[Tensor]) -> None:
+        try:
+            handle.wait()
+        except BaseException as error:
+            with lock:
+                if not done.done():
+                    done.set_exception(error)
+            return
+        with lock:
+            left[0] -= 1
+            if left[0] == 0 and not done.done():
+                done.set_result((buffer, None))
+
+    for handle in handles:
+        handle.then(finished)
+    return Handle(done)
+
+
+def _plain(value: Any) -> Any:
+    """Tuples (of tuples) as lists: plain values for a checkpoint."""
+    return [_plain(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _tupled(name: str, value: Any) -> Any:
+    """A :class:`Workload` field back from :func:`_plain`."""
+    if name in ("shapes", "groups"):
+        return None if value is None else tuple(tuple(v) for v in value)
+    if name in ("ready", "bucket_caps"):
+        return tuple(value)
+    return value
+
+
+def register(model: torch.nn.parallel.DistributedDataParallel, spec: str | AutoSpec, **options: Any) -> AutoState:
+    """Attach the ``auto`` hook to ``model`` (and the forward hooks that time its compute); returns
+    its state (for statistics and checkpoints). ``options``: ``group`` (default: the model's),
+    ``timeout``, ``seed``, and ``link`` (a :class:`~gradcomp.collectives.cost_model.LinkCosts` to
+    decide with instead of measuring the link: when you know it, or to test the decision)."""
+    parsed = spec if isinstance(spec, AutoSpec) else AutoSpec.parse(spec)
+    unknown = sorted(set(options) - {"group", "timeout", "seed", "link"})
+    if unknown:
+        raise TypeError(f"unknown option(s) {unknown} for the auto hook; valid: group, timeout, seed, link")
+    if options.get("seed") is not None:
+        parsed = dataclasses.replace(parsed, seed=options["seed"])
+    group = options.get("group") or model.process_group
+    state = AutoState(parsed, group, options.get("timeout"), options.get("link"))
+    model.register_forward_pre_hook(state.forward_started)
+    model.register_forward_hook(state.forward_ended)
+    model.register_comm_hook(state, _auto_hook)
+    return state
+
+
+def _auto_hook(state: AutoState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
+    return state.reduce(bucket)

@@ -1,0 +1,174 @@
+"""The auto hook: its spec, the per-bucket choice against hand-made costs, and real ranks that
+decide alike, switch without losing error feedback's residuals, and resume exactly."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+import torch
+
+from gradcomp import hooks
+from gradcomp.collectives.cost_model import LinkCosts
+from gradcomp.cost.choose import choose
+from gradcomp.cost.cluster import Cluster
+from gradcomp.cost.kernels import FREE, KernelCost
+from gradcomp.cost.step import Workload, method_of
+from gradcomp.engine.spec import HookSpec
+from gradcomp.hooks.auto import DEFAULT_CANDIDATES, AutoSpec, AutoState, is_auto_spec
+from tests.distributed import Failures, parameters_identical_on_all_ranks, run_checks
+from tests.toy_ddp import sgd_steps, toy_batches, toy_model, wrap
+
+# -- the spec ------------------------------------------------------------------------------------
+
+
+def test_specs_parse_with_the_candidates_own_options() -> None:
+    assert AutoSpec.parse("auto") == AutoSpec() and str(AutoSpec()) == "auto"
+    spec = AutoSpec.parse("auto:candidates=fp16|powersgd:rank=4,ef=true|topk:ratio=0.01,ef=true,recheck=200")
+    assert spec.candidates == tuple(str(HookSpec.parse(c)) for c in ("fp16", "powersgd:rank=4,ef=true",
+                                                                     "topk:ratio=0.01,ef=true"))  # fmt: skip
+    assert spec.recheck == 200
+    assert AutoSpec.parse(str(spec)) == spec
+    assert str(spec.hook_specs[0]) == "allreduce"  # always there, first
+    assert len(AutoSpec().hook_specs) == 1 + len(DEFAULT_CANDIDATES)
+    assert is_auto_spec("auto:margin=0.1") and not is_auto_spec("automatic") and not is_auto_spec("torch:fp16")
+    assert isinstance(hooks.parse("auto", seed=3), AutoSpec) and hooks.parse("auto", seed=3).seed == 3  # type: ignore[union-attr]
+    assert hooks.parse("auto:seed=1", seed=3).seed == 1  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("auto:ratio=0.1", "unknown auto option 'ratio=0.1'"),
+        ("auto:candidates=noop", "cannot be an auto candidate"),
+        ("auto:candidates=zip", "unknown compressor 'zip'"),
+        ("auto:measure_at=1", "measure_at must be >= 2"),
+        ("auto:margin=1", "margin < 1"),
+        ("auto:recheck=-1", ">= 0"),
+    ],
+)
+def test_bad_specs_are_refused(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AutoSpec.parse(text)
+
+
+def test_make_refuses_auto_with_the_way_to_attach_it() -> None:
+    with pytest.raises(ValueError, match=r"hooks.register\(model, 'auto'\)"):
+        hooks.make("auto")
+
+
+# -- the choice ----------------------------------------------------------------------------------
+
+CANDIDATES = [method_of(s) for s in ("allreduce", "fp16", "topk:ratio=0.01,ef=true")]
+TWO_BUCKETS = Workload(((1024, 1024), (1024, 1024)), (0.5, 1.0), 0.01, 0.1, 0.0, groups=((0,), (1,)))
+
+
+def kernels(spec: str) -> KernelCost:
+    """2 ms per million elements for top-k, 0.5 ms for the cast, nothing for the gradient itself."""
+    per = {"none": 0.0, "fp16": 0.5e-9}.get(spec, 2e-9)
+    return FREE if not per else KernelCost((1,), (per,), (0.0,), (per / 4,), (per / 4,))
+
+
+def test_a_free_link_stays_uncompressed_and_a_dear_one_compresses() -> None:
+    free = choose(TWO_BUCKETS, CANDIDATES, Cluster(2, LinkCosts(0, 0)), kernels)
+    assert free.per_bucket == (0, 0) and "nothing is predicted" in free.reason
+    dear = choose(TWO_BUCKETS, CANDIDATES, Cluster(2, LinkCosts(1e-4, 1e-7)), kernels)  # 10 MB/s
+    assert dear.per_bucket == (2, 2) and dear.predicted_s < dear.uniform_s[0] / 5
+    assert "bucket 1: topk" in dear.reason
+
+
+def test_a_bucket_that_backward_hides_can_stay_cheap() -> None:
+    # 100 MB/s: the first bucket's 4 MB go while backward's second half runs (50 ms); the last is exposed
+    hidden = Workload(((1024, 1024), (1024, 1024)), (0.5, 1.0), 0.01, 0.1, 0.0, groups=((0,), (1,)))
+    choice = choose(hidden, CANDIDATES, Cluster(2, LinkCosts(1e-5, 1e-8)), kernels)
+    assert choice.per_bucket[0] != choice.per_bucket[1]
+    assert choice.predicted_s < min(choice.uniform_s)
+
+
+def test_a_gain_under_the_margin_is_not_taken() -> None:
+    link = Cluster(2, LinkCosts(0, 3e-11))  # a little to gain by compressing
+    strict = choose(TWO_BUCKETS, CANDIDATES, link, kernels, margin=0.5)
+    assert strict.per_bucket == (0, 0)
+
+
+# -- real ranks ----------------------------------------------------------------------------------
+
+FREE_LINK, DEAR_LINK = LinkCosts(0.0, 0.0), LinkCosts(1e-3, 1e-6)  # free, and 1 MB/s with 1 ms latency
+SPEC = "auto:candidates=fp16|topk:ratio=0.1,ef=true,measure_at=2,check_every=3"
+
+
+def _auto_ranks(rank: int, world: int) -> dict[str, Any]:
+    failures = Failures()
+    torch.set_num_threads(1)
+    batches = toy_batches(rank, 8)
+    # a free link: it measures at step 2 and stays uncompressed
+    ddp, state = wrap(toy_model(), SPEC, link=FREE_LINK)
+    assert isinstance(state, AutoState)
+    sgd_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), batches[:4])
+    failures.expect(len(state.decisions) == 1 and state.decisions[0]["step"] == 2, f"decisions {state.decisions}")
+    failures.expect(set(state.decisions[0]["buckets"]) == {"allreduce"}, f"free link: {state.decisions[0]}")
+    # a dear link: it compresses, every rank the same way, and the replicas stay identical
+    ddp, state = wrap(toy_model(), SPEC, link=DEAR_LINK)
+    assert isinstance(state, AutoState)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    sgd_steps(ddp, optimizer, batches[:4])
+    chosen = state.decisions[0]["buckets"]
+    failures.expect(any(b != "allreduce" for b in chosen), f"dear link: {state.decisions[0]}")
+    failures.expect(parameters_identical_on_all_ranks(list(ddp.parameters())), "replicas differ")
+    steps = state.steps()
+    failures.expect([s["step"] for s in steps] == [0, 1, 2, 3], f"steps {[s['step'] for s in steps]}")
+    failures.expect(steps[-1]["payload_bytes"] < steps[0]["payload_bytes"], "compression did not shrink the payload")
+    # a checkpoint after the decision: a fresh model and hook continue bitwise
+    buffer = io.BytesIO()
+    torch.save({"hook": state.state_dict(), "model": ddp.module.state_dict(), "opt": optimizer.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    sgd_steps(ddp, optimizer, batches[4:6])
+    again, restored = wrap(toy_model(), SPEC, link=DEAR_LINK)
+    assert isinstance(restored, AutoState)
+    again.module.load_state_dict(saved["model"])
+    resumed = torch.optim.SGD(again.parameters(), lr=0.1)
+    resumed.load_state_dict(saved["opt"])
+    restored.load_state_dict(saved["hook"])
+    sgd_steps(again, resumed, batches[4:6])
+    same = all(torch.equal(a, b) for a, b in zip(ddp.parameters(), again.parameters(), strict=True))
+    failures.expect(same, "a resumed auto hook does not continue bitwise")
+    failures.expect(restored.decisions == state.decisions[:1], "decisions were not restored")
+    # switching away from error feedback flushes the residual into the next gradient
+    topk = next(i for i, c in enumerate(state.candidates) if c.compressor and c.compressor.name == "topk")
+    identity = [key for key, c in state.choice.items() if c == topk]
+    residuals = state.engines[topk].compressor.residuals  # type: ignore[attr-defined]
+    before = {key: residuals[key].clone() for key in identity}
+    state._install({**state.choice, **dict.fromkeys(identity, 0)})
+    failures.expect(all(key not in residuals for key in identity), "residuals stayed with the old compressor")
+    failures.expect(all(torch.equal(state.pending[k], before[k]) for k in identity), "residuals not pending")
+    sizes = [before[k].numel() for k in identity]
+    flat = torch.zeros(sum(sizes))
+    state._flush(flat, list(identity), [before[k].shape for k in identity])
+    expected = torch.cat([before[k].reshape(-1) * world for k in identity])
+    failures.expect(torch.equal(flat, expected) and not state.pending, "the flush is not the residual times p")
+    return {"failures": failures, "decisions": [d["buckets"] for d in state.decisions]}
+
+
+def test_real_ranks_decide_alike_and_switch_and_resume_exactly() -> None:
+    results = run_checks(2, _auto_ranks, timeout=180)
+    assert results[0]["decisions"] == results[1]["decisions"]
+
+
+def _measured_ranks(rank: int, world: int) -> dict[str, Any]:
+    failures = Failures()
+    torch.set_num_threads(1)
+    ddp, state = wrap(toy_model(), "auto:measure_at=2,check_every=2,stray=0.0001")
+    assert isinstance(state, AutoState)
+    sgd_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), toy_batches(rank, 7))
+    decisions = state.decisions
+    failures.expect(len(decisions) >= 2, f"a prediction off by more than stray must make it measure again: {decisions}")
+    failures.expect(all(d["predicted_ms"] > 0 for d in decisions), f"predictions {decisions}")
+    failures.expect(parameters_identical_on_all_ranks(list(ddp.parameters())), "replicas differ")
+    return {"failures": failures, "decisions": [d["buckets"] for d in decisions]}
+
+
+def test_measuring_for_real_and_measuring_again_when_the_prediction_strays() -> None:
+    results = run_checks(2, _measured_ranks, timeout=180)
+    assert results[0]["decisions"] == results[1]["decisions"]
