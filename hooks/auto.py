@@ -325,10 +325,12 @@ class AutoState:
 
     def _measuring_now(self) -> bool:
         """Whether this step ends with a measurement (the same answer on every rank, at every bucket)."""
+        if self._measure_next:
+            return True
         if self.measured_at is None:
             return self.step >= self.spec.measure_at and (self.compute is not None or bool(self._whole_steps()))
         recheck = self.spec.recheck > 0 and self.step - self.measured_at >= self.spec.recheck
-        return recheck or self._measure_next
+        return recheck
 
     def _whole_steps(self) -> list[Timeline]:
         """Steps seen whole since DDP's bucket rebuild (step 0 has a single bucket), the latest ones."""
@@ -362,10 +364,12 @@ class AutoState:
 
     def _measure_and_decide(self) -> None:
         copies = self._copies
-        if self.compute is None:
-            self.compute, self.order = self._workload()
-        if set(self.order) != set(copies):  # DDP regrouped its buckets (a resumed run): start over
-            self.compute, self.order = self._workload()
+        if self.compute is None or set(self.order) != set(copies):  # first, or DDP regrouped (a resumed run)
+            seen = [t for t in self._whole_steps() if set(t.handed) == set(copies)]
+            if not seen:  # no whole step with these buckets yet (a resumed run's first): the next step
+                self._measure_next = True
+                return
+            self.compute, self.order = self._workload(seen)
         largest = max(self.order, key=lambda identity: copies[identity].numel())
         timings, engine_seconds = None, None
         if self.link is None:
@@ -417,12 +421,9 @@ class AutoState:
         choice = choose(self.compute, self.methods, cluster, costs.__getitem__, self.spec.margin)
         return [choice.predicted_s, *choice.uniform_s, *choice.per_bucket]
 
-    def _workload(self) -> tuple[Workload, list[Bucket]]:
-        """The model's compute from the whole steps seen (medians): forward, each bucket's hand-over as
+    def _workload(self, seen: list[Timeline]) -> tuple[Workload, list[Bucket]]:
+        """The model's compute from whole steps ``seen`` (medians): forward, each bucket's hand-over as
         a fraction of backward, and what follows the step's communication (optimizer, data)."""
-        seen = self._whole_steps()
-        if not seen:
-            raise RuntimeError("auto: no whole step was seen before measuring (register it with hooks.register)")
         forward = statistics.median(t.forward_end - t.start for t in seen)  # type: ignore[operator]
         backward = statistics.median(max(t.handed.values()) - t.forward_end for t in seen)  # type: ignore[operator]
         buckets = list(seen[-1].handed)
