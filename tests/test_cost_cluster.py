@@ -39,6 +39,17 @@ def test_multi_node_rounds_by_hand() -> None:
     assert cluster.all_reduce("in_network", N) == pytest.approx(inside + 2 * a_e + N / 2 * b_e)
 
 
+def test_bytes_each_rank_sends() -> None:
+    flat, nodes = Cluster(8, INTER), Cluster(8, INTER, local_size=2, intra=INTRA)
+    assert flat.all_reduce_bytes("ring", N) == flat.all_reduce_bytes("native", N) == pytest.approx(2 * 7 / 8 * N)
+    assert flat.all_reduce_bytes("halving_doubling", N) == pytest.approx(2 * 7 / 8 * N)
+    assert Cluster(6, INTER).all_reduce_bytes("halving_doubling", N) == pytest.approx(2 * 3 / 4 * N + N)
+    assert flat.all_reduce_bytes("tree", N) == 2 * N
+    assert nodes.all_reduce_bytes("hierarchical", N) == pytest.approx(2 * 1 / 2 * N + 2 * 3 / 4 * N / 2)
+    assert nodes.all_reduce_bytes("in_network", N) == pytest.approx(2 * 1 / 2 * N + N / 2)
+    assert Cluster(1, INTER).all_reduce_bytes("ring", N) == 0
+
+
 def test_in_network_reduction_beats_the_ring_at_scale() -> None:
     big = Cluster(1024, INTER, local_size=8, intra=INTRA)
     ring, switch = big.all_reduce("ring", N), big.all_reduce("in_network", N)

@@ -36,6 +36,7 @@ from gradcomp.cost.cluster import Cluster
 from gradcomp.cost.kernels import KernelTable
 from gradcomp.cost.profile import Profile
 from gradcomp.cost.step import Method, Workload, method_of
+from gradcomp.experiments.report.analysis import short_name
 from gradcomp.hooks.torch_hooks import TorchHookSpec, is_torch_spec
 
 LAYER = 2048
@@ -174,7 +175,7 @@ def _table(found: Sequence[plan.Option], baseline: plan.Option | None) -> str:
     rows = sorted(found, key=lambda o: o.step.step_s)
     header = ("method", "route", "hook runs it", "ms/step", "vs allreduce", "beyond compute", "MB sent/rank")
     lines = [
-        (o.method.label, o.route, "yes" if o.available else "predicted only", f"{o.step.step_s * 1e3:.1f}",
+        (short_name(o.method.label), o.route, "yes" if o.available else "predicted only", f"{o.step.step_s * 1e3:.1f}",
          f"{baseline.step.step_s / o.step.step_s:.2f}x" if baseline else "-", f"{o.step.communication_share:.0%}",
          f"{o.step.sent_bytes / 1e6:.2f}")
         for o in rows
@@ -188,7 +189,7 @@ def _scaling_table(curves: dict[str, list[tuple[int, plan.Option]]]) -> str:
     lines = []
     for label, curve in curves.items():
         at = {p: o for p, o in curve}
-        lines.append((label, *(f"{at[p].step.step_s * 1e3:.0f}" if p in at else "-" for p in ranks)))
+        lines.append((short_name(label), *(f"{at[p].step.step_s * 1e3:.0f}" if p in at else "-" for p in ranks)))
     return markdown_table(header, lines)
 
 
@@ -203,7 +204,7 @@ def _command(args: argparse.Namespace) -> int:
     torch_labels = [m.label for m in methods if is_torch_spec(m.label)]
     found = plan.options(chosen.workload, chosen.cluster(), methods, chosen.kernels, torch_labels)
     baseline = plan.best(found, "allreduce")
-    choice, reason = plan.recommend(found)
+    choice, reason = plan.recommend(found, name=short_name)
     ranks = [p for p in plan.SCALING_RANKS if p % min(chosen.local_size, p) == 0]
     curves = plan.scaling(chosen.workload, chosen.cluster, methods, chosen.kernels, ranks, torch_labels)
     nodes = f", {chosen.ranks // chosen.local_size} nodes of {chosen.local_size}" if chosen.local_size > 1 else ""
@@ -235,8 +236,8 @@ def _figures(
     curves: dict[str, list[tuple[int, plan.Option]]],
 ) -> dict[str, Any]:  # fmt: skip
     def option(o: plan.Option) -> dict[str, Any]:
-        return {"method": o.method.label, "route": o.route, "available": o.available,
-                **dataclasses.asdict(o.step), "exposed_s": o.step.exposed_s,
+        return {"method": o.method.label, "name": short_name(o.method.label), "route": o.route,
+                "available": o.available, **dataclasses.asdict(o.step), "exposed_s": o.step.exposed_s,
                 "communication_share": o.step.communication_share}  # fmt: skip
 
     return {
@@ -251,6 +252,7 @@ def _figures(
         "timed_here": list(chosen.kernels.timed_here),
         "options": [option(o) for o in found],
         "recommendation": {"method": choice.method.label, "route": choice.route, "reason": reason},
+        "names": {m: short_name(m) for m in curves},
         "scaling": {label: [{"ranks": p, **option(o)} for p, o in curve] for label, curve in curves.items()},
     }
 

@@ -41,7 +41,7 @@ def render(figures: dict[str, Any]) -> str:
 
 
 def _row(option: dict[str, Any]) -> str:
-    names = (option["method"], option["route"], "yes" if option["available"] else "predicted only")
+    names = (option["name"], option["route"], "yes" if option["available"] else "predicted only")
     figures = [f"{option[key] * 1e3:.1f}" for key in ("step_s", "compute_s", "compress_s", "decompress_s",
                                                         "communicate_s", "exposed_s")]  # fmt: skip
     cells = [f"<td class='name'>{_e(n)}</td>" for n in names] + [f"<td>{f}</td>" for f in figures]
@@ -49,14 +49,15 @@ def _row(option: dict[str, Any]) -> str:
 
 
 def _options_figure(options: list[dict[str, Any]], colours: dict[str, str]) -> str:
-    figure, ax = pyplot.subplots(figsize=(8.0, 0.32 * len(options) + 1.2), constrained_layout=True)
+    figure, ax = pyplot.subplots(figsize=(11.0, 0.3 * len(options) + 1.2), constrained_layout=True)
     for i, o in enumerate(options):
         ax.barh(i, o["step_s"] * 1e3, color=colours.get(o["method"], "#7f7f7f"), alpha=0.85,
                 hatch=None if o["available"] else "//")  # fmt: skip
         ax.barh(i, o["compute_s"] * 1e3, color="black", alpha=0.15)
-    ax.set_yticks(range(len(options)), [f"{o['method']} [{o['route']}]" for o in options])
+    ax.set_yticks(range(len(options)), [f"{o['name']} [{o['route']}]" for o in options])
     ax.invert_yaxis()
-    ax.set_xlabel("predicted ms per step (grey: the model's compute; hatched: predicted only, no hook runs it)")
+    ax.set_xscale("log")
+    ax.set_xlabel("predicted ms per step, log scale (grey: compute; hatched: predicted only, no hook runs it)")
     ax.grid(axis="x", alpha=0.3)
     return plots.svg(figure)
 
@@ -68,7 +69,7 @@ def _scaling_figure(scaling: dict[str, list[dict[str, Any]]], colours: dict[str,
             continue
         ranks = [c["ranks"] for c in curve]
         style = {"color": colours[label], "linestyle": "--" if is_torch_spec(label) else "-", "marker": "o",
-                 "markersize": 3, "label": label}  # fmt: skip
+                 "markersize": 3, "label": curve[0]["name"]}  # fmt: skip
         steps.plot(ranks, [c["step_s"] * 1e3 for c in curve], **style)
         shares.plot(ranks, [100 * c["communication_share"] for c in curve], **style)
     for ax, label in ((steps, "predicted ms per step"), (shares, "% of the step beyond compute")):

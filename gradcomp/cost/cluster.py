@@ -108,6 +108,26 @@ class Cluster:
             return self._halving_doubling(n_bytes)
         raise ValueError(f"unknown all-reduce algorithm {algo!r}; valid: {', '.join(ALL_REDUCE)}")
 
+    def all_reduce_bytes(self, algo: str, n_bytes: float) -> float:
+        """Bytes one rank sends in one all-reduce of ``n_bytes`` with ``algo`` (the tree: a rank that
+        sends to its parent and to its children: 2 n, the most any rank sends per round)."""
+        p, local = self.ranks, self.local_size
+        if p == 1:
+            return 0.0
+        if algo in ("native", "ring"):
+            return 2 * (p - 1) / p * n_bytes
+        if algo == "tree":
+            return 2 * n_bytes
+        if algo == "halving_doubling":
+            power = 1 << (p.bit_length() - 1)
+            return 2 * (power - 1) / power * n_bytes + (0.0 if power == p else n_bytes)
+        inside = 2 * (local - 1) / local * n_bytes
+        if algo == "hierarchical":
+            return inside + 2 * (self.nodes - 1) / self.nodes * n_bytes / local
+        if algo == "in_network":
+            return inside + (n_bytes / local if self.nodes > 1 else 0.0)
+        raise ValueError(f"unknown all-reduce algorithm {algo!r}; valid: {', '.join(ALL_REDUCE)}")
+
     def all_gather(self, payload_bytes: float) -> float:
         """Seconds of an all-gather in which every rank contributes ``payload_bytes`` (a ring)."""
         if self.ranks == 1:

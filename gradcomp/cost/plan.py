@@ -93,8 +93,11 @@ def best(found: Sequence[Option], label: str, available_only: bool = True) -> Op
     return min(mine, key=lambda o: o.step.step_s) if mine else None
 
 
-def recommend(found: Sequence[Option], baseline: str = "allreduce") -> tuple[Option, str]:
-    """The fastest option a hook can run, and why (against the uncompressed ``baseline``)."""
+def recommend(
+    found: Sequence[Option], baseline: str = "allreduce", name: Callable[[str], str] = str
+) -> tuple[Option, str]:
+    """The fastest option a hook can run, and why (against the uncompressed ``baseline``). Methods are
+    named by ``name`` (default: their label)."""
     runnable = [o for o in found if o.available]
     if not runnable:
         raise ValueError("no candidate can run as a hook")
@@ -102,7 +105,7 @@ def recommend(found: Sequence[Option], baseline: str = "allreduce") -> tuple[Opt
     reference = best(found, baseline)
     step = choice.step
     text = (
-        f"{choice.method.label} over {choice.route}: {step.step_s * 1e3:.1f} ms per step predicted, "
+        f"{name(choice.method.label)} over {choice.route}: {step.step_s * 1e3:.1f} ms per step predicted, "
         f"{step.communication_share:.0%} of it beyond the model's compute, {step.sent_bytes / 1e6:.2f} MB sent per rank"
     )
     if reference is None or reference is choice:

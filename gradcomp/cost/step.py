@@ -202,7 +202,7 @@ def bucket_cost(
         unsqueeze = sum(kernel.decompress(n / p, p) * 2 for n in sizes)
     if not gather:
         seconds = sum(cluster.all_reduce(method.algo, b) for b in rounds)
-        sent = sum(rounds) * 2 * (p - 1) / p
+        sent = sum(cluster.all_reduce_bytes(method.algo, b) for b in rounds)
     elif two_phase:
         seconds = cluster.all_to_all(rounds[0]) + cluster.all_gather(rounds[0] / p)
         sent = rounds[0] * (p - 1) / p * 2
