@@ -4,6 +4,7 @@ decide alike, switch without losing error feedback's residuals, and resume exact
 from __future__ import annotations
 
 import io
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -172,3 +173,27 @@ def _measured_ranks(rank: int, world: int) -> dict[str, Any]:
 def test_measuring_for_real_and_measuring_again_when_the_prediction_strays() -> None:
     results = run_checks(2, _measured_ranks, timeout=180)
     assert results[0]["decisions"] == results[1]["decisions"]
+
+
+def test_a_training_run_with_auto_resumes_and_writes_its_decisions(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from gradcomp.experiments.training.config import TrainConfig
+    from gradcomp.experiments.training.run import launch
+
+    spec = "auto:candidates=fp16|topk:ratio=0.05,ef=true,measure_at=3"
+    settings: dict[str, Any] = {"task": "digits", "steps": 12, "batch_size": 32, "hook": spec, "ranks": 2, "seed": 1,
+                                "eval_every": 6, "log_every": 4, "timeout": 150, "group_timeout": 60}  # fmt: skip
+    out = tmp_path / "auto"
+    stopped = launch(TrainConfig(**settings, out=str(out), stop_at=8))
+    assert stopped["status"] == "stopped"
+    resumed = launch(TrainConfig(**settings, out=str(out), resume="auto"))
+    assert resumed["status"] == "finished" and resumed["resumed_from"] == 8
+    events = EventAccumulator(str(out), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    assert "hook/predicted_step_ms" in events.Tags()["scalars"]
+    texts = [t for t in events.Tags()["tensors"] if t.startswith("hook/decision")]
+    decision = events.Tensors(texts[0])[0].tensor_proto.string_val[0].decode()
+    assert decision.startswith("step 3: ")
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert saved["hooks"][0]["decisions"][0]["step"] == 3

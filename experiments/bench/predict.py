@@ -35,6 +35,7 @@ from gradcomp.cost.profile import Profile
 from gradcomp.cost.step import Method, Workload, method_of, predict
 from gradcomp.experiments.bench import ddp
 from gradcomp.experiments.tasks import build_task
+from gradcomp.hooks.auto import is_auto_spec
 from gradcomp.hooks.torch_hooks import TorchHookSpec, is_torch_spec
 
 TOLERANCE = 0.25
@@ -65,6 +66,8 @@ class Row:
 
 def method_for(variant: str) -> Method:
     """The cost model's method of a benchmark variant (gradcomp's, torch's or noop)."""
+    if is_auto_spec(variant):
+        raise ValueError("auto chooses while it runs: predict its candidates instead (it uses this model itself)")
     return TorchHookSpec.parse(variant).cost_method() if is_torch_spec(variant) else method_of(variant)
 
 
