@@ -40,9 +40,7 @@ import datetime
 import logging
 import math
 import statistics
-import threading
 import time
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -51,124 +49,25 @@ from torch import Tensor
 from torch.distributed import GradBucket
 
 from gradcomp.collectives.cost_model import LinkCosts
-from gradcomp.collectives.executor import Handle, executor
-from gradcomp.collectives.link import Traffic
+from gradcomp.collectives.executor import executor, join
 from gradcomp.cost import online
 from gradcomp.cost.choose import choose, explain
 from gradcomp.cost.cluster import Cluster
 from gradcomp.cost.online import Bucket
 from gradcomp.cost.step import Workload, method_of
 from gradcomp.engine import Engine
-from gradcomp.engine.spec import ALLREDUCE, HookSpec
 from gradcomp.engine.stats import per_step, write_trace
+from gradcomp.hooks.auto_spec import DEFAULT_CANDIDATES, NAME, AutoSpec, is_auto_spec
 from gradcomp.hooks.ddp import check_saved, deliver, shapes_of
-from gradcomp.options import convert
 
 logger = logging.getLogger(__name__)
 
-NAME = "auto"
-DEFAULT_CANDIDATES = ("fp16", "powersgd:rank=4,ef=true", "topk:ratio=0.01,ef=true", "sign:ef=true")
-"""Beside ``allreduce``: the lossless cast and error-feedback-protected compressors."""
+UNFITTED = -1.0
+"""Rank 0's answer when the link's timings could not be fitted (times that did not grow with size)."""
+RETRIES = 3
+"""Steps in a row it measures again after such an answer, before it keeps the decision as it is."""
 
-
-@dataclasses.dataclass(frozen=True)
-class AutoSpec:
-    """A parsed ``auto`` spec."""
-
-    candidates: tuple[str, ...] = DEFAULT_CANDIDATES
-    """Hook specs to choose among (canonical text), besides ``allreduce``."""
-    measure_at: int = 4
-    """The step at which it measures and decides first (DDP rebuilds its buckets at step 1)."""
-    recheck: int = 1000
-    """Measure and decide again every this many steps (0: never)."""
-    check_every: int = 50
-    """Compare the measured step with the prediction every this many steps (0: never)."""
-    stray: float = 0.25
-    """Measure again when the measured step differs from the prediction by more than this."""
-    margin: float = 0.05
-    """A choice must be predicted this much faster than the uncompressed gradient to be taken."""
-    seed: int = 0
-    """Seed of every candidate's generators (the same on every rank)."""
-
-    def __post_init__(self) -> None:
-        if not self.candidates:
-            raise ValueError("auto needs at least one candidate besides allreduce")
-        parsed = [HookSpec.parse(candidate) for candidate in self.candidates]
-        if any(spec.noop for spec in parsed):
-            raise ValueError("noop sends nothing: it cannot be an auto candidate")
-        object.__setattr__(self, "candidates", tuple(str(spec) for spec in parsed))  # frozen: canonical once
-        if self.measure_at < 2:
-            raise ValueError(f"measure_at must be >= 2 (DDP's buckets are rebuilt at step 1), got {self.measure_at}")
-        if self.recheck < 0 or self.check_every < 0:
-            raise ValueError(f"recheck and check_every must be >= 0, got {self.recheck} and {self.check_every}")
-        if self.stray <= 0 or not 0 <= self.margin < 1:
-            raise ValueError(f"need stray > 0 and 0 <= margin < 1, got {self.stray} and {self.margin}")
-
-    @classmethod
-    def parse(cls, text: str) -> "AutoSpec":
-        """``auto`` or ``auto:candidates=a|b|c,recheck=500,...``: a candidate's own options (after a
-        comma, as in ``topk:ratio=0.01,ef=true``) stay with it; ``auto``'s options start anew."""
-        name, _, rest = text.strip().partition(":")
-        if name != NAME:
-            raise ValueError(f"an auto spec starts with {NAME!r}, got {text!r}")
-        options: dict[str, str] = {}
-        current = None
-        for piece in (p.strip() for p in rest.split(",") if p.strip()):
-            key, equals, value = piece.partition("=")
-            if equals and key.strip() in OPTIONS:
-                current = key.strip()
-                options[current] = value.strip()
-            elif current == "candidates":
-                options[current] += "," + piece
-            else:
-                raise ValueError(f"unknown auto option {piece!r}; valid: {', '.join(OPTIONS)}")
-        fields: dict[str, Any] = {}
-        for key, value in options.items():
-            if key == "candidates":
-                fields[key] = tuple(str(HookSpec.parse(c)) for c in value.split("|") if c.strip())
-            else:
-                fields[key] = convert(key, value, type(getattr(cls, key)))
-        return cls(**fields)
-
-    def __str__(self) -> str:
-        """The canonical text: ``auto``, then every option that differs from its default."""
-        changed = []
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name == "candidates":
-                if value != tuple(str(HookSpec.parse(c)) for c in DEFAULT_CANDIDATES):
-                    changed.append("candidates=" + "|".join(value))
-            elif value != f.default:
-                changed.append(f"{f.name}={value}")
-        return NAME + (":" + ",".join(changed) if changed else "")
-
-    @property
-    def hook_specs(self) -> list[HookSpec]:
-        """``allreduce`` then the candidates, each once, with this spec's seed."""
-        texts = dict.fromkeys([ALLREDUCE, *self.candidates])
-        return [HookSpec.parse(text, seed=self.seed) for text in texts]
-
-
-OPTIONS = tuple(f.name for f in dataclasses.fields(AutoSpec))
-
-
-def is_auto_spec(text: object) -> bool:
-    """Whether ``text`` is an ``auto`` spec (``auto`` or ``auto:...``)."""
-    return isinstance(text, str) and text.strip().partition(":")[0] == NAME
-
-
-@dataclasses.dataclass
-class Timeline:
-    """One step as this rank saw it: forward's start and end, each bucket's hand-over, the next start."""
-
-    start: float
-    forward_end: float | None = None
-    handed: dict[Bucket, float] = dataclasses.field(default_factory=dict)
-    next_start: float | None = None
-
-    @property
-    def whole(self) -> bool:
-        return self.forward_end is not None and self.next_start is not None and bool(self.handed)
+__all__ = ["DEFAULT_CANDIDATES", "AutoSpec", "AutoState", "is_auto_spec", "register"]
 
 
 class AutoState:
@@ -207,9 +106,10 @@ class AutoState:
         self.predicted_s: float | None = None
         self.measured_at: int | None = None
         self._measure_next = False
+        self._unfitted = 0  # measurements in a row whose link timings could not be fitted
         self._indices: dict[int, int] = {}
         self._shapes: dict[Bucket, list[torch.Size]] = {}
-        self._timelines: list[Timeline] = []
+        self._timelines: list[online.Timeline] = []
         self._copies: dict[Bucket, Tensor] = {}
 
     # -- what DDP and the model call -------------------------------------------------------------
@@ -225,7 +125,7 @@ class AutoState:
         if self._timelines and not self._timelines[-1].handed:
             self._timelines.pop()  # a micro-batch without synchronization (no_sync): the step starts later
         self._timelines = self._timelines[-(self.spec.check_every + self.spec.measure_at) :]
-        self._timelines.append(Timeline(now))
+        self._timelines.append(online.Timeline(now))
 
     def forward_ended(self, *_: Any) -> None:
         """The DDP module's forward hook: backward comes next."""
@@ -256,7 +156,7 @@ class AutoState:
             handles.append(engine.reduce(buffer[start : start + size], keys[first:end], shapes[first:end],
                                          bucket.index(), last=False))  # fmt: skip
             start, first = start + size, end
-        handle = handles[0] if len(handles) == 1 else _joined(handles, buffer)
+        handle = handles[0] if len(handles) == 1 else join(handles, buffer)
         if bucket.is_last():
             try:
                 self._end_of_step()
@@ -284,10 +184,6 @@ class AutoState:
         """Everything a resumed run needs to continue exactly: the decision, the pending flushes,
         every candidate's compressor and engine state, and what was measured (plain values and
         tensors: loadable with ``torch.load(..., weights_only=True)``)."""
-        compute = None
-        if self.compute is not None:
-            compute = {f.name: getattr(self.compute, f.name) for f in dataclasses.fields(self.compute)}
-            compute = {key: _plain(value) for key, value in compute.items()}
         return {
             "spec": str(self.spec),
             "world_size": self.world,
@@ -297,7 +193,7 @@ class AutoState:
             "candidates": [e.compressor.state_dict() for e in self.engines],
             "engines": [e.state_dict() for e in self.engines],
             "decisions": self.decisions,
-            "compute": compute,
+            "compute": None if self.compute is None else self.compute.state(),
             "order": [list(identity) for identity in self.order],
             "predicted_s": self.predicted_s,
             "measured_at": self.measured_at,
@@ -314,8 +210,7 @@ class AutoState:
             engine.compressor.load_state_dict(compressor)
             engine.load_state_dict(own)
         self.decisions = list(state["decisions"])
-        compute = state["compute"]
-        self.compute = None if compute is None else Workload(**{k: _tupled(k, v) for k, v in compute.items()})
+        self.compute = None if state["compute"] is None else Workload.from_state(state["compute"])
         self.order = [tuple(int(k) for k in identity) for identity in state["order"]]
         self.predicted_s = state["predicted_s"]
         self.measured_at = state["measured_at"]
@@ -332,7 +227,7 @@ class AutoState:
         recheck = self.spec.recheck > 0 and self.step - self.measured_at >= self.spec.recheck
         return recheck
 
-    def _whole_steps(self) -> list[Timeline]:
+    def _whole_steps(self) -> list[online.Timeline]:
         """Steps seen whole since DDP's bucket rebuild (step 0 has a single bucket), the latest ones."""
         whole = [t for t in self._timelines[:-1] if t.whole]
         return whole[-(self.spec.measure_at - 1) :]
@@ -369,7 +264,7 @@ class AutoState:
             if not seen:  # no whole step with these buckets yet (a resumed run's first): the next step
                 self._measure_next = True
                 return
-            self.compute, self.order = self._workload(seen)
+            self.compute, self.order = online.workload_from(seen, self._shapes, self._step_end)
         largest = max(self.order, key=lambda identity: copies[identity].numel())
         timings, engine_seconds = None, None
         if self.link is None:
@@ -381,6 +276,14 @@ class AutoState:
         if self.rank == 0:
             vector = self._decide(timings, copies, engine_seconds, largest)
         received = self._broadcast(torch.tensor(vector, dtype=torch.float64))
+        if received[0] == UNFITTED and self._unfitted < RETRIES:  # the same on every rank: rank 0's
+            self._unfitted += 1
+            self._measure_next = True
+            return
+        if received[0] == UNFITTED:  # still no fit: keep what is, measure again at the next recheck
+            self.measured_at, self._measure_next, self._unfitted = self.step, False, 0
+            return
+        self._unfitted = 0
         predicted, uniform = received[0], received[1 : 1 + len(self.methods)]
         assignment = [int(c) for c in received[1 + len(self.methods) :]]
         self._install({key: c for identity, c in zip(self.order, assignment, strict=True) for key in identity})
@@ -410,10 +313,9 @@ class AutoState:
         else:
             try:
                 cluster = online.fit(timings, self.world)
-            except ValueError as error:  # a link too noisy to fit: no basis for a change
-                logger.warning("auto: keeping the decision as it is: %s", error)
-                current = [self.choice.get(identity[0], 0) for identity in self.order]
-                return [self.predicted_s or 0.0, *[0.0] * len(self.methods), *current]
+            except ValueError as error:  # a link too noisy to fit: no basis for a decision
+                logger.warning("auto: measuring again at the next step: %s", error)
+                return [UNFITTED] * (1 + len(self.methods) + len(self.order))
         shapes = {identity: self._shapes[identity] for identity in self.order}
         gradients = {identity: copies[identity] for identity in self.order}
         costs = online.kernel_costs(self.methods, gradients, shapes, cluster, engine_seconds, largest,
@@ -421,34 +323,7 @@ class AutoState:
         choice = choose(self.compute, self.methods, cluster, costs.__getitem__, self.spec.margin)
         return [choice.predicted_s, *choice.uniform_s, *choice.per_bucket]
 
-    def _workload(self, seen: list[Timeline]) -> tuple[Workload, list[Bucket]]:
-        """The model's compute from whole steps ``seen`` (medians): forward, each bucket's hand-over as
-        a fraction of backward, and what follows the step's communication (optimizer, data)."""
-        forward = statistics.median(t.forward_end - t.start for t in seen)  # type: ignore[operator]
-        backward = statistics.median(max(t.handed.values()) - t.forward_end for t in seen)  # type: ignore[operator]
-        buckets = list(seen[-1].handed)
-        offset = {
-            identity: statistics.median(t.handed[identity] - t.forward_end for t in seen if identity in t.handed)  # type: ignore[operator]
-            for identity in buckets
-        }
-        after = statistics.median(t.next_start - self._step_end(t) for t in seen)  # type: ignore[operator]
-        order = sorted(buckets, key=lambda identity: offset[identity])
-        flat: list[tuple[int, ...]] = []
-        fractions: list[float] = []
-        groups = []
-        for identity in order:
-            members = [tuple(s) for s in self._shapes[identity]]
-            groups.append(tuple(range(len(flat), len(flat) + len(members))))
-            flat += members
-            fractions += [min(1.0, max(0.0, offset[identity] / max(backward, 1e-9)))] * len(members)
-        fractions[-1] = 1.0
-        for k in range(len(fractions) - 2, -1, -1):
-            fractions[k] = min(fractions[k], fractions[k + 1])
-        workload = Workload(tuple(flat), tuple(fractions), forward, max(backward, 0.0), max(after, 0.0),
-                            groups=tuple(groups))  # fmt: skip
-        return workload, order
-
-    def _step_end(self, timeline: Timeline) -> float:
+    def _step_end(self, timeline: online.Timeline) -> float:
         """When the step's communication was done: its buckets' latest finish (else its last hand-over)."""
         last = max(timeline.handed.values())
         finished = [
@@ -489,44 +364,6 @@ class AutoState:
             if residual is not None:
                 buffer[start : start + size].add_(residual.reshape(-1), alpha=self.world)
             start += size
-
-
-def _joined(handles: list[Handle[Tensor]], buffer: Tensor) -> Handle[Tensor]:
-    """One handle for a bucket averaged in runs: ``buffer`` once every run is done (or the first error)."""
-    done: Future[tuple[Tensor, Traffic | None]] = Future()
-    left = [len(handles)]
-    lock = threading.Lock()
-
-    def finished(handle: Handle[Tensor]) -> None:
-        try:
-            handle.wait()
-        except BaseException as error:
-            with lock:
-                if not done.done():
-                    done.set_exception(error)
-            return
-        with lock:
-            left[0] -= 1
-            if left[0] == 0 and not done.done():
-                done.set_result((buffer, None))
-
-    for handle in handles:
-        handle.then(finished)
-    return Handle(done)
-
-
-def _plain(value: Any) -> Any:
-    """Tuples (of tuples) as lists: plain values for a checkpoint."""
-    return [_plain(v) for v in value] if isinstance(value, tuple) else value
-
-
-def _tupled(name: str, value: Any) -> Any:
-    """A :class:`Workload` field back from :func:`_plain`."""
-    if name in ("shapes", "groups"):
-        return None if value is None else tuple(tuple(v) for v in value)
-    if name in ("ready", "bucket_caps"):
-        return tuple(value)
-    return value
 
 
 def register(model: torch.nn.parallel.DistributedDataParallel, spec: str | AutoSpec, **options: Any) -> AutoState:

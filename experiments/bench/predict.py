@@ -157,17 +157,31 @@ def run(
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    """Markdown: one line per hook and setting; the noop rows (the compute input) are left out."""
+    """Markdown: a table per network and world size, a line per hook, per model its measured and
+    predicted ms per step and the error; the noop rows (the compute input) are left out."""
     from gradcomp.bench.report import markdown_table
 
-    header = ("model", "network", "ranks", "hook", "measured ms", "predicted ms", "error")
-    lines = [
-        (r.model, r.network, r.ranks, r.variant, f"{r.measured_ms:.1f}" if r.measured_ms else "-",
-         f"{r.predicted_ms:.1f}", f"{r.error:+.0%}" if r.error is not None else r.status)
-        for r in rows
-        if r.variant != ddp.NOOP
-    ]  # fmt: skip
-    return markdown_table(header, lines, right=[False, False, True, False, True, True, True])
+    tables = []
+    for network, ranks in dict.fromkeys((r.network, r.ranks) for r in rows):
+        mine = [r for r in rows if (r.network, r.ranks) == (network, ranks) and r.variant != ddp.NOOP]
+        models = list(dict.fromkeys(r.model for r in mine))
+        header = ("hook", *(f"{m} {what}" for m in models for what in ("measured", "predicted", "error")))
+        lines = []
+        for variant in dict.fromkeys(r.variant for r in mine):
+            cells: list[str] = [variant]
+            for model in models:
+                found = [r for r in mine if r.model == model and r.variant == variant]
+                cells += _cells(found[0]) if found else ["-", "-", "-"]
+            lines.append(cells)
+        title = f"{network}, {ranks} ranks (ms per step)"
+        tables.append(f"{title}\n\n" + markdown_table(header, lines))
+    return "\n\n".join(tables)
+
+
+def _cells(row: Row) -> list[str]:
+    measured = f"{row.measured_ms:.1f}" if row.measured_ms else "-"
+    error = f"{row.error:+.0%}" if row.error is not None else row.status
+    return [measured, f"{row.predicted_ms:.1f}", error]
 
 
 def summary(rows: Sequence[Row]) -> str:

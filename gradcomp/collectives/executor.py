@@ -14,7 +14,7 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -47,6 +47,31 @@ class Handle(Generic[T]):
         internal traffic is not observable. Available once the operation completed."""
         self.wait()
         return self._future.result()[1]
+
+
+def join(handles: list[Handle[Any]], value: T) -> Handle[T]:
+    """One handle for several operations: ``value`` once every one is done, or the first error
+    (the ``auto`` hook averages a bucket in runs, one per method)."""
+    done: Future[tuple[T, Traffic | None]] = Future()
+    left = [len(handles)]
+    lock = threading.Lock()
+
+    def finished(handle: Handle[Any]) -> None:
+        try:
+            handle.wait()
+        except BaseException as error:
+            with lock:
+                if not done.done():
+                    done.set_exception(error)
+            return
+        with lock:
+            left[0] -= 1
+            if left[0] == 0 and not done.done():
+                done.set_result((value, None))
+
+    for handle in handles:
+        handle.then(finished)
+    return Handle(done)
 
 
 class Executor:

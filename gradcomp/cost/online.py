@@ -10,6 +10,8 @@ of a group and tensors (no DDP here):
   whole path (compression, the link, decompression, the engine's own hand-overs).
 - :func:`kernel_costs`: every candidate's kernels on each of a step's real gradients, with the
   engine's overhead (the engine's measured time beyond what kernels and link predict).
+- :func:`workload_from`: the model's compute from :class:`Timeline` s of whole steps (when forward
+  started and ended, when each bucket was handed over, when the next step started).
 """
 
 from __future__ import annotations
@@ -53,6 +55,52 @@ class LinkTimings:
     sizes: tuple[int, ...]
     all_reduce: tuple[float, ...]
     all_gather: tuple[float, ...]
+
+
+@dataclasses.dataclass
+class Timeline:
+    """One step as this rank saw it: forward's start and end, each bucket's hand-over, the next start."""
+
+    start: float
+    forward_end: float | None = None
+    handed: dict[Bucket, float] = dataclasses.field(default_factory=dict)
+    next_start: float | None = None
+
+    @property
+    def whole(self) -> bool:
+        return self.forward_end is not None and self.next_start is not None and bool(self.handed)
+
+
+def workload_from(
+    seen: Sequence[Timeline],
+    shapes: Mapping[Bucket, Sequence[torch.Size]],
+    step_end: Callable[[Timeline], float],
+) -> tuple[Workload, list[Bucket]]:
+    """The model's compute from whole steps ``seen`` (medians): forward, each bucket's hand-over as
+    a fraction of backward, and what follows the step's communication (optimizer, data)."""
+    forward = statistics.median(t.forward_end - t.start for t in seen)  # type: ignore[operator]
+    backward = statistics.median(max(t.handed.values()) - t.forward_end for t in seen)  # type: ignore[operator]
+    buckets = list(seen[-1].handed)
+    offset = {
+        identity: statistics.median(t.handed[identity] - t.forward_end for t in seen if identity in t.handed)  # type: ignore[operator]
+        for identity in buckets
+    }
+    after = statistics.median(t.next_start - step_end(t) for t in seen)  # type: ignore[operator]
+    order = sorted(buckets, key=lambda identity: offset[identity])
+    flat: list[tuple[int, ...]] = []
+    fractions: list[float] = []
+    groups = []
+    for identity in order:
+        members = [tuple(s) for s in shapes[identity]]
+        groups.append(tuple(range(len(flat), len(flat) + len(members))))
+        flat += members
+        fractions += [min(1.0, max(0.0, offset[identity] / max(backward, 1e-9)))] * len(members)
+    fractions[-1] = 1.0
+    for k in range(len(fractions) - 2, -1, -1):
+        fractions[k] = min(fractions[k], fractions[k + 1])
+    workload = Workload(tuple(flat), tuple(fractions), forward, max(backward, 0.0), max(after, 0.0),
+                        groups=tuple(groups))  # fmt: skip
+    return workload, order
 
 
 def probe_link(group: dist.ProcessGroup, largest_bytes: int) -> LinkTimings:

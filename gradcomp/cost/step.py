@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -86,6 +87,17 @@ class Workload:
     @property
     def compute_s(self) -> float:
         return self.forward_s + self.backward_s + self.optimizer_s
+
+    def state(self) -> dict[str, Any]:
+        """Plain values (lists, numbers) for a checkpoint; :meth:`from_state` reads them back."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> Workload:
+        def tupled(value: Any) -> Any:
+            return tuple(tupled(v) for v in value) if isinstance(value, list) else value
+
+        return cls(**{key: tupled(value) for key, value in state.items()})
 
     @property
     def numel(self) -> int:
@@ -262,6 +274,11 @@ def predict(
             for name in ("compress", "decompress", "communicate", "payload", "sent")
         ),
     )
+
+
+def _plain(value: Any) -> Any:
+    """Tuples (of tuples) as lists."""
+    return [_plain(v) for v in value] if isinstance(value, tuple) else value
 
 
 def _later_rounds(kernel: KernelCost, sizes: list[int], rounds: int) -> float:
