@@ -15,6 +15,7 @@ spelt ``torch:fp16`` and the like: :mod:`gradcomp.hooks.torch_hooks`. :func:`par
 them. See ``docs/hooks.md``.
 """
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -41,7 +42,7 @@ def parse(spec: "str | AnySpec", seed: int | None = None) -> AnySpec:
     if is_auto_spec(spec):
         parsed = AutoSpec.parse(spec)
         sets_seed = "seed=" in spec.replace(" ", "")
-        return parsed if seed is None or sets_seed else AutoSpec(**{**parsed.__dict__, "seed": seed})
+        return parsed if seed is None or sets_seed else dataclasses.replace(parsed, seed=seed)
     return HookSpec.parse(spec) if seed is None else HookSpec.parse(spec, seed=seed)
 
 

@@ -54,6 +54,7 @@ from gradcomp.cost import online
 from gradcomp.cost.choose import choose, explain
 from gradcomp.cost.cluster import Cluster
 from gradcomp.cost.online import Bucket
+from gradcomp.cost.profile import Timings
 from gradcomp.cost.step import Workload, method_of
 from gradcomp.engine import Engine
 from gradcomp.engine.stats import per_step, write_trace
@@ -300,7 +301,7 @@ class AutoState:
 
     def _decide(
         self,
-        timings: online.LinkTimings | None,
+        timings: Timings | None,
         copies: dict[Bucket, Tensor],
         engine_seconds: list[float] | None,
         largest: Bucket,

@@ -14,6 +14,7 @@ from gradcomp.collectives.executor import Handle
 from gradcomp.engine import Engine
 from gradcomp.engine.spec import HookSpec, HookSpecLike
 from gradcomp.engine.stats import per_step, write_trace
+from gradcomp.hooks.auto_spec import is_auto_spec
 
 Hook = Callable[["HookState", GradBucket], torch.futures.Future[Tensor]]
 
@@ -163,7 +164,7 @@ def make(
         timeout: what any collective of the hook may take before it fails, naming the peer (a frozen
             or failed rank); default: ``group``'s own (what ``init_process_group`` was given).
     """
-    if isinstance(spec, str) and spec.strip().partition(":")[0] == "auto":
+    if is_auto_spec(spec):
         raise ValueError(
             "auto times the model's forward and backward: attach it with gradcomp.hooks.register(model, 'auto')"
         )

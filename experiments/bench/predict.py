@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from gradcomp.cost import calibrate as calibration
-from gradcomp.cost.cluster import Cluster
 from gradcomp.cost.compute import measure as measure_compute
 from gradcomp.cost.kernels import KernelTable
 from gradcomp.cost.profile import Profile
@@ -112,12 +111,6 @@ def profile_for(network: str, ranks: int, directory: str | None) -> Profile:
     return profile
 
 
-def cluster_of(profile: Profile, ranks: int) -> Cluster:
-    """This machine's ranks, each its own node behind the calibrated link."""
-    link = profile.link("all_reduce")
-    return Cluster(ranks, link, native_all_reduce=link, native_all_gather=profile.link("all_gather"))
-
-
 def run(
     models: Sequence[str],
     ranks: Sequence[int],
@@ -143,7 +136,7 @@ def run(
         for p in ranks:
             profile = profile_for(network, p, profiles)
             kernels = KernelTable(profile.kernels)
-            cluster = cluster_of(profile, p)
+            cluster = profile.cluster(p)
             for name in models:
                 measured = ddp.run(name, p, network, specs, torch_hooks=torch_hooks, steps=steps, warmup=warmup,
                                    rounds=rounds, seed=seed)  # fmt: skip

@@ -50,7 +50,8 @@ class LinkCosts:
             raise ValueError(f"alpha, beta and gamma must be >= 0, got {self}")
 
 
-def _power_below(p: int) -> int:
+def power_below(p: int) -> int:
+    """The largest power of two not above ``p`` (halving-doubling's core; the other ranks fold in)."""
     return 1 << (p.bit_length() - 1)
 
 
@@ -77,7 +78,7 @@ def all_reduce_seconds(
         rounds = math.ceil(math.log2(p))
         return 2 * rounds * (a + n_bytes * b) + rounds * n_bytes * g
     if algo == "halving_doubling":
-        power = _power_below(p)
+        power = power_below(p)
         rounds = int(math.log2(power))
         fold = 0.0 if power == p else 2 * (a + n_bytes * b) + n_bytes * g
         if n_bytes <= SHORT_BYTES:
@@ -94,7 +95,7 @@ def all_reduce_seconds(
 def bytes_sent(algo: str, n_bytes: int, p: int) -> float:
     """Bytes one rank sends in one all-reduce (ring, halving-doubling for powers of two), or all
     ranks together (tree, whose ranks send different amounts)."""
-    if algo == "ring" or (algo == "halving_doubling" and n_bytes > SHORT_BYTES and p == _power_below(p)):
+    if algo == "ring" or (algo == "halving_doubling" and n_bytes > SHORT_BYTES and p == power_below(p)):
         return ring_traffic(p) * n_bytes
     if algo == "tree":
         return 2 * (p - 1) * n_bytes

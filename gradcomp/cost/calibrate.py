@@ -36,7 +36,7 @@ from gradcomp.bench.report import machine
 from gradcomp.compressors import parse_spec
 from gradcomp.cost import kernels
 from gradcomp.cost.kernels import KernelCost
-from gradcomp.cost.profile import COLLECTIVES, Profile, fit_link
+from gradcomp.cost.profile import COLLECTIVES, Profile, Timings, fit_links
 from gradcomp.cost.step import Workload, method_of, predict
 from gradcomp.engine import Engine
 from gradcomp.engine.transport import all_gather_single
@@ -67,38 +67,51 @@ KERNEL_SPECS = tuple(
 error-feedback variants of the benchmarks and of the ``auto`` hook (canonical specs)."""
 
 
-def time_collectives(rank: int, world: int, sizes: Sequence[int], repeats: int) -> dict[str, list[list[float]]]:
-    """Inside every rank: per collective, [bytes, median seconds of the slowest rank] per size."""
-    timings: dict[str, list[list[float]]] = {name: [] for name in COLLECTIVES}
+def time_collectives(
+    rank: int,
+    world: int,
+    sizes: Sequence[int],
+    repeats: int,
+    warmup: int = WARMUP,
+    group: dist.ProcessGroup | None = None,
+) -> Timings:
+    """Inside every rank of ``group``: per collective, [bytes, median seconds of the slowest rank] per
+    size (the ``auto`` hook probes its group with it too)."""
+    timings: Timings = {name: [] for name in COLLECTIVES}
     # A group's first collectives are slow (connections, buffers): warm both up at the largest size first.
     largest = torch.zeros(max(sizes) // 4)
-    for _ in range(WARMUP):
-        dist.all_reduce(largest)
-        all_gather_single(torch.empty(world * largest.numel()), largest)
+    for _ in range(warmup):
+        dist.all_reduce(largest, group=group)
+        all_gather_single(torch.empty(world * largest.numel()), largest, group=group)
     for size in sizes:
         tensor = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
         gathered = torch.empty(world * tensor.numel())
         runs: dict[str, Callable[[], Any]] = {
-            "all_reduce": functools.partial(dist.all_reduce, tensor),
-            "all_gather": functools.partial(all_gather_single, gathered, tensor),
+            "all_reduce": functools.partial(dist.all_reduce, tensor, group=group),
+            "all_gather": functools.partial(all_gather_single, gathered, tensor, group=group),
         }
         for name, run in runs.items():
-            timings[name].append(
-                [float(size), _slowest_median(run, repeats, WARMUP, functools.partial(tensor.div_, world))]
-            )
+            seconds = _slowest_median(run, repeats, warmup, functools.partial(tensor.div_, world), group)
+            timings[name].append([float(size), seconds])
     return timings
 
 
-def _slowest_median(run: Callable[[], Any], repeats: int, warmup: int, after: Callable[[], Any] | None = None) -> float:
+def _slowest_median(
+    run: Callable[[], Any],
+    repeats: int,
+    warmup: int,
+    after: Callable[[], Any] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> float:
     """The median over ``repeats`` (after ``warmup``) of ``run``'s time on the slowest rank, each run
-    after a barrier; ``after()`` follows every run (to keep the values bounded)."""
+    after a barrier; ``after()`` follows every run, untimed (to keep the values bounded, or restore them)."""
     times = []
     for repeat in range(-warmup, repeats):
-        dist.barrier()
+        dist.barrier(group=group)
         start = time.perf_counter()
         run()
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
         if after is not None:
             after()
         if repeat >= 0:
@@ -130,14 +143,29 @@ def time_engine(
         timings[spec] = []
         for side in sides:
             bucket = torch.randn(side * side, generator=torch.Generator().manual_seed(rank))
-            run = functools.partial(_reduce, engine, bucket, side)
-            # two warm-ups: the first step's checks, workspaces, the padded all-gather's capacity
-            timings[spec].append([float(side * side), _slowest_median(run, repeats, 2)])
+            seconds = time_bucket(engine, bucket, [side], [torch.Size([side, side])], repeats)
+            timings[spec].append([float(side * side), seconds])
     return timings
 
 
-def _reduce(engine: Engine, bucket: torch.Tensor, side: int) -> None:
-    engine.reduce(bucket, [side], [torch.Size([side, side])]).wait()
+def time_bucket(
+    engine: Engine,
+    bucket: torch.Tensor,
+    keys: list[int],
+    shapes: list[torch.Size],
+    repeats: int,
+    group: dist.ProcessGroup | None = None,
+) -> float:
+    """The engine averaging a copy of ``bucket`` (tensors of ``shapes``, keyed ``keys``), end to end:
+    the median of the slowest rank's seconds, after two warm-ups (the first step's checks,
+    workspaces, the padded all-gather's capacity). ``bucket`` is left as it is."""
+
+    copy = bucket.clone()
+
+    def run() -> None:
+        engine.reduce(copy, keys, shapes).wait()
+
+    return _slowest_median(run, repeats, 2, functools.partial(copy.copy_, bucket), group)
 
 
 def time_everything(
@@ -200,10 +228,7 @@ def calibrate(
     arguments = (list(sizes), repeats, canonical, kernel_repeats, (list(kernel_sides), list(engine_sides)))
     results = spawn(ranks, time_everything, arguments, timeout=timeout, network=network)
     measured, engine = results[0][0], results[0][2]
-    links = {
-        collective: fit_link(collective, ranks, [s for s, _ in rows], [t for _, t in rows])
-        for collective, rows in measured.items()
-    }
+    links = fit_links(measured, ranks)
     # each kernel timing: the median over ranks (they timed it at the same moment)
     timed = {
         spec: [

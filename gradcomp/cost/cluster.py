@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from gradcomp.collectives.cost_model import LinkCosts, all_reduce_seconds
+from gradcomp.collectives.cost_model import LinkCosts, all_reduce_seconds, power_below, ring_traffic
 from gradcomp.collectives.halving_doubling import SHORT_BYTES
 
 ALL_REDUCE = ("native", "ring", "tree", "halving_doubling", "hierarchical", "in_network")
@@ -115,15 +115,15 @@ class Cluster:
         if p == 1:
             return 0.0
         if algo in ("native", "ring"):
-            return 2 * (p - 1) / p * n_bytes
+            return ring_traffic(p) * n_bytes
         if algo == "tree":
             return 2 * n_bytes
         if algo == "halving_doubling":
-            power = 1 << (p.bit_length() - 1)
-            return 2 * (power - 1) / power * n_bytes + (0.0 if power == p else n_bytes)
-        inside = 2 * (local - 1) / local * n_bytes
+            power = power_below(p)
+            return ring_traffic(power) * n_bytes + (0.0 if power == p else n_bytes)
+        inside = ring_traffic(local) * n_bytes
         if algo == "hierarchical":
-            return inside + 2 * (self.nodes - 1) / self.nodes * n_bytes / local
+            return inside + ring_traffic(self.nodes) * n_bytes / local
         if algo == "in_network":
             return inside + (n_bytes / local if self.nodes > 1 else 0.0)
         raise ValueError(f"unknown all-reduce algorithm {algo!r}; valid: {', '.join(ALL_REDUCE)}")
@@ -150,7 +150,7 @@ class Cluster:
         return link.alpha + n_bytes * link.beta
 
     def _halving_doubling(self, n_bytes: float) -> float:
-        power = 1 << (self.ranks.bit_length() - 1)
+        power = power_below(self.ranks)
         rounds = int(math.log2(power))
         fold = 0.0 if power == self.ranks else 2 * self._hop(self.ranks, n_bytes)
         if n_bytes <= SHORT_BYTES:  # recursive doubling: lg p rounds of the whole tensor

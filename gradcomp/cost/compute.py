@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from gradcomp.cost.step import Workload
+from gradcomp.cost.step import Workload, ascending
 
 
 def measure(
@@ -54,15 +54,11 @@ def measure(
     seen = [i for i in range(len(parameters)) if all(i in o for o in offsets)]
     if not seen:
         raise ValueError("no parameter received a gradient: nothing would be communicated")
-    ready = {i: min(1.0, statistics.median(o[i] for o in offsets)) for i in seen}
+    ready = {i: statistics.median(o[i] for o in offsets) for i in seen}
     order = sorted(seen, key=lambda i: (ready[i], -i))
-    fractions = [ready[i] for i in order]
-    fractions[-1] = 1.0
-    for k in range(len(fractions) - 2, -1, -1):  # medians of different steps may cross: keep them ascending
-        fractions[k] = min(fractions[k], fractions[k + 1])
     return Workload(
         tuple(tuple(parameters[i].shape) for i in order),
-        tuple(fractions),
+        ascending([ready[i] for i in order]),
         statistics.median(forward),
         statistics.median(backward),
         statistics.median(optimize),

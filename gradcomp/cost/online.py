@@ -21,9 +21,7 @@ import datetime
 import functools
 import math
 import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,13 +30,13 @@ from torch import Tensor
 from gradcomp.collectives.executor import executor
 from gradcomp.compressors import make_compressor
 from gradcomp.cost import kernels
+from gradcomp.cost.calibrate import time_bucket, time_collectives
 from gradcomp.cost.cluster import Cluster
 from gradcomp.cost.kernels import KernelCost
-from gradcomp.cost.profile import fit_link
-from gradcomp.cost.step import Method, Workload, predict
+from gradcomp.cost.profile import Timings, fit_links
+from gradcomp.cost.step import Method, Workload, ascending, predict
 from gradcomp.engine import Engine
 from gradcomp.engine.spec import HookSpec
-from gradcomp.engine.transport import all_gather_single
 
 PROBE_BYTES = (4 << 10, 64 << 10, 1 << 20)
 """All-reduce and all-gather sizes that fit the link, beside the largest bucket's (2 to 16 MiB)."""
@@ -46,15 +44,6 @@ PROBE_REPEATS = 3
 
 Bucket = tuple[int, ...]
 """A bucket's identity: the keys of its tensors."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LinkTimings:
-    """Median seconds of the group's all-reduce and all-gather at each size (bytes per rank)."""
-
-    sizes: tuple[int, ...]
-    all_reduce: tuple[float, ...]
-    all_gather: tuple[float, ...]
 
 
 @dataclasses.dataclass
@@ -94,39 +83,30 @@ def workload_from(
         members = [tuple(s) for s in shapes[identity]]
         groups.append(tuple(range(len(flat), len(flat) + len(members))))
         flat += members
-        fractions += [min(1.0, max(0.0, offset[identity] / max(backward, 1e-9)))] * len(members)
-    fractions[-1] = 1.0
-    for k in range(len(fractions) - 2, -1, -1):
-        fractions[k] = min(fractions[k], fractions[k + 1])
-    workload = Workload(tuple(flat), tuple(fractions), forward, max(backward, 0.0), max(after, 0.0),
+        fractions += [offset[identity] / max(backward, 1e-9)] * len(members)
+    workload = Workload(tuple(flat), ascending(fractions), forward, max(backward, 0.0), max(after, 0.0),
                         groups=tuple(groups))  # fmt: skip
     return workload, order
 
 
-def probe_link(group: dist.ProcessGroup, largest_bytes: int) -> LinkTimings:
-    """Time the group's collectives at :data:`PROBE_BYTES` and near ``largest_bytes`` (every rank
-    calls this; each keeps its own timings)."""
+def probe_link(group: dist.ProcessGroup, largest_bytes: int) -> Timings:
+    """Time the group's collectives at :data:`PROBE_BYTES` and near ``largest_bytes``, through the
+    ordered executor (every rank calls this): :func:`gradcomp.cost.calibrate.time_collectives`."""
     top = min(max(largest_bytes, 2 << 20), 16 << 20)
     sizes = (*PROBE_BYTES, top - top % 4)
-    world = dist.get_world_size(group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
 
-    def probe() -> tuple[LinkTimings, None]:
-        reduce, gather = [], []
-        for size in sizes:
-            tensor = torch.zeros(size // 4)
-            gathered = torch.empty(world * tensor.numel())
-            reduce.append(_median_time(functools.partial(dist.all_reduce, tensor, group=group), group))
-            gather.append(_median_time(functools.partial(all_gather_single, gathered, tensor, group=group), group))
-        return LinkTimings(sizes, tuple(reduce), tuple(gather)), None
+    def probe() -> tuple[Timings, None]:
+        return time_collectives(rank, world, sizes, PROBE_REPEATS, warmup=1, group=group), None
 
     return executor().submit(probe, wait=True).wait()
 
 
-def fit(timings: LinkTimings, world: int) -> Cluster:
+def fit(timings: Timings, world: int) -> Cluster:
     """``world`` ranks, each its own node behind the link the timings show (ValueError if they
     cannot be fitted: times that do not grow with size)."""
-    reduce = fit_link("all_reduce", world, timings.sizes, timings.all_reduce).costs
-    gather = fit_link("all_gather", world, timings.sizes, timings.all_gather).costs
+    links = fit_links(timings, world)
+    reduce, gather = links["all_reduce"].costs, links["all_gather"].costs
     return Cluster(world, reduce, native_all_reduce=reduce, native_all_gather=gather)
 
 
@@ -138,18 +118,13 @@ def time_engines(
     group: dist.ProcessGroup | None,
     timeout: datetime.timedelta | None,
 ) -> list[float]:
-    """Each spec once through a fresh engine (its own state: nothing of training's is touched) on a
-    copy of ``bucket``: the seconds of the second of two runs (the first does the engine's first-step
-    checks). Every rank calls this, in the same order."""
+    """Each spec through a fresh engine (its own state: nothing of training's is touched) on copies
+    of ``bucket`` (:func:`gradcomp.cost.calibrate.time_bucket`, once after its warm-ups: the
+    slowest rank's seconds). Every rank calls this, in the same order."""
     seconds = []
     for spec in specs:
         engine = Engine(spec, group=group, timeout=timeout)
-        for run in range(2):
-            copy = bucket.clone()
-            start = time.perf_counter()
-            engine.reduce(copy, keys, shapes, last=True).wait()
-            if run:
-                seconds.append(time.perf_counter() - start)
+        seconds.append(time_bucket(engine, bucket, keys, shapes, repeats=1, group=engine.group))
     return seconds
 
 
@@ -199,14 +174,3 @@ def kernel_costs(
 
 def _same(kernel: KernelCost, _: str) -> KernelCost:
     return kernel
-
-
-def _median_time(run: Callable[[], Any], group: dist.ProcessGroup) -> float:
-    times = []
-    for repeat in range(PROBE_REPEATS + 1):  # the first warms up
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        run()
-        if repeat:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)

@@ -100,6 +100,15 @@ def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
     return float(values[order][np.searchsorted(cumulative, cumulative[-1] / 2)])
 
 
+Timings = dict[str, list[list[float]]]
+"""Per collective, [bytes per rank, seconds] per size (:func:`gradcomp.cost.calibrate.time_collectives`)."""
+
+
+def fit_links(timings: Mapping[str, Sequence[Sequence[float]]], ranks: int) -> dict[str, LinkFit]:
+    """:func:`fit_link` of every collective's timings."""
+    return {name: fit_link(name, ranks, [s for s, _ in rows], [t for _, t in rows]) for name, rows in timings.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class Profile:
     """A calibrated machine and link: what :class:`gradcomp.cost.cluster.Cluster` and the step model need."""

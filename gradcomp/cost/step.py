@@ -29,12 +29,11 @@ import torch
 from gradcomp.compressors import REGISTRY, Aggregation, Spec, make_compressor, parse_spec
 from gradcomp.cost.cluster import Cluster
 from gradcomp.cost.kernels import KernelCost
+from gradcomp.engine.pipeline import TWO_PHASE_FROM
 from gradcomp.engine.spec import HookSpec, HookSpecLike
 
 FIRST_BUCKET_BYTES, BUCKET_BYTES = 1 << 20, 25 << 20
 """DDP's bucket caps (``dist._DEFAULT_FIRST_BUCKET_BYTES`` and ``bucket_cap_mb=25``)."""
-TWO_PHASE_FROM = 8
-"""The engine's ``aggregation=auto`` runs ``gather`` compressors two-phase from this many ranks on."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +97,6 @@ class Workload:
             return tuple(tupled(v) for v in value) if isinstance(value, list) else value
 
         return cls(**{key: tupled(value) for key, value in state.items()})
-
-    @property
-    def numel(self) -> int:
-        return sum(math.prod(s) for s in self.shapes)
 
     def buckets(self) -> list[list[int]]:
         """Indices into :attr:`shapes` per bucket, as DDP assigns them once it has seen the order
@@ -274,6 +269,16 @@ def predict(
             for name in ("compress", "decompress", "communicate", "payload", "sent")
         ),
     )
+
+
+def ascending(fractions: Sequence[float]) -> tuple[float, ...]:
+    """Ready fractions as a :class:`Workload` takes them: in [0, 1], the last 1, none above a later
+    one (medians over different steps may cross)."""
+    clipped = [min(1.0, max(0.0, f)) for f in fractions]
+    clipped[-1] = 1.0
+    for k in range(len(clipped) - 2, -1, -1):
+        clipped[k] = min(clipped[k], clipped[k + 1])
+    return tuple(clipped)
 
 
 def _plain(value: Any) -> Any:
