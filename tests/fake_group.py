@@ -62,6 +62,18 @@ class ThreadExchange:
         assert [t.numel() for t in received] == list(incoming), "all_to_allv: sizes differ from what ranks sent"
         return received
 
+    def reduce_scatter(self, tensor: Tensor) -> Tensor:
+        assert tensor.dim() == 1 and tensor.numel() % self.world == 0
+        blocks = tensor.clone().view(self.world, -1)
+        self.sent_elements += blocks[0].numel() * (self.world - 1)
+        self.collectives += 1
+        everyone = self.group.swap(self.rank, blocks)
+        assert len({t.shape for t in everyone}) == 1, "reduce_scatter: ranks sent different sizes"
+        total = everyone[0][self.rank].clone()
+        for blocks_of_rank in everyone[1:]:  # in rank order, in the tensor's dtype, as a backend would
+            total += blocks_of_rank[self.rank]
+        return total
+
 
 def on_threads(world: int, body: Callable[[ThreadExchange], Any]) -> list[Any]:
     """Run ``body(exchange)`` on ``world`` threads, one per rank; return the results in rank order

@@ -124,6 +124,9 @@ class Compressor(ABC):
     elementwise: ClassVar[bool] = False
     """True when compressing a concatenation gives the concatenation of the payloads, with no
     state (the casts): the engine then compresses a bucket as one tensor, into one payload."""
+    needs_shapes: ClassVar[bool] = False
+    """True when compression relies on the tensors' shapes (PowerSGD's low rank of each matrix): a
+    flat shard of sharded data parallelism has none, and sharded training refuses such compressors."""
     payload_shows_non_finite: ClassVar[bool] = False
     """True when a non-finite input, or a contribution (:meth:`contribution`) that would overflow,
     always puts a non-finite value into the payload's floating tensors: error feedback then checks
@@ -185,7 +188,7 @@ class Compressor(ABC):
         """
 
     def compress_divided(
-        self, tensor: Tensor, divisor: int, key: Key = None, shapes: Sequence[torch.Size] | None = None
+        self, tensor: Tensor, divisor: float, key: Key = None, shapes: Sequence[torch.Size] | None = None
     ) -> tuple[Payload, Any]:
         """``compress(tensor / divisor)``: the first step of an average over ``divisor`` ranks (the
         engine's; rule "divide before sum"). ``tensor`` is scratch afterwards: the engine writes the

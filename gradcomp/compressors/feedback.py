@@ -68,7 +68,7 @@ class ErrorFeedback(Compressor):
         self.rounds = inner.rounds
         self.residuals: dict[Key, Tensor] = {}
         self._compensated: dict[Key, Tensor] = {}
-        self._divisors: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+        self._divisors: dict[tuple[float, torch.dtype, torch.device], Tensor] = {}
 
     def __repr__(self) -> str:
         return f"{self.inner!r},ef=true"
@@ -109,7 +109,7 @@ class ErrorFeedback(Compressor):
         return self._compress_compensated(compensated, key, shapes)
 
     def compress_divided(
-        self, tensor: Tensor, divisor: int, key: Key = None, shapes: Sequence[torch.Size] | None = None
+        self, tensor: Tensor, divisor: float, key: Key = None, shapes: Sequence[torch.Size] | None = None
     ) -> tuple[Payload, FeedbackContext]:
         # residual + tensor / divisor in one pass (bitwise what dividing, then adding, gives)
         check_gradient(tensor)
@@ -124,7 +124,7 @@ class ErrorFeedback(Compressor):
             compensated = self._compensated[key] = torch.empty_like(residual)
         return compensated
 
-    def _divisor(self, divisor: int, like: Tensor) -> Tensor:
+    def _divisor(self, divisor: float, like: Tensor) -> Tensor:
         """``divisor`` as a 0-dimensional tensor of ``like``'s dtype, kept between calls."""
         cached = self._divisors.get((divisor, like.dtype, like.device))
         if cached is None:

@@ -79,6 +79,7 @@ class PowerSGD(Compressor):
     name = "powersgd"
     aggregation = Aggregation.SUM
     rounds = 2
+    needs_shapes = True
     Config = PowerSGDConfig
     config: PowerSGDConfig
 

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gradcomp import collectives
+from gradcomp.collectives.cost_model import ring_traffic
 from gradcomp.collectives.executor import Handle, executor, match_torch_threads
 from gradcomp.collectives.groups import private
 from gradcomp.collectives.link import Traffic
@@ -261,7 +262,8 @@ class Engine:
             complete(None)
             return
         joined, regroup = _join_by_dtype(payloads)
-        record.add_traffic(None)  # the backend's traffic is not observable
+        for tensor in joined:  # the backend's traffic is not observable: its ring's count
+            record.add_traffic(None, native=ring_traffic(self.world) * tensor.numel() * tensor.element_size())
         issued = time.perf_counter()
         try:
             works = [dist.all_reduce(tensor, group=self.group, async_op=True) for tensor in joined]
@@ -300,7 +302,8 @@ class Engine:
         """All-reduce (sum) every tensor of every payload, one all-reduce per dtype, and wait."""
         joined, regroup = _join_by_dtype(payloads)
         for tensor in joined:
-            record.add_traffic(collectives.all_reduce(tensor, "sum", algo=self.algo, group=self.group).traffic)
+            traffic = collectives.all_reduce(tensor, "sum", algo=self.algo, group=self.group).traffic
+            record.add_traffic(traffic, native=ring_traffic(self.world) * tensor.numel() * tensor.element_size())
         return regroup(joined)
 
     def _gather(self, payloads: list[Payload], record: BucketRecord, bucket: tuple[Key, ...]) -> list[list[Payload]]:

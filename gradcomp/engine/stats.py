@@ -3,7 +3,9 @@
 Times are ``time.perf_counter`` seconds on this rank. ``payload_bytes`` is what the compressor
 produced (every round), exactly as ``Compressor.wire_bytes`` counts; ``sent_bytes`` and
 ``received_bytes`` are what this rank's collectives moved, None where the backend's native
-collectives did the moving (their traffic is not observable).
+collectives did the moving (their traffic is not observable). ``sent_estimate`` is always there:
+the bytes measured, plus, for the backend's collectives, what their algorithm sends by its own
+count (a ring's), which the engine knows from the collective it issued.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class BucketRecord:
     payload_bytes: int = 0
     sent_bytes: int | None = 0
     received_bytes: int | None = 0
+    sent_estimate: float = 0.0
     compress_s: float = 0.0
     communicate_s: float = 0.0
     decompress_s: float = 0.0
@@ -53,7 +56,10 @@ class BucketRecord:
             setattr(self, f"{name}_s", getattr(self, f"{name}_s") + end - start)
             self.spans.append((name, start, end))
 
-    def add_traffic(self, traffic: Traffic | None) -> None:
+    def add_traffic(self, traffic: Traffic | None, native: float = 0.0) -> None:
+        """Count a collective's traffic; None where the backend moved the bytes unobserved, and
+        ``native`` is then what its algorithm sends by its own count (for :attr:`sent_estimate`)."""
+        self.sent_estimate += native if traffic is None else traffic.sent
         if traffic is None or self.sent_bytes is None or self.received_bytes is None:
             self.sent_bytes = self.received_bytes = None
         else:
@@ -73,13 +79,13 @@ def per_step(records: Iterable[BucketRecord]) -> list[dict[str, Any]]:
         s = steps.setdefault(
             r.step,
             {"step": r.step, "buckets": 0, "input_bytes": 0, "payload_bytes": 0, "sent_bytes": 0,
-             "received_bytes": 0, "compress_s": 0.0, "communicate_s": 0.0, "decompress_s": 0.0,
+             "received_bytes": 0, "sent_estimate": 0.0, "compress_s": 0.0, "communicate_s": 0.0, "decompress_s": 0.0,
              "last_queued": r.queued, "last_finished": r.finished},
         )  # fmt: skip
         s["buckets"] += 1
         s["last_queued"] = max(s["last_queued"], r.queued)
         s["last_finished"] = max(s["last_finished"], r.finished)
-        for name in ("input_bytes", "payload_bytes", "compress_s", "communicate_s", "decompress_s"):
+        for name in ("input_bytes", "payload_bytes", "sent_estimate", "compress_s", "communicate_s", "decompress_s"):
             s[name] += getattr(r, name)
         for name in ("sent_bytes", "received_bytes"):
             value = getattr(r, name)
@@ -92,9 +98,12 @@ def per_step(records: Iterable[BucketRecord]) -> list[dict[str, Any]]:
 
 def wire_bytes(step: dict[str, Any], world_size: int) -> float:
     """Bytes one rank sent in a step (a :func:`per_step` dict): as measured, or, where the backend's
-    native all-reduce moved the payload (unobservable), what its ring sends: 2 (p - 1) / p x payload."""
+    native collectives moved the payload (unobservable), the engine's ``sent_estimate``; a step
+    without one (torch's own hooks) counts what a ring all-reduce sends: 2 (p - 1) / p x payload."""
     if step["sent_bytes"] is not None:
         return float(step["sent_bytes"])
+    if "sent_estimate" in step:
+        return float(step["sent_estimate"])
     return step["payload_bytes"] * ring_traffic(world_size)
 
 

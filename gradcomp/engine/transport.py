@@ -10,13 +10,13 @@ instead: header and bytes in one frame per rank, padded to a capacity that every
 the same gathered frames (a second round, at a larger capacity, when a payload outgrew it).
 
 The collectives come from an :class:`Exchange`: :class:`GroupExchange` on a process group (what the
-engine uses), or any object with the same three methods (the tests run p ranks as threads of one
-process through one).
+engines use), or any object with the same methods (the tests run p ranks as threads of one process
+through one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -29,11 +29,17 @@ from gradcomp.compressors import Payload
 from gradcomp.engine import packing
 from gradcomp.errors import backend_failure
 
-# torch 2.13 renamed all_gather_into_tensor (kept, deprecated); older releases have only the old name
+# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (kept, deprecated); older
+# releases have only the old names
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-Meter = Callable[[Traffic | None], None]
-"""Receives the traffic of every collective (None where the backend does not report it)."""
+
+class Meter(Protocol):
+    """Receives the traffic of every collective: None where the backend does not report it, and
+    ``native`` is then what its algorithm sends by its own count (``BucketRecord.add_traffic``)."""
+
+    def __call__(self, traffic: Traffic | None, native: float = 0.0) -> None: ...
 
 
 class Exchange(Protocol):
@@ -59,13 +65,20 @@ class Exchange(Protocol):
         own all-gather (one fused collective on NCCL)."""
         ...
 
+    def reduce_scatter(self, tensor: Tensor) -> Tensor:
+        """Block ``rank`` of the sum over the ranks of the flat ``tensor`` (``world`` equal blocks),
+        summed in ``tensor``'s dtype."""
+        ...
+
 
 class GroupExchange:
-    """:class:`Exchange` over a process group through gradcomp's collectives (on the calling thread,
-    which is the ordered executor's when the engine calls), reporting their traffic to ``meter``."""
+    """:class:`Exchange` over a process group (on the calling thread, which is the ordered
+    executor's when an engine calls), reporting the traffic to ``meter``. All-to-all and
+    reduce-scatter are gradcomp's own (point-to-point: every byte counted) or, with ``native``, the
+    backend's (one collective each, which NCCL runs on the device); all-gather is the backend's."""
 
-    def __init__(self, group: dist.ProcessGroup, meter: Meter) -> None:
-        self.group, self.meter = group, meter
+    def __init__(self, group: dist.ProcessGroup, meter: Meter, native: bool = False) -> None:
+        self.group, self.meter, self.native = group, meter, native
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
 
     def all_gatherv(self, tensor: Tensor, sizes: Sequence[int]) -> list[Tensor]:
@@ -85,13 +98,38 @@ class GroupExchange:
         return list(out.view(self.world, -1))
 
     def all_to_allv(self, tensor: Tensor, splits: Sequence[int], incoming: Sequence[int]) -> list[Tensor]:
-        handle = collectives.all_to_allv(tensor, splits, incoming, group=self.group)
-        self.meter(handle.traffic)
-        received, pieces, offset = handle.wait(), [], 0
+        if self.native:
+            received = torch.empty(sum(incoming), dtype=tensor.dtype, device=tensor.device)
+            try:
+                dist.all_to_all_single(received, tensor, list(incoming), list(splits), group=self.group)
+            except RuntimeError as error:
+                raise backend_failure("the backend's all-to-all", self.rank, self.world, error) from error
+            width = tensor.element_size()  # what travels is exactly the splits, less this rank's own
+            sent, got = sum(splits) - splits[self.rank], sum(incoming) - incoming[self.rank]
+            self.meter(Traffic(sent * width, got * width))
+        else:
+            handle = collectives.all_to_allv(tensor, splits, incoming, group=self.group)
+            self.meter(handle.traffic)
+            received = handle.wait()
+        pieces, offset = [], 0
         for size in incoming:
             pieces.append(received[offset : offset + size])
             offset += size
         return pieces
+
+    def reduce_scatter(self, tensor: Tensor) -> Tensor:
+        out = torch.empty(tensor.numel() // self.world, dtype=tensor.dtype, device=tensor.device)
+        if not self.native:
+            handle = collectives.reduce_scatter(out, tensor, "sum", group=self.group)
+            self.meter(handle.traffic)
+            return handle.wait()
+        try:
+            reduce_scatter_single(out, tensor, group=self.group)
+        except RuntimeError as error:
+            raise backend_failure("the backend's reduce-scatter", self.rank, self.world, error) from error
+        # not observable; a ring reduce-scatter forwards p - 1 blocks
+        self.meter(None, native=(self.world - 1) * out.numel() * out.element_size())
+        return out
 
 
 def all_gather_payloads(payloads: list[Payload], device: torch.device, exchange: Exchange) -> list[list[Payload]]:
@@ -147,21 +185,32 @@ def _unframe(frame: Tensor, payloads: list[Payload], like: list[Tensor], header_
     return regroup(payloads, packing.unpack(frame[start:], shapes, like))
 
 
-def all_to_all_payloads(outgoing: list[list[Payload]], device: torch.device, exchange: Exchange) -> list[list[Payload]]:
-    """``outgoing[j]``: the payloads for rank j (the same structure for every j, not the same shapes).
-    Returns ``received[s]``: the payloads rank s sent here."""
-    world = exchange.world
-    tensors = [[t for payload in payloads for t in payload] for payloads in outgoing]
+def all_to_all_payloads(
+    outgoing: Sequence[list[Payload] | None], device: torch.device, exchange: Exchange
+) -> list[list[Payload] | None]:
+    """``outgoing[j]``: the payloads for rank j (the same structure for every j, not the same shapes);
+    ``outgoing[rank]`` may be None when this rank keeps its own part (nothing travels to itself).
+    Returns ``received[s]``: the payloads rank s sent here (None for this rank's own, if it kept it)."""
+    world, rank = exchange.world, exchange.rank
+    like = next((payloads for payloads in outgoing if payloads is not None), None)
+    if like is None:  # a single rank keeping its own part: nothing to exchange
+        return [None] * world
+    template = [t for payload in like for t in payload]
+    keeps_own = outgoing[rank] is None
+    tensors = [[] if payloads is None else [t for payload in payloads for t in payload] for payloads in outgoing]
     mine = [packing.header(ts) for ts in tensors]
     sizes = [len(h) for h in mine]
+    expected = [len(packing.header(template))] * world  # every peer sends here (the same structure)
+    expected[rank] = sizes[rank]
     flat = torch.tensor([size for h in mine for size in h], dtype=torch.int64, device=device)
-    headers = exchange.all_to_allv(flat, sizes, sizes)
-    shapes = [packing.shapes(h.tolist(), tensors[0]) for h in headers]  # shapes[s]: what rank s sends here
+    headers = exchange.all_to_allv(flat, sizes, expected)
+    # shapes[s]: what rank s sends here; None for this rank's own part when it keeps it
+    shapes = [None if s == rank and keeps_own else packing.shapes(h.tolist(), template) for s, h in enumerate(headers)]
     splits = [packing.packed_bytes([t.shape for t in ts], ts) for ts in tensors]
-    incoming = [packing.packed_bytes(shapes[s], tensors[0]) for s in range(world)]
+    incoming = [0 if s is None else packing.packed_bytes(s, template) for s in shapes]
     data = torch.cat([packing.pack(ts, device) for ts in tensors])
     pieces = exchange.all_to_allv(data, splits, incoming)
-    return [regroup(outgoing[0], packing.unpack(pieces[s], shapes[s], tensors[0])) for s in range(world)]
+    return [None if s is None else regroup(like, packing.unpack(pieces[r], s, template)) for r, s in enumerate(shapes)]
 
 
 def regroup(payloads: list[Payload], flat: list[Tensor]) -> list[Payload]:

@@ -18,6 +18,7 @@ shard is decompressed from the same bytes everywhere.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -44,7 +45,8 @@ def reduce(compressor: Compressor, parts: Sequence[Tensor], keys: Sequence[Key],
         ]
         for j in range(world)
     ]
-    received = transport.all_to_all_payloads(outgoing, device, exchange)
+    # every shard goes to its owner, this rank's own too: nothing comes back None
+    received = cast(list[list[Payload]], transport.all_to_all_payloads(outgoing, device, exchange))
     reduced = []
     for i, (flat, b) in enumerate(zip(flats, bounds, strict=True)):
         start, stop = b[rank]
