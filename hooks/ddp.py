@@ -12,6 +12,7 @@ from torch.distributed import GradBucket
 
 from gradcomp.collectives.executor import Handle
 from gradcomp.engine import Engine
+from gradcomp.engine.sharded import ShardedEngine, ShardSpec
 from gradcomp.engine.spec import HookSpec, HookSpecLike
 from gradcomp.engine.stats import per_step, write_trace
 from gradcomp.hooks.auto_spec import is_auto_spec
@@ -20,7 +21,8 @@ Hook = Callable[["HookState", GradBucket], torch.futures.Future[Tensor]]
 
 
 class HookState:
-    """What a gradcomp hook keeps between steps: its spec, the engine, and a stable key per parameter.
+    """What a gradcomp hook keeps between steps: its spec, the engine, and a stable key per parameter
+    (FSDP2's hook, :mod:`gradcomp.hooks.fsdp2`, keeps the same with a sharded spec and engine).
 
     A parameter's key is its index, numbered in the order DDP first hands parameters to the hook.
     DDP's first iteration always sees the same order, so keys are the same in every run (a
@@ -28,7 +30,7 @@ class HookState:
     DDP's bucket rebuild after the first iteration changes nothing (rule "state per tensor").
     """
 
-    def __init__(self, spec: HookSpec, engine: Engine | None, world: int) -> None:
+    def __init__(self, spec: HookSpec | ShardSpec, engine: Engine | ShardedEngine | None, world: int) -> None:
         self.spec, self.engine, self.world = spec, engine, world
         self.error: BaseException | None = None
         """The first exception that failed a bucket (later ones are its consequences), as gradcomp
@@ -95,16 +97,18 @@ def check_saved(state: Any, spec: str, world: int, kind: str) -> None:
 
 
 def _gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
-    if state.engine is None:  # noop: the compute floor
+    engine = state.engine
+    if engine is None:  # noop: the compute floor
         done: torch.futures.Future[Tensor] = torch.futures.Future()
         done.set_result(bucket.buffer())
         return done
+    assert isinstance(engine, Engine), "a sharded engine reduce-scatters for FSDP2, not for DDP"
     keys, shapes = None, None
-    if state.engine.per_tensor:
+    if engine.per_tensor:
         parameters = bucket.parameters()
         keys = state.keys(parameters)
         shapes = shapes_of(parameters)
-    return deliver(state, state.engine.reduce(bucket.buffer(), keys, shapes, bucket.index(), bucket.is_last()))
+    return deliver(state, engine.reduce(bucket.buffer(), keys, shapes, bucket.index(), bucket.is_last()))
 
 
 def shapes_of(parameters: list[Tensor]) -> list[torch.Size]:

@@ -87,6 +87,7 @@ class Executor:
         self._turn = threading.Lock()  # held by whoever runs an operation
         self._state = threading.Lock()  # guards _pending
         self._pending = 0  # submitted, not finished
+        self._inside = threading.local()  # .running: this thread runs an operation (the worker, or inline)
         self._thread = threading.Thread(target=self._run, name="gradcomp-collectives", daemon=True)
         self._thread.start()
 
@@ -97,7 +98,7 @@ class Executor:
         operation that only issues the backend's asynchronous work) it runs in the caller's thread
         when nothing is queued or running: same order, no thread hand-off."""
         future: Future[tuple[T, Traffic | None]] = Future()
-        if threading.current_thread() is self._thread:
+        if threading.current_thread() is self._thread or getattr(self._inside, "running", False):
             # Called from inside an operation: run in place (queueing would wait on itself).
             _run_into(operation, future)
             return Handle(future)
@@ -108,7 +109,11 @@ class Executor:
                 self._queue.put((operation, future))
         if inline:
             with self._turn:
-                _run_into(operation, future)
+                self._inside.running = True
+                try:
+                    _run_into(operation, future)
+                finally:
+                    self._inside.running = False
             self._finished()
         handle = Handle(future)
         if wait:

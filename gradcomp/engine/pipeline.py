@@ -163,7 +163,7 @@ class Engine:
                 record.started = time.perf_counter()
                 self.step += int(last)
                 if not self._checked:
-                    self._check_same_spec(buffer.device)
+                    check_same_spec(str(self.spec), self.group, buffer.device)
                     self._checked = True
                 if prepared is None:
                     self._reduce_two_phase(buffer, keys, shapes, record)
@@ -320,18 +320,21 @@ class Engine:
             per_rank = transport.all_gather_payloads(payloads, device, exchange)
         return [list(parts) for parts in zip(*per_rank, strict=True)]
 
-    def _check_same_spec(self, device: torch.device) -> None:
-        mine = torch.tensor(list(str(self.spec).encode()), dtype=torch.uint8, device=device)
-        try:
-            specs = [bytes(p.tolist()).decode() for p in collectives.all_gatherv(mine, group=self.group).wait()]
-        except PeerError as error:
-            raise PeerError(
-                f"the ranks did not all reach the first step's check of the hook spec ({self.spec}): a rank with "
-                "another hook (noop never communicates), or one that is frozen or failed? " + str(error)
-            ) from error
-        if len(set(specs)) > 1:
-            listing = "; ".join(f"rank {r}: {s!r}" for r, s in enumerate(specs))
-            raise SpecMismatchError(f"ranks were given different hook specs: {listing}")
+
+def check_same_spec(spec: str, group: dist.ProcessGroup, device: torch.device) -> None:
+    """Every rank of ``group`` was given the hook spec ``spec`` (its canonical text), or a
+    :class:`SpecMismatchError` naming every rank's; a rank that never comes is a :class:`PeerError`."""
+    mine = torch.tensor(list(spec.encode()), dtype=torch.uint8, device=device)
+    try:
+        specs = [bytes(p.tolist()).decode() for p in collectives.all_gatherv(mine, group=group).wait()]
+    except PeerError as error:
+        raise PeerError(
+            f"the ranks did not all reach the first step's check of the hook spec ({spec}): a rank with "
+            "another hook (noop never communicates), or one that is frozen or failed? " + str(error)
+        ) from error
+    if len(set(specs)) > 1:
+        listing = "; ".join(f"rank {r}: {s!r}" for r, s in enumerate(specs))
+        raise SpecMismatchError(f"ranks were given different hook specs: {listing}")
 
 
 TWO_PHASE_FROM = 8

@@ -70,7 +70,7 @@ class HookSpec:
         unknown = sorted(set(defaults) - set(ENGINE_OPTIONS))
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; valid: {', '.join(ENGINE_OPTIONS)}")
-        name, options = _split(spec)
+        name, options = split_hook_spec(spec)
         engine = {**defaults, **{key: options.pop(key) for key in ENGINE_OPTIONS if key in options}}
         if "seed" in engine:
             try:
@@ -114,7 +114,8 @@ HookSpecLike = str | tuple[str, Mapping[str, Any]] | Spec | HookSpec
 """Anything :meth:`HookSpec.parse` takes."""
 
 
-def _split(spec: str | tuple[str, Mapping[str, Any]] | SpecLike) -> tuple[str, dict[str, Any]]:
+def split_hook_spec(spec: str | tuple[str, Mapping[str, Any]] | SpecLike) -> tuple[str, dict[str, Any]]:
+    """A hook spec's name and options (text, a ``(name, options)`` pair or a compressor :class:`Spec`)."""
     if isinstance(spec, str):
         return split_spec(spec)
     if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str) and isinstance(spec[1], Mapping):

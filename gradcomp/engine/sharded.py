@@ -1,0 +1,258 @@
+"""The sharded engine: sharded data parallelism's reduce-scatter, compressed, on gradcomp's own group.
+
+A sharded data-parallel trainer (FSDP2, ZeRO) reduce-scatters every module's gradients: a flat
+input of p equal shards on every rank, and on rank j the average of shard j. :class:`ShardedEngine`
+does that call through a compressor (:mod:`gradcomp.engine.reduce_scatter`: one all-to-all of
+compressed shards, or a reduce-scatter of summable payloads; two hops with ``local_size``), on the
+ordered executor (rule "one ordered path") and on gradcomp's own process group, and records each
+call as the DDP engine records a bucket (:mod:`gradcomp.engine.stats`): there ``input_bytes`` is
+what an uncompressed reduce-scatter sends from this rank (its p - 1 other shards), ``payload_bytes``
+what the compressor made of it (in both hops with ``local_size``), so their ratio is the saving on
+the wire. ``none`` is the backend's own reduce-scatter, with the trainer's own op: bitwise what the
+trainer would have done.
+
+:class:`ShardSpec` is the spec: a hook spec (``"quantize:bits=4,ef=true"``) and, optionally,
+``local_size`` (``"quantize:bits=4,ef=true,local_size=8"``: two hops, 8 ranks per node). The
+hooks for FSDP2 live in :mod:`gradcomp.hooks.fsdp`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import datetime
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gradcomp.collectives import hierarchical
+from gradcomp.collectives.executor import executor
+from gradcomp.collectives.groups import private
+from gradcomp.compressors import REGISTRY, Compressor, Key, Spec, make_compressor
+from gradcomp.engine import reduce_scatter, transport
+from gradcomp.engine.pipeline import check_same_spec
+from gradcomp.engine.spec import NOOP, HookSpec, split_hook_spec
+from gradcomp.engine.stats import BucketRecord
+from gradcomp.errors import backend_failure
+from gradcomp.options import convert
+
+SHARD_ALGORITHMS = ("native", "ring")
+"""How payloads travel: native (the backend's all-to-all and reduce-scatter: one collective each,
+on the device with NCCL) or ring (gradcomp's own point-to-point exchanges, every byte counted)."""
+UNCOMPRESSED = "none"
+"""The uncompressed reduce-scatter's name in sharded specs (``allreduce`` is accepted as its alias)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """A parsed spec for sharded training: what travels (``hook``: compressor, algo, seed) and how
+    many hops (``local_size``). ``str()`` is its canonical text, which parses back to an equal spec."""
+
+    hook: HookSpec
+    local_size: int = 0
+    """Ranks per node for the two-hop reduce-scatter (intra-node, then inter-node: ``local_size``
+    times fewer bytes across nodes, at the price of a second compression); 0: one hop."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.local_size, bool) or not isinstance(self.local_size, int) or self.local_size < 0:
+            raise ValueError(
+                f"local_size must be a whole number of ranks per node (0: one hop), got {self.local_size!r}"
+            )
+        if self.hook.algo not in SHARD_ALGORITHMS:
+            raise ValueError(
+                f"sharded training reduce-scatters with algo {' or '.join(SHARD_ALGORITHMS)}, got {self.hook.algo!r}"
+            )
+        if self.hook.aggregation != "auto":
+            raise ValueError(
+                "aggregation chooses between DDP's all-gather and two-phase; a sharded reduce-scatter has "
+                f"one way to aggregate: leave it out (got {self.hook.aggregation!r})"
+            )
+        spec = self.hook.compressor
+        if spec is not None and REGISTRY[spec.name].needs_shapes:
+            raise ValueError(
+                f"{spec.name} needs each tensor's shape (it compresses matrices), and a sharded gradient is a "
+                f"flat shard of several tensors; valid for sharded training: {', '.join(valid_names())}"
+            )
+
+    @classmethod
+    def parse(cls, spec: ShardSpecLike, **defaults: Any) -> ShardSpec:
+        """Parse a sharded spec: a hook spec (text, ``(name, options)`` or :class:`HookSpec`) whose
+        options may also set ``local_size``; ``defaults`` as :meth:`HookSpec.parse`'s. Raises
+        ValueError naming what is wrong and the valid choices."""
+        if isinstance(spec, ShardSpec):
+            return spec
+        if isinstance(spec, HookSpec):
+            return cls(spec)
+        name, options = split_hook_spec(spec)
+        local_size = options.pop("local_size", 0)
+        try:
+            local_size = convert("local_size", local_size, int)
+        except ValueError:
+            raise ValueError(f"local_size must be a whole number of ranks per node, got {local_size!r}") from None
+        return cls(HookSpec.parse((name, options), **defaults), local_size)
+
+    @property
+    def compressor(self) -> Spec | None:
+        return self.hook.compressor
+
+    @property
+    def noop(self) -> bool:
+        return self.hook.noop
+
+    def __str__(self) -> str:
+        text = str(self.hook)
+        if self.compressor is not None and self.compressor.name == UNCOMPRESSED:
+            text = UNCOMPRESSED + text[len("allreduce") :]
+        if self.local_size:
+            text += f"{',' if ':' in text else ':'}local_size={self.local_size}"
+        return text
+
+
+ShardSpecLike = str | tuple[str, Mapping[str, Any]] | Spec | HookSpec | ShardSpec
+"""Anything :meth:`ShardSpec.parse` takes."""
+
+
+def valid_names() -> list[str]:
+    """The spec names sharded training takes: the uncompressed reduce-scatter, noop and every
+    compressor that works on a flat shard."""
+    return [UNCOMPRESSED, NOOP, *sorted(n for n, c in REGISTRY.items() if not c.needs_shapes and n != UNCOMPRESSED)]
+
+
+class ShardedEngine:
+    """Reduce-scatters flat gradients over a process group through one compressor.
+
+    Create engines on every rank in the same order (the first one of a process creates gradcomp's
+    process group for ``group``, and with ``local_size`` its node and cross-node groups).
+
+    Args:
+        spec: a sharded spec (:class:`ShardSpec` or its text); not ``noop``, which needs no engine.
+        group: the ranks that share the shards (FSDP's shard group; default: the world).
+        timeout: what any of the engine's collectives may take before it fails (a frozen or failed
+            peer); default: ``group``'s own.
+        history: how many call records (:mod:`gradcomp.engine.stats`) to keep, the latest.
+    """
+
+    def __init__(
+        self,
+        spec: ShardSpecLike,
+        *,
+        group: dist.ProcessGroup | None = None,
+        timeout: datetime.timedelta | None = None,
+        history: int = 10_000,
+    ) -> None:
+        self.spec = ShardSpec.parse(spec)  # before touching any process group: a bad spec fails first
+        if self.spec.compressor is None:
+            raise ValueError("noop sends nothing: it needs no engine")
+        self.world = dist.get_world_size(group)
+        if self.spec.local_size:
+            hierarchical.check_local_size(self.world, self.spec.local_size)
+        self.compressor: Compressor = make_compressor(
+            self.spec.compressor, seed=self.spec.hook.seed, rank=dist.get_rank(group)
+        )
+        self.group = private(group, timeout)
+        self._rank = dist.get_rank(self.group)
+        self._hops = hierarchical.subgroups(self.group, self.spec.local_size) if self.spec.local_size else None
+        self._native = self.spec.hook.algo == "native"
+        self._backends_own = self.spec.compressor.name == UNCOMPRESSED and self._native and self._hops is None
+        self._checked = False
+        self.step = 0
+        self._this_step: set[Key] = set()
+        self.records: collections.deque[BucketRecord] = collections.deque(maxlen=history)
+
+    def reduce_scatter(self, output: Tensor, input: Tensor, divisor: float, key: Key) -> None:
+        """``output`` = this rank's shard of the sum over the group of ``input / divisor``, compressed;
+        returns when it is there.
+
+        ``input`` is flat and contiguous, ``world`` shards of ``output.numel()`` elements, shard j for
+        rank j; it is scratch afterwards. ``key`` identifies the tensor across steps (a module): its
+        state is kept per key, shard and size (a module whose unused parameters leave the reduction
+        gets state of its own). A key seen again starts a new step of :attr:`records`.
+        """
+        self._check(output, input, divisor)
+        if key in self._this_step:
+            self.step += 1
+            self._this_step.clear()
+        self._this_step.add(key)
+        # what leaves this rank uncompressed, every shard but its own (payload bytes count the same)
+        leaving = (self.world - 1) * output.numel() * output.element_size()
+        record = BucketRecord(self.step, len(self._this_step) - 1, leaving, time.perf_counter())
+        on_callers_stream = _callers_stream(input.device)
+
+        def operation() -> tuple[None, None]:
+            with on_callers_stream():
+                record.started = time.perf_counter()
+                if not self._checked:
+                    check_same_spec(str(self.spec), self.group, input.device)
+                    self._checked = True
+                self._reduce(output, input, divisor, (key, input.numel()), record)
+                record.finished = time.perf_counter()
+                self.records.append(record)
+            return None, None
+
+        executor().submit(operation, wait=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing beyond the compressor's state (plain values): the same interface as the DDP engine's."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"the sharded engine keeps no state of its own, got keys {sorted(state)}")
+
+    def _reduce(self, output: Tensor, input: Tensor, divisor: float, key: Key, record: BucketRecord) -> None:
+        compressor, world = self.compressor, self.world
+        if self._backends_own:  # the trainer's own reduce-scatter, its op included: bitwise its result
+            record.payload_bytes = record.input_bytes
+            with record.phase("communicate"):
+                self._backend_reduce_scatter(output, input, divisor)
+            record.add_traffic(None, native=record.input_bytes)  # a ring's: every other rank's shard once
+            return
+        if self._hops is None:
+            exchange = transport.GroupExchange(self.group, record.add_traffic, native=self._native)
+            record.payload_bytes = reduce_scatter.reduce_scatter(
+                compressor, input.view(world, -1), divisor, key, exchange, output, record.phase
+            )
+            return
+        intra, inter = (transport.GroupExchange(g, record.add_traffic, native=self._native) for g in self._hops)
+        record.payload_bytes = reduce_scatter.reduce_scatter_two_hop(
+            compressor, input, divisor, key, intra, inter, output, record.phase
+        )
+
+    def _backend_reduce_scatter(self, output: Tensor, input: Tensor, divisor: float) -> None:
+        op = dist.ReduceOp.SUM
+        if divisor == self.world:
+            op = dist.ReduceOp.AVG
+        elif divisor != 1:
+            input.div_(divisor)  # gloo has no pre-multiplied sum
+        try:
+            transport.reduce_scatter_single(output, input, op=op, group=self.group)
+        except RuntimeError as error:
+            raise backend_failure("the backend's reduce-scatter", self._rank, self.world, error) from error
+
+    def _check(self, output: Tensor, input: Tensor, divisor: float) -> None:
+        if not input.is_floating_point():
+            raise TypeError(f"gradients must be floating-point, got {input.dtype}")
+        if input.dim() != 1 or not input.is_contiguous() or not output.is_contiguous():
+            raise ValueError("the sharded engine reduce-scatters a flat, contiguous input into a contiguous output")
+        if input.numel() != self.world * output.numel() or output.dtype != input.dtype:
+            raise ValueError(
+                f"input must hold {self.world} shards of the output's {output.numel()} {output.dtype} elements, "
+                f"got {input.numel()} {input.dtype} elements"
+            )
+        if not divisor > 0:
+            raise ValueError(f"the divisor must be > 0, got {divisor}")
+
+
+def _callers_stream(device: torch.device) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """A context that puts the executor's work on the caller's current stream (a trainer runs its
+    reduce-scatter on a stream of its own: the work must be ordered on it); nothing on the CPU."""
+    if device.type == "cpu":
+        return contextlib.nullcontext
+    module = torch.get_device_module(device)
+    stream = module.current_stream(device)
+    return lambda: module.stream(stream)
