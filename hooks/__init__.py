@@ -17,22 +17,42 @@ them. FSDP2's compressed reduce-scatter: :mod:`gradcomp.hooks.fsdp2` (``docs/fsd
 """
 
 import dataclasses
+import typing
 from typing import Any
 
 import torch
 
+from gradcomp.engine.sharded import ShardSpec
 from gradcomp.engine.spec import HookSpec
-from gradcomp.hooks import auto, ddp, fsdp2
+from gradcomp.hooks import auto, ddp, fsdp2, torch_fsdp
 from gradcomp.hooks.auto import AutoSpec, AutoState, is_auto_spec
 from gradcomp.hooks.ddp import HookState, make
+from gradcomp.hooks.torch_fsdp import TorchFSDPSpec, TorchFSDPState
 from gradcomp.hooks.torch_hooks import TorchHookSpec, is_torch_spec
 
-__all__ = ["AnySpec", "AutoSpec", "AutoState", "HookSpec", "HookState", "fsdp", "make", "parse", "register"]
+__all__ = [
+    "AnyShardedSpec",
+    "AnySpec",
+    "AutoSpec",
+    "AutoState",
+    "HookSpec",
+    "HookState",
+    "ShardSpec",
+    "TorchFSDPSpec",
+    "TorchFSDPState",
+    "fsdp",
+    "make",
+    "parse",
+    "parse_sharded",
+    "register",
+]
 
 fsdp = fsdp2.fsdp
 
 AnySpec = HookSpec | TorchHookSpec | AutoSpec
 """A parsed hook spec of any kind: gradcomp's, torch's (``torch:...``) or ``auto``."""
+AnyShardedSpec = ShardSpec | TorchFSDPSpec
+"""A parsed spec of a sharded (FSDP2) run: gradcomp's reduce-scatter, or FSDP2's own (``torch:...``)."""
 
 
 def parse(spec: "str | AnySpec", seed: int | None = None) -> AnySpec:
@@ -49,17 +69,50 @@ def parse(spec: "str | AnySpec", seed: int | None = None) -> AnySpec:
     return HookSpec.parse(spec) if seed is None else HookSpec.parse(spec, seed=seed)
 
 
-def register(model: torch.nn.Module, spec: "str | HookSpec | AutoSpec", **options: Any) -> "HookState | AutoState":
+def parse_sharded(spec: "str | HookSpec | AnyShardedSpec", seed: int | None = None) -> AnyShardedSpec:
+    """Any spec of a sharded run, checked without a process group: a sharded gradcomp spec
+    (:class:`ShardSpec`) or FSDP2's own reduction (``torch:reduce_scatter``, ``torch:bf16``, ``torch:fp16``).
+    ``seed`` applies to gradcomp's generators unless the spec sets one."""
+    if isinstance(spec, (ShardSpec, TorchFSDPSpec)):
+        return spec
+    if isinstance(spec, str) and is_torch_spec(spec):
+        return TorchFSDPSpec.parse(spec)
+    if is_auto_spec(spec):
+        raise ValueError("auto chooses among DDP hooks; a sharded run names a sharded spec (docs/fsdp.md)")
+    return ShardSpec.parse(spec) if seed is None else ShardSpec.parse(spec, seed=seed)
+
+
+@typing.overload
+def register(
+    model: torch.nn.parallel.DistributedDataParallel, spec: "str | HookSpec | AutoSpec", **options: Any
+) -> "HookState | AutoState": ...
+
+
+@typing.overload
+def register(
+    model: torch.nn.Module, spec: "str | HookSpec | AnyShardedSpec", **options: Any
+) -> "HookState | TorchFSDPState": ...
+
+
+def register(
+    model: torch.nn.Module, spec: "str | HookSpec | AutoSpec | AnyShardedSpec", **options: Any
+) -> "HookState | AutoState | TorchFSDPState":
     """Attach a gradcomp hook (or ``auto``) to a DDP ``model``, averaging over the group DDP
     communicates on unless ``group`` is given, or gradcomp's reduce-scatter to an FSDP2 model
-    (:func:`fsdp`); returns its state (for statistics and checkpoints). ``options`` as :func:`make`'s
-    (``auto`` takes ``group``, ``timeout`` and ``seed``; FSDP2 :func:`fsdp`'s)."""
+    (:func:`fsdp`, or FSDP2's own for ``torch:reduce_scatter`` and the like); returns its state (for
+    statistics and checkpoints). ``options`` as :func:`make`'s (``auto`` takes ``group``, ``timeout``
+    and ``seed``; FSDP2 :func:`fsdp`'s)."""
     if fsdp2.is_fsdp(model):
-        if isinstance(spec, AutoSpec) or (isinstance(spec, str) and is_auto_spec(spec)):
-            raise ValueError("auto chooses among DDP hooks; for FSDP2 name a sharded spec (docs/fsdp.md)")
-        return fsdp2.fsdp(model, spec, **options)
+        if isinstance(spec, AutoSpec):
+            raise ValueError("auto chooses among DDP hooks; a sharded run names a sharded spec (docs/fsdp.md)")
+        parsed = parse_sharded(spec)
+        if isinstance(parsed, TorchFSDPSpec):
+            return torch_fsdp.register(model, parsed)
+        return fsdp2.fsdp(model, parsed, **options)
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"hooks attach to a DistributedDataParallel or FSDP2 model, got {type(model).__name__}")
+    if isinstance(spec, (ShardSpec, TorchFSDPSpec)):
+        raise TypeError(f"{spec} is a spec of sharded training; this model is DDP's")
     if isinstance(spec, AutoSpec) or (isinstance(spec, str) and is_auto_spec(spec)):
         return auto.register(model, spec, **options)
     return ddp.register(model, spec, **options)

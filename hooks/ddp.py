@@ -14,7 +14,7 @@ from gradcomp.collectives.executor import Handle
 from gradcomp.engine import Engine
 from gradcomp.engine.sharded import ShardedEngine, ShardSpec
 from gradcomp.engine.spec import HookSpec, HookSpecLike
-from gradcomp.engine.stats import per_step, write_trace
+from gradcomp.engine.stats import steps_since, write_trace
 from gradcomp.hooks.auto_spec import is_auto_spec
 
 Hook = Callable[["HookState", GradBucket], torch.futures.Future[Tensor]]
@@ -50,14 +50,7 @@ class HookState:
 
     def steps_since(self, first: int) -> list[dict[str, Any]]:
         """:meth:`steps` from step ``first`` on, reading only the newest records (cheap at every step)."""
-        if self.engine is None:
-            return []
-        fresh = []
-        for record in reversed(self.engine.records):
-            if record.step < first:
-                break
-            fresh.append(record)
-        return per_step(reversed(fresh))
+        return [] if self.engine is None else steps_since(self.engine.records, first)
 
     def write_trace(self, path: str) -> None:
         """A Chrome / Perfetto JSON trace of every recorded bucket: ready, queued, and each phase."""

@@ -17,6 +17,7 @@ from typing import Any
 from gradcomp import hooks
 from gradcomp.experiments.tasks import parse_task
 from gradcomp.experiments.training.optim import OPTIMIZERS, SCHEDULES
+from gradcomp.experiments.training.parallel import PARALLELS
 from gradcomp.options import convert, format_value
 
 BACKENDS = ("gloo", "nccl")
@@ -56,7 +57,11 @@ class TrainConfig:
     """DDP communication hook spec (``gradcomp.hooks.make``): allreduce, noop, fp16, topk:ratio=0.01,ef=true,
     ..., or one of torch's own hooks (``gradcomp.hooks.torch_hooks``): torch:allreduce (DDP's built-in),
     torch:fp16, torch:bf16, torch:powersgd:rank=4; kept in its canonical text, which names the run's
-    directory in sweeps."""
+    directory in sweeps. With ``parallel`` fsdp, a sharded spec (``gradcomp.hooks.parse_sharded``):
+    none, noop, quantize:bits=4,ef=true, ..., or FSDP2's own: torch:reduce_scatter, torch:bf16, torch:fp16."""
+    parallel: str = "ddp"
+    """ddp (a replica per rank; the hook averages gradients) or fsdp (FSDP2: parameters, gradients and
+    optimizer state sharded; the hook reduce-scatters gradients)."""
     backend: str = "gloo"
     """gloo (CPU) or nccl (GPU: one device per rank)."""
     ranks: int = 1
@@ -112,20 +117,26 @@ class TrainConfig:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("backend", self.backend, BACKENDS)
+        _choice("parallel", self.parallel, PARALLELS)
         if self.batch_size % self.ranks:
             raise ValueError(f"batch_size {self.batch_size} does not split evenly over {self.ranks} ranks")
         try:  # frozen: set once, canonical
-            object.__setattr__(self, "hook", str(hooks.parse(self.hook)))
+            object.__setattr__(self, "hook", str(self._parse_hook()))
         except ValueError as error:
             raise ValueError(f"hook {self.hook!r}: {error}") from None
         if not self.network.strip():
             raise ValueError("network must be a profile such as loopback or 1gbit")
 
     @property
-    def hook_spec(self) -> hooks.AnySpec:
+    def hook_spec(self) -> hooks.AnySpec | hooks.AnyShardedSpec:
         """The hook spec, its generators seeded by :attr:`seed` unless the spec sets a seed (torch's
         PowerSGD is seeded by :attr:`seed` when registered)."""
-        return hooks.parse(self.hook, seed=self.seed)
+        return self._parse_hook(seed=self.seed)
+
+    def _parse_hook(self, seed: int | None = None) -> hooks.AnySpec | hooks.AnyShardedSpec:
+        if self.parallel == "fsdp":
+            return hooks.parse_sharded(self.hook, seed=seed)
+        return hooks.parse(self.hook, seed=seed)
 
     @property
     def checkpoint_path(self) -> str:

@@ -15,12 +15,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from gradcomp.experiments.tasks import Task
-from gradcomp.experiments.tasks.base import batches
 from gradcomp.experiments.training.config import TrainConfig
 from gradcomp.experiments.training.metrics import WireMeter, Writer
+from gradcomp.experiments.training.parallel import Replicated, Sharded
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +32,14 @@ COMPUTE_REPEATS = 5
 
 
 class Loop:
-    """Trains ``ddp`` from a step to ``min(total, config.stop_at)``; see :meth:`run`."""
+    """Trains the model (DDP's replicas or FSDP2's shards: ``spread``) from a step to
+    ``min(total, config.stop_at)``; see :meth:`run`."""
 
     def __init__(
         self,
         config: TrainConfig,
         task: Task,
-        ddp: DistributedDataParallel,
+        spread: Replicated | Sharded,
         optimizer: torch.optim.Optimizer,
         schedule: torch.optim.lr_scheduler.LRScheduler,
         meter: WireMeter,
@@ -50,7 +50,7 @@ class Loop:
         total: int,
         save: Callable[[int, float], None],
     ) -> None:
-        self.config, self.task, self.ddp = config, task, ddp
+        self.config, self.task, self.spread = config, task, spread
         self.optimizer, self.schedule, self.meter, self.writer = optimizer, schedule, meter, writer
         self.rank, self.world, self.device, self.total, self.save = rank, world, device, total, save
         self.eval_every = config.eval_every or max(1, total // 10)
@@ -98,11 +98,11 @@ class Loop:
         y = y[self.rank :: self.world].to(self.device, non_blocking=True)
         sync()
         loaded = time.perf_counter()
-        loss = self.task.loss(self.ddp(x), y)
+        loss = self.task.loss(self.spread.forward(x), y)
         sync()
         forwarded = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # DDP's buckets go through the hook meanwhile; it returns when all are averaged
+        loss.backward()  # the hook averages (DDP) or reduce-scatters (FSDP2) meanwhile; done when it returns
         sync()
         backwarded = time.perf_counter()
         self.optimizer.step()
@@ -122,18 +122,18 @@ class Loop:
 
     def compute_ms(self, repeats: int = COMPUTE_REPEATS) -> float:
         """A training step's time without its communication, in ms: data, forward and backward under
-        ``no_sync`` (DDP communicates nothing), the slowest rank's, median of ``repeats``, plus the run's
-        mean optimizer time. Read once the run has finished (it changes no parameter, but its
-        gradients are cleared): what a step would cost on an infinitely fast link, the compute part of
-        a step-time breakdown."""
+        ``no_sync`` (the hook communicates nothing; FSDP2 still all-gathers parameters), the slowest
+        rank's, median of ``repeats``, plus the run's mean optimizer time. Read once the run has
+        finished (it changes no parameter, but its gradients are cleared): what a step would cost on
+        an infinitely fast link, the compute part of a step-time breakdown."""
         times = torch.zeros(repeats, dtype=torch.float64)
         for i in range(-1, repeats):  # one untimed: caches
             began = time.perf_counter()
             x, y = self.task.batch(max(self.step - 1, 0), self.config.batch_size, self.config.seed)
             x = x[self.rank :: self.world].to(self.device, non_blocking=True)
             y = y[self.rank :: self.world].to(self.device, non_blocking=True)
-            with self.ddp.no_sync():
-                self.task.loss(self.ddp(x), y).backward()
+            with self.spread.no_sync():
+                self.task.loss(self.spread.forward(x), y).backward()
             self._synchronize()
             if i >= 0:
                 times[i] = time.perf_counter() - began
@@ -179,11 +179,12 @@ class Loop:
         """The task's metrics on the whole evaluation set (each rank a shard; sums all-reduced)."""
         self.meter.collect()
         x, y = self.task.eval_set()
+        total = len(x)
         x, y = x[self.rank :: self.world], y[self.rank :: self.world]
-        model = self.ddp.module
+        model = self.spread.module
         model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)
-        for xb, yb in batches(x, y, EVAL_BATCH):
+        for xb, yb in self.spread.eval_batches(x, y, EVAL_BATCH, total):
             sums += self.task.eval_sums(model(xb.to(self.device)), yb.to(self.device)).double()
         model.train()
         dist.all_reduce(sums)

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from gradcomp.engine.stats import wire_bytes
 from gradcomp.experiments.training import curves
-from gradcomp.hooks import AutoState, HookState
+from gradcomp.hooks import AutoState, HookState, TorchFSDPState
 from gradcomp.hooks.torch_hooks import TorchHookState
 
 logger = logging.getLogger(__name__)
@@ -116,8 +116,8 @@ class WireMeter:
 
 HOOK_TIMES = ("compress_s", "communicate_s", "decompress_s")
 """The hook's own times that a run reports (per step, on the hook's thread, overlapping backward)."""
-AnyHookState = HookState | AutoState | TorchHookState
-"""A gradcomp hook's state or one of torch's hooks' (``torch:...``)."""
+AnyHookState = HookState | AutoState | TorchHookState | TorchFSDPState
+"""A gradcomp hook's state or one of torch's hooks' (``torch:...``, DDP's or FSDP2's)."""
 
 
 class Writer(Protocol):

@@ -32,18 +32,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from gradcomp import hooks, netem
+from gradcomp import netem
 from gradcomp.experiments.models import parameter_count
 from gradcomp.experiments.tasks import build_task
-from gradcomp.experiments.training import checkpoint, runinfo
+from gradcomp.experiments.training import checkpoint, parallel, runinfo
 from gradcomp.experiments.training.config import PATH_FIELDS, TrainConfig, add_arguments, from_args
 from gradcomp.experiments.training.loop import Loop
 from gradcomp.experiments.training.metrics import AnyHookState, NullWriter, TensorBoardWriter, WireMeter, Writer
 from gradcomp.experiments.training.optim import make_optimizer, make_schedule
-from gradcomp.hooks import torch_hooks
-from gradcomp.hooks.torch_hooks import TorchHookSpec
 from gradcomp.launch import RankError, spawn
 from gradcomp.netem import NetemError
 
@@ -54,7 +51,8 @@ def train(rank: int, world: int, config: TrainConfig) -> dict[str, Any] | None:
     """One rank of a run, in an initialised process group; rank 0 returns the run record.
 
     Every rank builds the same task and model; each step every rank takes its shard of the global
-    batch, DDP averages the gradients through the hook, and the optimizer steps.
+    batch, DDP averages the gradients through the hook (or FSDP2 reduce-scatters them through it,
+    ``--parallel fsdp``), and the optimizer steps.
     """
     device = _device(config.backend, rank)
     task = build_task(config.task, config.data)
@@ -63,23 +61,19 @@ def train(rank: int, world: int, config: TrainConfig) -> dict[str, Any] | None:
     model = task.build_model(config.model).to(device)
     resume = _resume_path(config)
     saved = checkpoint.load(resume, config, world, device) if resume else None
-    if saved is not None:
-        model.load_state_dict(saved["model"])
-    ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     spec = config.hook_spec
-    state: AnyHookState
-    if isinstance(spec, TorchHookSpec):
-        state = torch_hooks.register(ddp, spec, seed=config.seed)
-    else:
-        state = hooks.register(ddp, spec)
-    optimizer = make_optimizer(config.optimizer, ddp.parameters(), config.lr, config.momentum, config.weight_decay)
+    spread = parallel.make(config.parallel, model, device, spec)
+    state: AnyHookState = spread.register(spec, config.seed)
+    optimizer = make_optimizer(
+        config.optimizer, spread.forward.parameters(), config.lr, config.momentum, config.weight_decay
+    )
     schedule = make_schedule(optimizer, config.schedule, total, config.warmup_steps)
     torch.manual_seed(config.seed + 7919 * (rank + 1))  # each rank's own stream (dropout and the like)
     progress = {"elapsed_s": 0.0, "wire_bytes": 0, "wire_estimated": False, "origin": time.time()}
     start = 0
     if saved is not None:
+        spread.load(saved, optimizer)
         state.load_state_dict(saved["hooks"][rank])
-        optimizer.load_state_dict(saved["optimizer"])
         schedule.load_state_dict(saved["scheduler"])
         checkpoint.set_rng_state(saved["rng"][rank], device)
         progress, start = dict(saved["progress"]), int(saved["step"])
@@ -96,10 +90,10 @@ def train(rank: int, world: int, config: TrainConfig) -> dict[str, Any] | None:
     def save(step: int, elapsed: float) -> None:
         meter.collect()
         progress.update(elapsed_s=elapsed, wire_bytes=meter.total, wire_estimated=meter.estimated)
-        _save(config, model, optimizer, schedule, state, device, step, world, progress)
+        _save(config, spread, optimizer, schedule, state, device, step, world, progress)
         writer.flush()
 
-    loop = Loop(config, task, ddp, optimizer, schedule, meter, writer, rank, world, device, total, save)
+    loop = Loop(config, task, spread, optimizer, schedule, meter, writer, rank, world, device, total, save)
     try:
         try:
             result = loop.run(start, float(progress["elapsed_s"]))
@@ -146,7 +140,7 @@ def _resume_path(config: TrainConfig) -> str | None:
 
 def _save(
     config: TrainConfig,
-    model: nn.Module,
+    spread: parallel.Replicated | parallel.Sharded,
     optimizer: torch.optim.Optimizer,
     schedule: torch.optim.lr_scheduler.LRScheduler,
     state: AnyHookState,
@@ -158,6 +152,7 @@ def _save(
     """A checkpoint, with every rank's hook and generator state (a collective: all ranks call it)."""
     hook_states = checkpoint.gather(state.state_dict())
     rng = checkpoint.gather(checkpoint.rng_state(device))
+    model, optimizer_state = spread.model_state(), spread.optimizer_state(optimizer)  # FSDP2's gather here
     if dist.get_rank() == 0:
         checkpoint.save(
             config.checkpoint_path,
@@ -165,8 +160,8 @@ def _save(
                 "step": step,
                 "world_size": world,
                 "config": config.to_dict(),
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
+                "model": model,
+                "optimizer": optimizer_state,
                 "scheduler": schedule.state_dict(),
                 "hooks": hook_states,
                 "rng": rng,

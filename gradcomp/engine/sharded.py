@@ -37,7 +37,7 @@ from gradcomp.compressors import REGISTRY, Compressor, Key, Spec, make_compresso
 from gradcomp.engine import reduce_scatter, transport
 from gradcomp.engine.pipeline import check_same_spec
 from gradcomp.engine.spec import NOOP, HookSpec, split_hook_spec
-from gradcomp.engine.stats import BucketRecord
+from gradcomp.engine.stats import BucketRecord, CallSteps
 from gradcomp.errors import backend_failure
 from gradcomp.options import convert
 
@@ -160,8 +160,7 @@ class ShardedEngine:
         self._native = self.spec.hook.algo == "native"
         self._backends_own = self.spec.compressor.name == UNCOMPRESSED and self._native and self._hops is None
         self._checked = False
-        self.step = 0
-        self._this_step: set[Key] = set()
+        self.calls = CallSteps()
         self.records: collections.deque[BucketRecord] = collections.deque(maxlen=history)
 
     def reduce_scatter(self, output: Tensor, input: Tensor, divisor: float, key: Key) -> None:
@@ -174,13 +173,9 @@ class ShardedEngine:
         gets state of its own). A key seen again starts a new step of :attr:`records`.
         """
         self._check(output, input, divisor)
-        if key in self._this_step:
-            self.step += 1
-            self._this_step.clear()
-        self._this_step.add(key)
         # what leaves this rank uncompressed, every shard but its own (payload bytes count the same)
         leaving = (self.world - 1) * output.numel() * output.element_size()
-        record = BucketRecord(self.step, len(self._this_step) - 1, leaving, time.perf_counter())
+        record = BucketRecord(*self.calls.number(key), leaving, time.perf_counter())
         on_callers_stream = _callers_stream(input.device)
 
         def operation() -> tuple[None, None]:

@@ -15,7 +15,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -65,6 +65,33 @@ class BucketRecord:
         else:
             self.sent_bytes += traffic.sent
             self.received_bytes += traffic.received
+
+
+class CallSteps:
+    """Numbers calls into steps where nothing says where a step ends: FSDP2 reduce-scatters each
+    module once per backward, so a key seen again starts the next step."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self._seen: set[Any] = set()
+
+    def number(self, key: Any) -> tuple[int, int]:
+        """``(step, index within the step)`` of a call for ``key``."""
+        if key in self._seen:
+            self.step += 1
+            self._seen.clear()
+        self._seen.add(key)
+        return self.step, len(self._seen) - 1
+
+
+def steps_since(records: Sequence[BucketRecord], first: int) -> list[dict[str, Any]]:
+    """:func:`per_step` of the records of step ``first`` on, reading only the newest (cheap at every step)."""
+    fresh = []
+    for record in reversed(records):
+        if record.step < first:
+            break
+        fresh.append(record)
+    return per_step(reversed(fresh))
 
 
 def per_step(records: Iterable[BucketRecord]) -> list[dict[str, Any]]:

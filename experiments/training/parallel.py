@@ -1,0 +1,137 @@
+"""How a run spreads its model over the ranks: DDP's replicas or FSDP2's shards.
+
+``--parallel ddp`` (the default): every rank holds the whole model and optimizer state, and DDP
+averages gradients through the hook (a DDP communication hook spec). ``--parallel fsdp``: FSDP2
+shards parameters, gradients and optimizer state; the model is cut into units (:func:`units`),
+each all-gathered for its forward and backward and its gradients reduce-scattered through the hook,
+here a sharded spec (gradcomp's compressed reduce-scatter, or FSDP2's own: ``torch:reduce_scatter``,
+``torch:bf16``, ``torch:fp16``). :func:`make` builds either; the training loop and checkpoints talk
+to both through the same few methods.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from gradcomp import hooks
+from gradcomp.experiments.tasks.base import Batch, batches
+from gradcomp.hooks import torch_hooks
+from gradcomp.hooks.torch_hooks import TorchHookSpec
+
+PARALLELS = ("ddp", "fsdp")
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.TransformerEncoder, nn.TransformerDecoder)
+"""Modules that only hold others: FSDP2 units are cut inside them, not around them."""
+
+
+class Replicated:
+    """DDP: the model on every rank; the hook averages gradients."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.module = model
+        self.forward = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+
+    def register(self, spec: Any, seed: int) -> Any:
+        if isinstance(spec, TorchHookSpec):
+            return torch_hooks.register(self.forward, spec, seed=seed)
+        return hooks.register(self.forward, spec)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        """Backward without communication (the compute-only step time)."""
+        return self.forward.no_sync()
+
+    def model_state(self) -> dict[str, Any]:
+        return self.module.state_dict()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load(self, saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        self.module.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+
+    def eval_batches(self, x: Tensor, y: Tensor, size: int, total: int) -> Iterator[Batch]:
+        return batches(x, y, size)
+
+
+class Sharded:
+    """FSDP2: each unit of the model (:func:`units`) and the root sharded over the ranks; the hook
+    reduce-scatters gradients. Forwards are collectives (each unit all-gathers its parameters), so
+    every rank runs as many as every other, evaluation included (:meth:`eval_batches`)."""
+
+    def __init__(self, model: nn.Module, policy: Any = None) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        options = {} if policy is None else {"mp_policy": policy}
+        for unit in units(model):
+            fully_shard(unit, **options)
+        fully_shard(model, **options)
+        self.module = self.forward = model
+
+    def register(self, spec: Any, seed: int) -> Any:
+        return hooks.register(self.module, spec)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.module.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def model_state(self) -> dict[str, Any]:
+        """The whole model's state on rank 0, on the CPU (a collective: all ranks call it)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.module, options=_full())
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.module, optimizer, options=_full())
+
+    def load(self, saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        """Every rank takes its shards of the saved whole states (each rank read the file)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        set_model_state_dict(self.module, saved["model"], options=_full(offload=False))
+        set_optimizer_state_dict(self.module, optimizer, saved["optimizer"], options=_full(offload=False))
+
+    def eval_batches(self, x: Tensor, y: Tensor, size: int, total: int) -> Iterator[Batch]:
+        """This rank's share of ``total`` samples in as many batches as every other rank's (the
+        largest share's count of ``size``, the last ones possibly shorter or empty)."""
+        count = math.ceil(math.ceil(total / torch.distributed.get_world_size()) / size)
+        return zip(x.tensor_split(count), y.tensor_split(count), strict=True)
+
+
+def _full(offload: bool = True) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=offload)
+
+
+def units(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 shards on their own, besides the root: every module holding parameters
+    that is not a container (:data:`CONTAINERS`, whose members are units: the MLP's layers, a
+    transformer's blocks), outermost first; the root takes the parameters of its own that are left."""
+    found: list[nn.Module] = []
+    for child in model.children():
+        if isinstance(child, CONTAINERS):
+            found += units(child)
+        elif any(True for _ in child.parameters()):
+            found.append(child)
+    return found
+
+
+def make(parallel: str, model: nn.Module, device: torch.device, spec: Any) -> Replicated | Sharded:
+    """The model spread over the ranks as ``parallel`` says (the hook not registered yet)."""
+    if parallel == "ddp":
+        return Replicated(model, device)
+    policy = spec.policy() if isinstance(spec, hooks.TorchFSDPSpec) else None
+    return Sharded(model, policy)
