@@ -56,6 +56,7 @@ from gradcomp import hooks
 from gradcomp.bench.report import markdown_table
 from gradcomp.engine.stats import wire_bytes
 from gradcomp.experiments.tasks import build_task
+from gradcomp.experiments.training import parallel
 from gradcomp.hooks import torch_hooks
 from gradcomp.hooks.torch_hooks import PREFIX, TorchHookSpec, TorchHookState, is_torch_spec
 from gradcomp.launch import RankError, spawn
@@ -68,6 +69,42 @@ DEFAULT_HOOKS = (
 """What ``gradcomp bench ddp`` measures when ``--hooks`` is not given."""
 DEFAULT_TORCH_HOOKS = ("torch:allreduce_hook", "torch:fp16", "torch:powersgd:rank=4")
 """torch's own hooks measured beside the two anchors (noop and torch's all-reduce) by default."""
+State = hooks.HookState | hooks.AutoState | TorchHookState | hooks.TorchFSDPState
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """How the benchmark spreads the model over the ranks: DDP's replicas (this module's command) or
+    FSDP2's shards (``gradcomp bench fsdp``, :mod:`gradcomp.experiments.bench.fsdp`)."""
+
+    name: str
+    anchor: str
+    """torch's own way of averaging, against which every speedup is taken."""
+    torch_hooks: tuple[str, ...]
+    """torch's other ways measured by default."""
+    hooks: str
+    """gradcomp's specs measured by default."""
+
+    def canonical(self, spec: str) -> str:
+        """A variant's canonical text: ``noop``, a ``torch:`` spec, or a gradcomp spec (a bad one fails)."""
+        if self.name == "fsdp":
+            return str(hooks.parse_sharded(spec))
+        return str(hooks.parse(spec))
+
+    def make(self, build: Callable[[], nn.Module], variant: str, seed: int) -> tuple[nn.Module, State]:
+        """A fresh model for ``variant``, spread and hooked (the same initial weights for every variant)."""
+        torch.manual_seed(seed)
+        if self.name == "fsdp":
+            spec = hooks.parse_sharded(variant, seed=seed)
+            sharded = parallel.make("fsdp", build(), torch.device("cpu"), spec)
+            return sharded.forward, hooks.register(sharded.forward, spec)
+        model = DistributedDataParallel(build())  # DDP broadcasts rank 0's weights anyway
+        if is_torch_spec(variant):
+            return model, torch_hooks.register(model, variant, seed=seed)
+        return model, hooks.register(model, variant, seed=seed)
+
+
+DDP = Mode("ddp", TORCH_ALLREDUCE, DEFAULT_TORCH_HOOKS, DEFAULT_HOOKS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,28 +220,26 @@ def split_hooks(text: str) -> list[str]:
     return specs
 
 
-def _make_ddp(
-    build: Callable[[], nn.Module], variant: str, seed: int
-) -> tuple[DistributedDataParallel, hooks.HookState | hooks.AutoState | TorchHookState]:
-    torch.manual_seed(seed)  # the same initial weights for every variant (DDP broadcasts rank 0's anyway)
-    model = DistributedDataParallel(build())
-    if is_torch_spec(variant):
-        return model, torch_hooks.register(model, variant, seed=seed)
-    return model, hooks.register(model, variant, seed=seed)
-
-
 def measure(
-    rank: int, world: int, workload: Workload, variants: Sequence[str], steps: int, warmup: int, rounds: int, seed: int
+    rank: int,
+    world: int,
+    workload: Workload,
+    variants: Sequence[str],
+    steps: int,
+    warmup: int,
+    rounds: int,
+    seed: int,
+    mode: Mode = DDP,
 ) -> dict[str, dict[str, Any]]:
     """Inside every rank: per variant, every timed step's time (slowest rank), wire bytes, and for
     gradcomp's hooks the engine's phases per step."""
     if isinstance(workload, UserModel):
-        setups = {v: _make_ddp(workload.build, v, seed) for v in variants}
+        setups = {v: mode.make(workload.build, v, seed) for v in variants}
         batch: tuple[Tensor, Tensor | None] = (workload.batch(rank, seed), None)
     else:
         task = build_task("synthetic")
         # the models first: building one generates the task's inputs for it (images, tokens)
-        setups = {v: _make_ddp(functools.partial(task.build_model, workload.model), v, seed) for v in variants}
+        setups = {v: mode.make(functools.partial(task.build_model, workload.model), v, seed) for v in variants}
         batch = task.batch(rank, workload.batch_size, seed)  # each rank its own samples of the pool
     optimizers = {v: torch.optim.SGD(m.parameters(), lr=1e-3) for v, (m, _) in setups.items()}
     times: dict[str, list[float]] = {v: [] for v in variants}
@@ -227,7 +262,7 @@ def measure(
         report[variant] = {
             "step_s": slowest[variant],
             "wire_bytes": _wire(state, timed, world),
-            "phases_ms": _phases(state, timed) if not isinstance(state, TorchHookState) else None,
+            "phases_ms": _phases(state, timed) if isinstance(state, (hooks.HookState, hooks.AutoState)) else None,
         }
     return report
 
@@ -244,9 +279,7 @@ def _phases(state: hooks.HookState | hooks.AutoState, timed: int) -> dict[str, f
     return {name: statistics.median(s[f"{name}_s"] for s in recorded) * 1e3 for name in PHASES}
 
 
-def _step(
-    model: DistributedDataParallel, optimizer: torch.optim.Optimizer, batch: tuple[Tensor, Tensor | None]
-) -> None:
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[Tensor, Tensor | None]) -> None:
     inputs, targets = batch
     optimizer.zero_grad(set_to_none=False)
     output = model(inputs)
@@ -266,7 +299,7 @@ def _slowest(times: dict[str, list[float]], world: int) -> dict[str, list[float]
     return {v: [max(rank[v][i] for rank in everyone) for i in range(len(times[v]))] for v in times}
 
 
-def _wire(state: hooks.HookState | hooks.AutoState | TorchHookState, timed: int, world: int) -> float:
+def _wire(state: State, timed: int, world: int) -> float:
     """Bytes one rank sends per step, over the last ``timed`` steps (see the module's docstring)."""
     recorded = state.steps()[-timed:] if timed else []
     return statistics.fmean(wire_bytes(s, world) for s in recorded) if recorded else 0.0
@@ -286,31 +319,33 @@ def run(
     threads: int = 1,
     timeout: float = 1800.0,
     runs: int = 1,
+    mode: Mode = DDP,
 ) -> list[Row]:
-    """The anchors (noop, torch's all-reduce), ``torch_hooks`` (``torch:`` specs), then ``specs``
-    (gradcomp's, or more of torch's): a :class:`Row` each. ``preset`` names a preset, or is a user's
-    model (:func:`user_model`). With ``runs`` > 1 the whole measurement is repeated on fresh ranks,
-    and each figure is the median over the runs (:attr:`Row.run_ms` keeps every run's)."""
+    """The anchors (noop, ``mode.anchor``: torch's all-reduce for DDP), ``torch_hooks`` (``torch:``
+    specs), then ``specs`` (gradcomp's, or more of torch's): a :class:`Row` each. ``preset`` names a
+    preset, or is a user's model (:func:`user_model`). With ``runs`` > 1 the whole measurement is
+    repeated on fresh ranks, and each figure is the median over the runs (:attr:`Row.run_ms` keeps
+    every run's). ``mode``: DDP's replicas, or FSDP2's shards (``gradcomp bench fsdp``)."""
     if not isinstance(preset, UserModel) and preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; valid: {', '.join(PRESETS)}")
     workload: Workload = preset if isinstance(preset, UserModel) else PRESETS[preset]
     if ranks < 2:
-        raise ValueError(f"--ranks must be >= 2 (a DDP benchmark needs peers), got {ranks}")
+        raise ValueError(f"--ranks must be >= 2 (a data-parallel benchmark needs peers), got {ranks}")
     if steps < rounds or rounds < 1 or warmup < 2:
         raise ValueError(f"need rounds >= 1, steps >= rounds and warmup >= 2; got {rounds}, {steps}, {warmup}")
     if runs < 1:
         raise ValueError(f"--runs must be >= 1, got {runs}")
     # every spec checked here (a bad one fails before any rank starts); each variant once, as given
-    baselines = list(dict.fromkeys([NOOP, TORCH_ALLREDUCE, *(str(TorchHookSpec.parse(h)) for h in torch_hooks)]))
+    baselines = list(dict.fromkeys([NOOP, mode.anchor, *(mode.canonical(h) for h in torch_hooks)]))
     seen, given = set(baselines), []
     for spec in specs:
-        if _canonical(spec) not in seen:
-            seen.add(_canonical(spec))
+        if mode.canonical(spec) not in seen:
+            seen.add(mode.canonical(spec))
             given.append(spec.strip())
     specs = given
     variants = [*baselines, *specs]
     measured = [
-        _run_once(workload, ranks, network, baselines, specs, (steps, warmup, rounds, seed), threads, timeout)
+        _run_once(workload, ranks, network, baselines, specs, (steps, warmup, rounds, seed), threads, timeout, mode)
         for _ in range(runs)
     ]
     return [_combine([rows[v] for rows in measured]) for v in variants]
@@ -325,12 +360,13 @@ def _run_once(
     settings: tuple[int, int, int, int],
     threads: int,
     timeout: float,
+    mode: Mode,
 ) -> dict[str, Row]:
     variants = [*baselines, *specs]
-    isolated = [v for v in variants if _isolated(v)]
+    isolated = [v for v in variants if mode is DDP and _isolated(v)]
     shared = [v for v in variants if v not in isolated]
     started = time.monotonic()
-    arguments = (workload, shared, *settings)
+    arguments = (workload, shared, *settings, mode)
     measured = spawn(ranks, measure, arguments, timeout=timeout, threads=threads, network=network)[0]
     rows = {v: _row(v, network, measured[v]) for v in shared}
     # In ranks of their own, with a deadline of a few times the average variant's time: on gloo
@@ -338,17 +374,12 @@ def _run_once(
     deadline = 20 + 3 * (time.monotonic() - started) / len(shared)
     for variant in isolated:
         try:
-            alone = spawn(ranks, measure, (workload, [variant], *settings), timeout=deadline, threads=threads,
+            alone = spawn(ranks, measure, (workload, [variant], *settings, mode), timeout=deadline, threads=threads,
                           network=network, group_timeout=deadline)[0]  # fmt: skip
             rows[variant] = _row(variant, network, alone[variant])
         except RankError as error:
             rows[variant] = Row(variant, network, None, None, _failure(error, deadline), run_ms=[None])
     return rows
-
-
-def _canonical(spec: str) -> str:
-    """A variant's canonical text: ``noop``, a ``torch:`` spec, or a gradcomp hook spec."""
-    return str(hooks.parse(spec))
 
 
 def _isolated(variant: str) -> bool:
@@ -394,13 +425,13 @@ def _failure(error: RankError, deadline: float) -> str:
     return f"aborted: {(errors or lines or ['unknown'])[-1][:160]}"
 
 
-def format_table(rows: Sequence[Row]) -> str:
-    """Markdown: ms/step, speedup over torch's all-reduce, ratio to the noop floor, wire MB per step.
-    Rows of several runs give both ratios as the median of each run's ratio (against the same run's
-    anchor), with their range."""
+def format_table(rows: Sequence[Row], anchor_name: str = TORCH_ALLREDUCE) -> str:
+    """Markdown: ms/step, speedup over the anchor (torch's all-reduce, or FSDP2's reduce-scatter),
+    ratio to the noop floor, wire MB per step. Rows of several runs give both ratios as the median
+    of each run's ratio (against the same run's anchor), with their range."""
     by_name = {r.variant: r for r in rows}
-    anchor, floor = by_name[TORCH_ALLREDUCE], by_name[NOOP]
-    header = ("hook", "ms/step", "speedup vs torch:allreduce", "x noop floor", "wire MB/step", "status")
+    anchor, floor = by_name[anchor_name], by_name[NOOP]
+    header = ("hook", "ms/step", f"speedup vs {anchor_name}", "x noop floor", "wire MB/step", "status")
     lines = []
     for row in rows:
         if row.ms_per_step is None:
@@ -442,9 +473,14 @@ def format_phases(rows: Sequence[Row]) -> str:
 
 def add_command(commands: argparse._SubParsersAction) -> None:
     """``gradcomp bench ddp`` (an entry point of the ``gradcomp.bench`` group)."""
+    add_parser(commands, DDP, "DDP step time: gradcomp hooks beside torch's, per network")
+
+
+def add_parser(commands: argparse._SubParsersAction, mode: Mode, help: str) -> None:
+    """The command of ``mode`` (``gradcomp bench ddp`` or ``gradcomp bench fsdp``): the same options."""
     from gradcomp.cli import NET_HELP
 
-    parser = commands.add_parser("ddp", help="DDP step time: gradcomp hooks beside torch's, per network")
+    parser = commands.add_parser(mode.name, help=help)
     parser.add_argument(
         "--model",
         default="mlp",
@@ -464,14 +500,14 @@ def add_command(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--net", default="loopback", help=NET_HELP)
     parser.add_argument(
         "--hooks",
-        default=DEFAULT_HOOKS,
+        default=mode.hooks,
         help="hook specs, gradcomp's or torch's (torch:bf16), separated by ';' (or ',' before a new name)",
     )
     parser.add_argument(
         "--torch-hooks",
-        default=";".join(DEFAULT_TORCH_HOOKS),
-        help="torch's hooks to measure besides its default all-reduce (torch:allreduce), separated as --hooks, "
-        f"or none (default {';'.join(DEFAULT_TORCH_HOOKS)}; the torch: prefix may be left out)",
+        default=";".join(mode.torch_hooks),
+        help=f"torch's own to measure besides its default ({mode.anchor}), separated as --hooks, "
+        f"or none (default {';'.join(mode.torch_hooks)}; the torch: prefix may be left out)",
     )
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (default 30)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per variant first (default 5)")
@@ -482,10 +518,10 @@ def add_command(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="also write every figure and the machine to FILE")
-    parser.set_defaults(run=_command)
+    parser.set_defaults(run=functools.partial(_command, mode=mode))
 
 
-def _command(args: argparse.Namespace) -> int:
+def _command(args: argparse.Namespace, mode: Mode = DDP) -> int:
     from gradcomp.bench.report import machine, write_report
     from gradcomp.netem import Profile, check, describe, parse_profiles
 
@@ -513,16 +549,19 @@ def _command(args: argparse.Namespace) -> int:
             "seed": args.seed,
             "runs": args.runs,
         }
-        measured = run(workload, args.ranks, network, specs, torch_hooks=torch_hooks, threads=args.threads, **settings)
+        measured = run(
+            workload, args.ranks, network, specs, torch_hooks=torch_hooks, threads=args.threads, mode=mode, **settings
+        )
         sys.stdout.write(
-            f"gradcomp bench ddp: {about}, {args.ranks} ranks, "
+            f"gradcomp bench {mode.name}: {about}, {args.ranks} ranks, "
             f"network {network} ({describe(Profile.parse(network))}), gloo, {host['cpu']}, torch {host['torch']}, "
-            f"{args.threads} thread(s) per rank, median of {args.steps} steps{runs}\n\n{format_table(measured)}\n\n"
+            f"{args.threads} thread(s) per rank, median of {args.steps} steps{runs}\n\n"
+            f"{format_table(measured, mode.anchor)}\n\n"
             f"Where gradcomp's time goes (ms per step, medians):\n\n{format_phases(measured)}\n\n"
         )
         sys.stdout.flush()
         rows += measured
     if args.json:
-        figures = {"model": args.model, "ranks": args.ranks, "networks": networks}
+        figures = {"model": args.model, "ranks": args.ranks, "networks": networks, "parallel": mode.name}
         write_report(args.json, host, **figures, rows=[dataclasses.asdict(r) for r in rows])
     return 0
