@@ -91,6 +91,12 @@ class Mode:
             return str(hooks.parse_sharded(spec))
         return str(hooks.parse(spec))
 
+    def torch_canonical(self, spec: str) -> str:
+        """One of torch's own (it must start with ``torch:``), in its canonical text."""
+        if self.name == "fsdp":
+            return str(hooks.TorchFSDPSpec.parse(spec))
+        return str(TorchHookSpec.parse(spec))
+
     def make(self, build: Callable[[], nn.Module], variant: str, seed: int) -> tuple[nn.Module, State]:
         """A fresh model for ``variant``, spread and hooked (the same initial weights for every variant)."""
         torch.manual_seed(seed)
@@ -336,7 +342,7 @@ def run(
     if runs < 1:
         raise ValueError(f"--runs must be >= 1, got {runs}")
     # every spec checked here (a bad one fails before any rank starts); each variant once, as given
-    baselines = list(dict.fromkeys([NOOP, mode.anchor, *(mode.canonical(h) for h in torch_hooks)]))
+    baselines = list(dict.fromkeys([NOOP, mode.anchor, *(mode.torch_canonical(h) for h in torch_hooks)]))
     seen, given = set(baselines), []
     for spec in specs:
         if mode.canonical(spec) not in seen:
