@@ -34,14 +34,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradcomp.engine.sharded import ShardedEngine, ShardSpec, ShardSpecLike
+from gradcomp.engine.transport import all_gather_single
 from gradcomp.hooks.ddp import HookState
 
 try:  # FSDP2's custom reduce-scatter (torch's own protocol; absent from older releases)
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch without FSDP2
-    FSDPModule = ReduceScatter = DTensor = None  # type: ignore[assignment,misc]
+    FSDPModule = AllGather = ReduceScatter = DTensor = None  # type: ignore[assignment,misc]
 
 
 def available() -> bool:
@@ -81,6 +82,31 @@ class CompressedReduceScatter(ReduceScatter if ReduceScatter is not None else ob
             raise
 
 
+class QuantizedAllGather(AllGather if AllGather is not None else object):  # type: ignore[misc]
+    """FSDP2's ``AllGather`` of parameters through the engine's parameter codec (``param_bits``:
+    ZeRO++'s qwZ). Parameters FSDP2 gathers as raw bytes (mixed dtypes) travel exactly."""
+
+    def __init__(self, state: HookState) -> None:
+        self.state = state
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> None:
+        try:
+            engine = self.state.engine
+            assert isinstance(engine, ShardedEngine)
+            if input_tensor.is_floating_point():
+                engine.all_gather(output_tensor, input_tensor)
+            else:
+                all_gather_single(output_tensor, input_tensor, group=group)
+        except Exception as error:
+            self.state.error = self.state.error or error
+            raise
+
+
 def divisor_of(op: Any, world: int) -> float:
     """What FSDP2's reduce op divides the sum by: ``AVG`` the world size, ``SUM`` 1, a pre-multiplied
     sum (``ReduceOp.PREMUL_SUM(1 / factor)``) its factor (a whole factor exactly, as FSDP computed
@@ -116,8 +142,9 @@ def fsdp(
             module holding FSDP2 modules).
         spec: a sharded spec (:class:`~gradcomp.engine.sharded.ShardSpec`): ``none`` (the backend's
             reduce-scatter: FSDP2's own), ``noop``, any compressor that works on a flat shard
-            (``quantize:bits=4,ef=true``), with ``algo`` (native or ring), ``seed`` and
-            ``local_size`` (two hops, that many ranks per node).
+            (``quantize:bits=4,ef=true``), with ``algo`` (native or ring), ``seed``, ``local_size``
+            (two hops, that many ranks per node) and ``param_bits`` (a quantized parameter
+            all-gather, ZeRO++'s qwZ; off by default).
         group: the ranks that share the shards; default: the group of the parameters' shard mesh
             dimension (FSDP2's own).
         algo, seed: defaults for the spec's ``algo`` and ``seed`` where its text sets none.
@@ -137,6 +164,8 @@ def fsdp(
     state = HookState(parsed, engine, dist.get_world_size(group))
     for name, module in modules:
         module.set_custom_reduce_scatter(CompressedReduceScatter(state, name))
+        if parsed.param_bits:
+            module.set_custom_all_gather(QuantizedAllGather(state))
     return state
 
 

@@ -5,7 +5,8 @@ shards), a frozen bias, a wholly frozen layer (its module reduce-scatters nothin
 modules and a root holding a parameter of its own. Checked: ``none`` gives FSDP2's gradients
 bitwise (its own op, at 2 and 4 ranks, also under a bf16 reduce dtype); the casts equal FSDP2 with
 that reduce dtype within one rounding; lossless compression through the all-to-all gives the
-average; lossy compression stays close; FSDP2's gradient divide factor (a pre-multiplied sum,
+average; lossy compression stays close; a quantized parameter all-gather gathers each rank's
+nearest codes, the same on every rank, and the gradients follow; FSDP2's gradient divide factor (a pre-multiplied sum,
 which gloo cannot do itself) is honoured; two hops average; results are deterministic; a hook's
 state saved and loaded (weights only) continues bitwise; bad specs fail before any communication,
 ranks given different specs at the first reduce-scatter, and a silent peer within the timeout.
@@ -24,10 +25,12 @@ import torch.distributed as dist
 from torch import nn
 
 from gradcomp import hooks
+from gradcomp.compressors import make_compressor
+from gradcomp.compressors.simulate import roundtrip
 from gradcomp.engine.sharded import ShardedEngine, ShardSpec
 from gradcomp.errors import SpecMismatchError
 from gradcomp.hooks import fsdp2
-from tests.distributed import Failures, run_checks, spawn_ranks
+from tests.distributed import Failures, identical_on_all_ranks, run_checks, spawn_ranks
 
 pytestmark = pytest.mark.skipif(not fsdp2.available(), reason="this torch has no FSDP2 custom reduce-scatter")
 
@@ -178,6 +181,10 @@ def against_fsdp(rank: int, world: int) -> Failures:
         error = relative_error(mine, default)
         failures.expect(error < 0.04, f"two hops of quantize:bits=8: relative error {error:.4f}")
 
+    # the quantized parameter all-gather (ZeRO++'s qwZ): gradients of nearly the same weights
+    errors = {bits: relative_error(run(f"none:param_bits={bits}", rank)[0], default) for bits in (8, 2)}
+    failures.expect(0 < errors[8] < 0.1 and errors[2] > errors[8], f"param_bits: gradients' relative errors {errors}")
+
     # noop: each rank's own shard, divided (the compute floor of benchmarks)
     mine, state = run("noop", rank)
     failures.expect(state.engine is None and close(mine, local_shards(rank, world), rtol=1e-6), "noop: not its own")
@@ -191,6 +198,15 @@ def test_fsdp_reduce_scatter_against_fsdp2s_own(world: int) -> None:
 
 def state_and_errors(rank: int, world: int) -> Failures:
     failures = Failures()
+    # the parameter all-gather: every rank's shard through the codec, the same bytes on every rank
+    engine = ShardedEngine("none:param_bits=8")
+    shard = torch.randn(3000, generator=torch.Generator().manual_seed(rank))
+    gathered = torch.empty(world * 3000)
+    engine.all_gather(gathered, shard.clone())
+    expected = roundtrip(make_compressor("quantize:bits=8,rounding=nearest"), shard)
+    failures.expect(torch.equal(gathered.view(world, -1)[rank], expected), "param_bits=8: not the nearest codes")
+    failures.expect(identical_on_all_ranks(gathered), "param_bits=8: ranks gathered different weights")
+
     spec = "topk:ratio=0.2,ef=true"
     straight, _ = run(spec, rank)  # STEPS steps straight through
 
@@ -271,6 +287,8 @@ def test_a_silent_peer_is_an_error_naming_it_within_the_timeout(tmp_path: Path) 
         ("quantize:bits=4,algo=tree", "native or ring"),
         ("quantize:bits=4,local_size=-1", "local_size"),
         ("quantize:bits=4,local_size=two", "local_size"),
+        ("quantize:bits=4,param_bits=1", "param_bits"),
+        ("noop:param_bits=8", "noop has none"),
         ("nonsense", "unknown compressor"),
     ],
 )
@@ -280,7 +298,8 @@ def test_bad_sharded_specs_are_refused_without_a_process_group(spec: str, messag
 
 
 def test_sharded_specs_have_a_canonical_text() -> None:
-    for text in ("none", "allreduce", "quantize:bits=4,ef=true,local_size=8", "noop", "sign:algo=ring,seed=3"):
+    texts = ("none", "allreduce", "quantize:bits=4,ef=true,local_size=8,param_bits=8", "noop", "sign:algo=ring,seed=3")
+    for text in texts:
         spec = ShardSpec.parse(text)
         assert ShardSpec.parse(str(spec)) == spec
     assert str(ShardSpec.parse("allreduce")) == "none"

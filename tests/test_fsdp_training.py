@@ -1,6 +1,7 @@
 """Sharded training runs (``--parallel fsdp``) on 2 real gloo ranks: FSDP2's own reduce-scatter
 trains exactly as DDP's all-reduce does; 4-bit quantization with error feedback reaches the
-uncompressed run's accuracy on the digits (within 1 point) with a fraction of the bytes; a run
+uncompressed run's accuracy on the digits (within 1 point) with a fraction of the bytes, also with
+8-bit weights in the parameter all-gather; a run
 stopped and resumed ends bitwise where the run straight through does (sharded parameters, momentum
 and the hook's residuals); bad sharded specs are refused before any rank starts."""
 
@@ -53,6 +54,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "fsdp": train(out / "fsdp", "torch:reduce_scatter"),
         "ddp": train(out / "ddp", "torch:allreduce", parallel="ddp"),
         "quantized": train(out / "quantized", "quantize:bits=4,ef=true"),
+        "weights": train(out / "weights", "quantize:bits=4,ef=true,param_bits=8"),
         "stopped": stopped,
         "resumed": launch(config),
     }
@@ -73,6 +75,9 @@ def test_4_bit_quantization_with_error_feedback_reaches_the_uncompressed_accurac
     assert exact["eval_accuracy"] > 0.9
     assert quantized["eval_accuracy"] >= exact["eval_accuracy"] - 0.01
     assert quantized["wire_bytes"] < exact["wire_bytes"] / 5  # 4-bit codes and a scale per 1024 values
+    weights = runs["weights"]["metrics"]  # and 8-bit weights in every forward and backward (qwZ)
+    assert weights["eval_accuracy"] >= exact["eval_accuracy"] - 0.01
+    assert weights["train_loss"] != quantized["train_loss"]  # the weights were quantized
 
 
 @pytest.mark.timeout(600)

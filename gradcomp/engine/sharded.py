@@ -33,7 +33,7 @@ from torch import Tensor
 from gradcomp.collectives import hierarchical
 from gradcomp.collectives.executor import executor
 from gradcomp.collectives.groups import private
-from gradcomp.compressors import REGISTRY, Compressor, Key, Spec, make_compressor
+from gradcomp.compressors import REGISTRY, Compressor, Key, Meta, Spec, make_compressor
 from gradcomp.engine import reduce_scatter, transport
 from gradcomp.engine.pipeline import check_same_spec
 from gradcomp.engine.spec import NOOP, HookSpec, split_hook_spec
@@ -57,12 +57,20 @@ class ShardSpec:
     local_size: int = 0
     """Ranks per node for the two-hop reduce-scatter (intra-node, then inter-node: ``local_size``
     times fewer bytes across nodes, at the price of a second compression); 0: one hop."""
+    param_bits: int = 0
+    """Bits per parameter in the parameter all-gather (2..8: DeepSpeed ZeRO++'s qwZ, every forward
+    and backward computes with the weights rounded to the nearest of 2^bits levels per chunk of
+    1024, an 8-byte scale each; 8 is ZeRO++'s choice). 0: the trainer's own exact all-gather."""
 
     def __post_init__(self) -> None:
         if isinstance(self.local_size, bool) or not isinstance(self.local_size, int) or self.local_size < 0:
             raise ValueError(
                 f"local_size must be a whole number of ranks per node (0: one hop), got {self.local_size!r}"
             )
+        if isinstance(self.param_bits, bool) or self.param_bits not in (0, *range(2, 9)):
+            raise ValueError(f"param_bits must be 0 (exact) or 2..8, got {self.param_bits!r}")
+        if self.param_bits and self.hook.noop:
+            raise ValueError("param_bits quantizes the parameter all-gather of a reduce-scatter spec; noop has none")
         if self.hook.algo not in SHARD_ALGORITHMS:
             raise ValueError(
                 f"sharded training reduce-scatters with algo {' or '.join(SHARD_ALGORITHMS)}, got {self.hook.algo!r}"
@@ -89,12 +97,14 @@ class ShardSpec:
         if isinstance(spec, HookSpec):
             return cls(spec)
         name, options = split_hook_spec(spec)
-        local_size = options.pop("local_size", 0)
-        try:
-            local_size = convert("local_size", local_size, int)
-        except ValueError:
-            raise ValueError(f"local_size must be a whole number of ranks per node, got {local_size!r}") from None
-        return cls(HookSpec.parse((name, options), **defaults), local_size)
+        sharded = {}
+        for key in SHARD_OPTIONS:
+            value = options.pop(key, 0)
+            try:
+                sharded[key] = convert(key, value, int)
+            except ValueError:
+                raise ValueError(f"{key} must be a whole number, got {value!r}") from None
+        return cls(HookSpec.parse((name, options), **defaults), **sharded)
 
     @property
     def compressor(self) -> Spec | None:
@@ -108,11 +118,14 @@ class ShardSpec:
         text = str(self.hook)
         if self.compressor is not None and self.compressor.name == UNCOMPRESSED:
             text = UNCOMPRESSED + text[len("allreduce") :]
-        if self.local_size:
-            text += f"{',' if ':' in text else ':'}local_size={self.local_size}"
+        for key in SHARD_OPTIONS:
+            if getattr(self, key):
+                text += f"{',' if ':' in text else ':'}{key}={getattr(self, key)}"
         return text
 
 
+SHARD_OPTIONS = ("local_size", "param_bits")
+"""The options a sharded spec takes besides a hook spec's."""
 ShardSpecLike = str | tuple[str, Mapping[str, Any]] | Spec | HookSpec | ShardSpec
 """Anything :meth:`ShardSpec.parse` takes."""
 
@@ -154,6 +167,11 @@ class ShardedEngine:
         self.compressor: Compressor = make_compressor(
             self.spec.compressor, seed=self.spec.hook.seed, rank=dist.get_rank(group)
         )
+        self.param_codec: Compressor | None = None
+        """The parameter all-gather's codec (``param_bits``); None: exact."""
+        if self.spec.param_bits:
+            self.param_codec = make_compressor(("quantize", {"bits": self.spec.param_bits, "rounding": "nearest"}))
+        self._capacities: dict[int, int] = {}  # the all-gather's frame bytes, per shard size
         self.group = private(group, timeout)
         self._rank = dist.get_rank(self.group)
         self._hops = hierarchical.subgroups(self.group, self.spec.local_size) if self.spec.local_size else None
@@ -187,6 +205,35 @@ class ShardedEngine:
                 self._reduce(output, input, divisor, (key, input.numel()), record)
                 record.finished = time.perf_counter()
                 self.records.append(record)
+            return None, None
+
+        executor().submit(operation, wait=True)
+
+    def all_gather(self, output: Tensor, input: Tensor) -> None:
+        """``output`` = every rank's ``input`` (its parameter shard), in rank order, each through the
+        parameter codec (``param_bits``), this rank's own too: every rank then computes with the same
+        weights. Returns when it is there. ``input`` may be a view of ``output`` (FSDP2's is)."""
+        codec = self.param_codec
+        if codec is None:
+            raise ValueError(f"{self.spec} gathers parameters exactly: param_bits is not set")
+        if input.numel() * self.world != output.numel() or input.dtype != output.dtype:
+            raise ValueError(f"output must hold {self.world} blocks of the input's {input.numel()} {input.dtype}")
+        on_callers_stream = _callers_stream(input.device)
+
+        def operation() -> tuple[None, None]:
+            with on_callers_stream():
+                if not self._checked:
+                    check_same_spec(str(self.spec), self.group, input.device)
+                    self._checked = True
+                payload, _ = codec.compress(input)  # before the output's own block is written over
+                exchange = transport.GroupExchange(self.group, _unmetered, native=True)
+                capacity = self._capacities.get(input.numel(), 0)
+                everyone, self._capacities[input.numel()] = transport.all_gather_padded(
+                    [payload], input.device, exchange, capacity
+                )
+                meta = Meta(input.shape, input.dtype, input.numel())
+                for (received,), block in zip(everyone, output.view(self.world, -1), strict=True):
+                    codec.decompress(received, meta, out=block)
             return None, None
 
         executor().submit(operation, wait=True)
@@ -241,6 +288,10 @@ class ShardedEngine:
             )
         if not divisor > 0:
             raise ValueError(f"the divisor must be > 0, got {divisor}")
+
+
+def _unmetered(traffic: object, native: float = 0.0) -> None:
+    """The parameter all-gather is not part of the gradient's records (nor is the trainer's own)."""
 
 
 def _callers_stream(device: torch.device) -> Callable[[], contextlib.AbstractContextManager[Any]]:
