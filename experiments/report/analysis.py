@@ -25,13 +25,15 @@ from typing import Any
 
 from scipy import stats
 
+from gradcomp.engine.sharded import SHARD_OPTIONS, ShardSpec
 from gradcomp.engine.spec import HookSpec
 from gradcomp.experiments.report.records import Run
 from gradcomp.hooks.torch_hooks import is_torch_spec
 from gradcomp.options import format_value
 
-BASELINES = ("torch:allreduce", "allreduce")
-"""The default baseline of a group: the first of these that it has."""
+BASELINES = ("torch:allreduce", "allreduce", "torch:reduce_scatter", "none")
+"""The default baseline of a group: the first of these that it has (DDP's all-reduce, torch's and
+gradcomp's, then FSDP2's reduce-scatter, FSDP2's own and gradcomp's)."""
 CONFIDENCE = 0.95
 DEFINING = ("ratio", "rank", "bits", "format", "tau")
 """Compressor options a method's short name keeps even at their defaults: they say how much is sent."""
@@ -281,12 +283,17 @@ def short_name(hook: str) -> str:
     ``topk:ratio=0.01,method=exact,tolerance=0.2,ef=true``."""
     if is_torch_spec(hook):
         return hook
+    sharded: list[str] = []  # a sharded run's own options (local_size, param_bits)
     try:
         spec = HookSpec.parse(hook)
     except ValueError:
-        return hook
+        try:
+            parsed = ShardSpec.parse(hook)
+        except ValueError:
+            return hook
+        spec, sharded = parsed.hook, [f"{key}={getattr(parsed, key)}" for key in SHARD_OPTIONS if getattr(parsed, key)]
     if spec.compressor is None or spec.compressor.name == "none":
-        return str(spec)
+        return hook
     config, defaults = spec.compressor.config, type(spec.compressor.config)()
     options = [
         f"{f.name}={format_value(getattr(config, f.name))}"
@@ -296,6 +303,7 @@ def short_name(hook: str) -> str:
     options += ["ef=true"] if spec.compressor.ef else []
     options += [f"{key}={getattr(spec, key)}" for key in ("algo", "aggregation", "seed")
                 if getattr(spec, key) != getattr(HookSpec(None), key)]  # fmt: skip
+    options += sharded
     return spec.compressor.name + (":" + ",".join(options) if options else "")
 
 

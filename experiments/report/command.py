@@ -28,7 +28,9 @@ def add_command(commands: argparse._SubParsersAction) -> None:
         "percent of the baseline's value (default 0.5)",
     )
     parser.add_argument(
-        "--baseline", help="the hook spec every group is measured against (default: torch:allreduce, else allreduce)"
+        "--baseline",
+        help="the hook spec every group is measured against (default: the first it has of torch:allreduce, "
+        "allreduce, torch:reduce_scatter, none)",
     )
     parser.add_argument("--markdown", metavar="FILE", help="also write the verdicts and tables as Markdown to FILE")
     parser.set_defaults(run=_command)
@@ -52,7 +54,7 @@ def write(
     from gradcomp.experiments.report import analysis, page, records
 
     if baseline is not None:
-        baseline = str(hooks.parse(baseline))
+        baseline = _canonical(baseline)
     runs = records.load(runs_dir)
     groups = analysis.analyze(runs, tolerance, baseline)
     path = output or os.path.join(runs_dir, "report.html")
@@ -63,3 +65,11 @@ def write(
         with open(markdown, "w") as file:
             file.write(page.markdown(groups))
     return path
+
+
+def _canonical(hook: str) -> str:
+    """A baseline's canonical text: a DDP hook spec, else a sharded run's (``torch:reduce_scatter``)."""
+    try:
+        return str(hooks.parse(hook))
+    except ValueError:
+        return str(hooks.parse_sharded(hook))

@@ -35,7 +35,7 @@ def render(groups: Sequence[Group], runs: Sequence[Run], source: str, tolerance:
         f"<title>gradcomp report: {_e(source)}</title><style>{STYLE}</style></head><body>",
         f"<h1>Time to accuracy: {_e(source)}</h1>",
         f'<p class="note">{len(runs)} runs, {finished} finished, in {len(groups)} group(s); {_e(settings)}; '
-        f"baseline {_e(baseline or 'torch:allreduce, else allreduce')}. Generated "
+        f"baseline {_e(baseline or 'torch:allreduce, else allreduce, torch:reduce_scatter or none')}. Generated "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC by gradcomp report.</p>",
         _environment(runs),
         "<h2>Verdicts</h2><ul>",
