@@ -17,9 +17,12 @@ it does for fp16), a pre-multiplied sum (``set_gradient_divide_factor``) by its 
 cannot do itself. Mixed precision applies as it does without gradcomp: the input comes in
 ``MixedPrecisionPolicy.reduce_dtype`` and gradcomp sums peers' shards in float32, rounding once.
 
-The call completes before it returns (FSDP2 on the CPU waits for its own reduce-scatter, too); on a
-GPU it runs on FSDP2's reduce-scatter stream. Specs are :class:`~gradcomp.engine.sharded.ShardSpec`
-texts (see ``docs/fsdp.md``).
+With ``param_bits`` it also installs a parameter all-gather (``set_custom_all_gather``) that
+gathers every rank's shard rounded to the nearest of 2^bits levels (DeepSpeed ZeRO++'s qwZ).
+
+The calls complete before they return (FSDP2 on the CPU waits for its own collectives, too); on a
+GPU they run on FSDP2's streams. Specs are :class:`~gradcomp.engine.sharded.ShardSpec` texts (see
+``docs/fsdp.md``); FSDP2's own reduction as a baseline: :mod:`gradcomp.hooks.torch_fsdp`.
 """
 
 from __future__ import annotations

@@ -235,3 +235,28 @@ def test_the_command_finds_a_model_in_the_current_directory(
     arguments = ["--input-shape", "4", "--hooks", "fp16", "--torch-hooks", "none", "--steps", "2", "--rounds", "1"]
     assert main(["bench", "ddp", "--model", "my_models:small", *arguments, "--warmup", "2"]) == 0
     assert "my_models:small, random inputs of shape [4]" in capsys.readouterr().out
+
+
+def test_bench_fsdp_measures_fsdp2s_own_beside_gradcomps_reduce_scatter() -> None:
+    """``gradcomp bench fsdp``: FSDP2's reduce-scatter is the anchor; at 2 ranks it sends half of the
+    tiny model's gradients (676 floats, no padding at 2 ranks), bf16 half of that; gradcomp's
+    uncompressed reduce-scatter sends the same, its 4-bit codes (measured) less."""
+    from gradcomp.experiments.bench.fsdp import FSDP
+
+    model = bench_ddp.user_model("tests.bench_models:tiny", "16", batch_size=4)
+    specs = ["none", "quantize:bits=4,ef=true"]
+    rows = bench_ddp.run(model, 2, "loopback", specs, torch_hooks=["torch:bf16"], steps=2, rounds=1, warmup=2,
+                         timeout=300, mode=FSDP)  # fmt: skip
+    assert [r.variant for r in rows] == [NOOP, "torch:reduce_scatter", "torch:bf16", *specs]
+    assert all(r.status == "ok" for r in rows), [r.status for r in rows]
+    wire = {r.variant: r.wire_mb_per_step for r in rows}
+    assert wire["torch:reduce_scatter"] == wire["none"] == pytest.approx(676 / 2 * 4 / 1e6)
+    assert wire["torch:bf16"] == pytest.approx(676 / 2 * 2 / 1e6)
+    assert 0 < wire["quantize:bits=4,ef=true"] < wire["torch:bf16"]
+    assert "speedup vs torch:reduce_scatter" in format_table(rows, FSDP.anchor)
+    phases = {r.variant: r.phases_ms for r in rows}
+    assert phases["torch:reduce_scatter"] is None and phases["quantize:bits=4,ef=true"] is not None
+    with pytest.raises(ValueError, match="unknown FSDP2 reduction"):
+        bench_ddp.run(model, 2, "loopback", specs, torch_hooks=["torch:fp16x"], mode=FSDP)
+    with pytest.raises(ValueError, match="needs each tensor's shape"):
+        bench_ddp.run(model, 2, "loopback", ["powersgd:rank=2"], torch_hooks=[], mode=FSDP)

@@ -11,9 +11,12 @@ what the compressor made of it (in both hops with ``local_size``), so their rati
 the wire. ``none`` is the backend's own reduce-scatter, with the trainer's own op: bitwise what the
 trainer would have done.
 
+:meth:`ShardedEngine.all_gather` quantizes the parameter all-gather where the spec asks
+(``param_bits``, DeepSpeed ZeRO++'s qwZ).
+
 :class:`ShardSpec` is the spec: a hook spec (``"quantize:bits=4,ef=true"``) and, optionally,
-``local_size`` (``"quantize:bits=4,ef=true,local_size=8"``: two hops, 8 ranks per node). The
-hooks for FSDP2 live in :mod:`gradcomp.hooks.fsdp`.
+``local_size`` (``"quantize:bits=4,ef=true,local_size=8"``: two hops, 8 ranks per node) and
+``param_bits``. The hooks for FSDP2 live in :mod:`gradcomp.hooks.fsdp2`.
 """
 
 from __future__ import annotations
@@ -50,8 +53,9 @@ UNCOMPRESSED = "none"
 
 @dataclasses.dataclass(frozen=True)
 class ShardSpec:
-    """A parsed spec for sharded training: what travels (``hook``: compressor, algo, seed) and how
-    many hops (``local_size``). ``str()`` is its canonical text, which parses back to an equal spec."""
+    """A parsed spec for sharded training: what the gradients travel as (``hook``: compressor, algo,
+    seed), in how many hops (``local_size``), and the parameters' bits in their all-gather
+    (``param_bits``). ``str()`` is its canonical text, which parses back to an equal spec."""
 
     hook: HookSpec
     local_size: int = 0
@@ -90,7 +94,7 @@ class ShardSpec:
     @classmethod
     def parse(cls, spec: ShardSpecLike, **defaults: Any) -> ShardSpec:
         """Parse a sharded spec: a hook spec (text, ``(name, options)`` or :class:`HookSpec`) whose
-        options may also set ``local_size``; ``defaults`` as :meth:`HookSpec.parse`'s. Raises
+        options may also set ``local_size`` and ``param_bits``; ``defaults`` as :meth:`HookSpec.parse`'s. Raises
         ValueError naming what is wrong and the valid choices."""
         if isinstance(spec, ShardSpec):
             return spec
@@ -199,9 +203,7 @@ class ShardedEngine:
         def operation() -> tuple[None, None]:
             with on_callers_stream():
                 record.started = time.perf_counter()
-                if not self._checked:
-                    check_same_spec(str(self.spec), self.group, input.device)
-                    self._checked = True
+                self._check_same_spec(input.device)
                 self._reduce(output, input, divisor, (key, input.numel()), record)
                 record.finished = time.perf_counter()
                 self.records.append(record)
@@ -222,9 +224,7 @@ class ShardedEngine:
 
         def operation() -> tuple[None, None]:
             with on_callers_stream():
-                if not self._checked:
-                    check_same_spec(str(self.spec), self.group, input.device)
-                    self._checked = True
+                self._check_same_spec(input.device)
                 payload, _ = codec.compress(input)  # before the output's own block is written over
                 exchange = transport.GroupExchange(self.group, _unmetered, native=True)
                 capacity = self._capacities.get(input.numel(), 0)
@@ -275,6 +275,12 @@ class ShardedEngine:
             transport.reduce_scatter_single(output, input, op=op, group=self.group)
         except RuntimeError as error:
             raise backend_failure("the backend's reduce-scatter", self._rank, self.world, error) from error
+
+    def _check_same_spec(self, device: torch.device) -> None:
+        """At the first collective (a reduce-scatter, or with ``param_bits`` an all-gather), once."""
+        if not self._checked:
+            check_same_spec(str(self.spec), self.group, device)
+            self._checked = True
 
     def _check(self, output: Tensor, input: Tensor, divisor: float) -> None:
         if not input.is_floating_point():
