@@ -79,3 +79,21 @@ def test_nested_submission_from_an_operation_runs_in_place() -> None:
         return executor.submit(lambda: (41, None), wait=True).wait() + 1, None
 
     assert executor.submit(outer).wait(timeout=10) == 42
+
+
+def test_nested_submission_from_an_inline_operation_runs_in_place() -> None:
+    """A synchronous operation run in its caller's thread (the executor idle) that calls a collective
+    itself (the sharded engine's spec check) runs that there too, instead of queueing it behind itself."""
+    executor = Executor()
+    ran_in: list[threading.Thread] = []
+
+    def outer() -> tuple[int, None]:
+        ran_in.append(threading.current_thread())
+        return executor.submit(lambda: (41, None), wait=True).wait() + 1, None
+
+    result: list[int] = []
+    caller = threading.Thread(target=lambda: result.append(executor.submit(outer, wait=True).wait()), daemon=True)
+    caller.start()
+    caller.join(timeout=10)
+    assert result == [42], "the nested submission deadlocked"
+    assert ran_in == [caller]  # inline, in its caller's thread
