@@ -15,6 +15,7 @@ ranks given different specs at the first reduce-scatter, and a silent peer withi
 from __future__ import annotations
 
 import io
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -196,7 +197,7 @@ def test_fsdp_reduce_scatter_against_fsdp2s_own(world: int) -> None:
     run_checks(world, against_fsdp, timeout=280)
 
 
-def state_and_errors(rank: int, world: int) -> Failures:
+def state_and_errors(rank: int, world: int, record_dir: str) -> Failures:
     failures = Failures()
     # the parameter all-gather: every rank's shard through the codec, the same bytes on every rank
     engine = ShardedEngine("none:param_bits=8")
@@ -222,6 +223,10 @@ def state_and_errors(rank: int, world: int) -> Failures:
     resumed.load_state_dict(saved)
     last = gradients(resumed_net, rank, 1, first=STEPS - 1)
     failures.expect(equal(last, straight), "the resumed hook's step differs from the straight run's")
+    trace = Path(f"{record_dir}/trace-{rank}.json")
+    resumed.write_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    failures.expect({"compress", "communicate", "decompress"} <= {e["name"] for e in events}, "trace: phases missing")
     try:
         hooks.fsdp(sharded(), "quantize:bits=4").load_state_dict(saved)
         failures.append("a state of another spec was loaded")
@@ -243,8 +248,8 @@ def state_and_errors(rank: int, world: int) -> Failures:
     return failures
 
 
-def test_fsdp_hook_state_resumes_bitwise_and_bad_setups_fail_clearly() -> None:
-    run_checks(2, state_and_errors, timeout=200)
+def test_fsdp_hook_state_resumes_bitwise_and_bad_setups_fail_clearly(tmp_path: Path) -> None:
+    run_checks(2, state_and_errors, (str(tmp_path),), timeout=200)
 
 
 GROUP_TIMEOUT = 5.0
