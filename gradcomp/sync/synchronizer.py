@@ -1,0 +1,424 @@
+"""Infrequent synchronization of full replicas: local SGD and DiLoCo, through any compressor.
+
+Each rank trains its own replica with its own (inner) optimizer and calls :meth:`Synchronizer.step`
+after each inner step. Every ``every`` steps a fragment of the parameters synchronizes:
+
+1. its **outer gradient**, the fragment's last synchronized ("global") parameters minus the local
+   ones, goes to the engine (:class:`gradcomp.engine.Engine`), which averages it over the group
+   through the hook spec's compressor (error feedback keyed per parameter, as for DDP's gradients);
+2. ``delay`` inner steps later (at once with 0) the average lands: an **outer SGD step** (DiLoCo:
+   Nesterov, lr 0.7, momentum 0.9; local SGD: lr 1, no momentum, which lands on the replicas'
+   average) moves the global parameters, identical on every rank;
+3. every replica adopts them, keeping ``mix`` of its own (Streaming DiLoCo's mixing, for a replica
+   that trained on while its synchronization travelled).
+
+The communication runs on the collectives' ordered executor, issued in the same order on every rank
+(every rank calls ``step`` as often, and the schedule is a function of the step), so a delayed
+synchronization overlaps the next inner steps without racing anything (rule "one ordered path",
+``docs/architecture.md``). Costs per rank: two copies of the trainable parameters (the global ones,
+in float32 or wider, and a send buffer) and the outer optimizer's momentum.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import datetime
+import logging
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from gradcomp import collectives
+from gradcomp.collectives.executor import Handle
+from gradcomp.engine import Engine, HookSpec, HookSpecLike
+from gradcomp.engine.pipeline import check_same_spec
+from gradcomp.engine.stats import BucketRecord, per_step
+from gradcomp.sync import fragments
+from gradcomp.sync.spec import SyncSpec, SyncSpecLike
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A fragment's synchronization between its start and its landing."""
+
+    fragment: int
+    lands: int
+    """The inner step after which it is applied."""
+    handle: Handle[Tensor] | None
+    """The engine's operation; None for one restored from a checkpoint (its average already there)."""
+    average: Tensor | None = None
+    number: int | None = None
+    """The engine's call number in this process (its records' step), None when restored."""
+
+
+class Synchronizer:
+    """Local SGD or DiLoCo over a group: every rank holds a full replica of ``model``.
+
+    Args:
+        model: this rank's replica (not wrapped in DDP: nothing communicates per step). Its trainable
+            parameters synchronize; its buffers (batch-norm statistics) stay each rank's own. At
+            construction every rank takes rank 0's parameters and buffers, as DDP does.
+        sync: a sync spec (:class:`~gradcomp.sync.spec.SyncSpec` or its text): ``"localsgd:every=8"``,
+            ``"diloco:every=50,fragments=4,delay=2"``.
+        spec: the hook spec the outer gradients travel by (``"allreduce"``, ``"quantize:bits=4,ef=true"``,
+            any compressor, with ``algo`` and ``seed``).
+        optimizer: the inner optimizer, needed only when the sync spec averages its state (``state=true``).
+        group: the ranks to synchronize (default: the world).
+        timeout: what any collective may take before it fails (a frozen or dead peer); default: the
+            group's own.
+        history: how many steps of statistics (:meth:`steps`) to keep, the latest.
+
+    A non-finite outer gradient (a replica diverged) skips that fragment's outer step, on every rank
+    alike (they all see the same average): the global parameters and the outer momentum stay as they
+    were and every replica restarts the fragment from them.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sync: SyncSpecLike,
+        spec: HookSpecLike = "allreduce",
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        group: dist.ProcessGroup | None = None,
+        timeout: datetime.timedelta | None = None,
+        history: int = 10_000,
+    ) -> None:
+        self.sync = SyncSpec.parse(sync)
+        self.spec = HookSpec.parse(spec)  # both checked before any collective
+        if self.spec.noop:
+            raise ValueError("noop sends nothing, so the replicas would never synchronize: give a hook spec")
+        if self.sync.state and optimizer is None:
+            raise ValueError("state=true averages the inner optimizer's state: pass the optimizer")
+        self.optimizer = optimizer
+        self.model = model
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        if not self.parameters:
+            raise ValueError("the model has no trainable parameters to synchronize")
+        if not all(p.is_floating_point() for p in self.parameters):
+            raise TypeError("parameters must be floating-point to be averaged")
+        self.fragments = fragments.split([p.numel() for p in self.parameters], self.sync.fragments)
+        self.engine = Engine(self.spec, group=group, timeout=timeout, history=1024)
+        self._state_engine = Engine("allreduce", group=group, timeout=timeout) if self.sync.state else None
+        self.world = self.engine.world
+        self.error: BaseException | None = None
+        """The error that failed a synchronization (a :class:`gradcomp.errors.PeerError` names the peer)."""
+
+        device = self.parameters[0].device
+        check_same_spec(f"{self.sync} over {self.spec}", self.engine.group, device)
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:  # one start on every rank, as DDP's
+                collectives.broadcast(tensor.detach(), 0, group=self.engine.group)
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.parameters) else torch.float32
+        self.globals = [p.detach().to(dtype, copy=True) for p in self.parameters]
+        """The last synchronized parameters, bitwise the same on every rank (float32, or float64)."""
+        self.outer = [
+            torch.optim.SGD(
+                [self.globals[i] for i in members],
+                lr=self.sync.outer_lr,
+                momentum=self.sync.momentum,
+                nesterov=self.sync.nesterov,
+            )
+            for members in self.fragments
+        ]
+        self._buffers = [
+            torch.empty(sum(self.parameters[i].numel() for i in members), dtype=dtype, device=device)
+            for members in self.fragments
+        ]
+        self.steps_done = 0
+        """Inner steps so far (carried over by a checkpoint)."""
+        self._in_flight: collections.deque[_InFlight] = collections.deque()
+        self._calls = 0  # engine calls made by this process: the number its records carry
+        self._stats: collections.deque[dict[str, Any]] = collections.deque(maxlen=history)
+        self._steps_here = 0  # step() calls in this process (statistics count from 0, also on resume)
+
+    # -- the training loop's calls ---------------------------------------------------------------
+
+    def step(self) -> None:
+        """Call after every inner optimizer step, on every rank: starts the fragments due after this
+        step and applies the synchronizations that land now (waiting for them if they have not)."""
+        self.steps_done += 1
+        try:
+            for fragment in fragments.due(self.steps_done, self.sync.every, self.sync.fragments):
+                self._start(fragment)
+            landed = self._land_until(self.steps_done)
+        except BaseException as error:
+            self.error = self.error or error
+            raise
+        self._record(*landed, new_step=True)
+
+    def flush(self) -> None:
+        """Apply every synchronization still in flight now (waiting for it), counted in the latest
+        step's statistics: at the end of training, so that the global parameters hold every
+        synchronization started."""
+        try:
+            landed = self._land_until(None)
+        except BaseException as error:
+            self.error = self.error or error
+            raise
+        self._record(*landed, new_step=not self._stats)
+
+    @contextlib.contextmanager
+    def global_model(self) -> Iterator[nn.Module]:
+        """The model with the global parameters (the same on every rank) for the ``with`` block, then
+        its own again: what to evaluate, or to save as the trained model."""
+        saved = [p.detach().clone() for p in self.parameters]
+        with torch.no_grad():
+            for p, g in zip(self.parameters, self.globals, strict=True):
+                p.copy_(g)
+        try:
+            yield self.model
+        finally:
+            with torch.no_grad():
+                for p, s in zip(self.parameters, saved, strict=True):
+                    p.copy_(s)
+
+    # -- one synchronization ------------------------------------------------------------------
+
+    def _start(self, fragment: int) -> None:
+        """The fragment's outer gradient to the engine (compressed here, sent on the executor)."""
+        buffer, members = self._buffers[fragment], self.fragments[fragment]
+        with torch.no_grad():
+            for i, view in zip(members, self._views(buffer, members), strict=True):
+                torch.sub(self.globals[i], self.parameters[i].detach(), out=view)
+        shapes = [self.parameters[i].shape for i in members]
+        handle = self.engine.reduce(buffer, members, shapes, bucket=fragment)
+        lands = self.steps_done + self.sync.delay
+        self._in_flight.append(_InFlight(fragment, lands, handle, number=self._calls))
+        self._calls += 1
+
+    def _land_until(self, step: int | None) -> tuple[list[BucketRecord], float, int, int]:
+        """Apply the synchronizations that land by inner step ``step`` (None: all), in the order they
+        started; returns their engine records, the seconds waited, and how many were applied and
+        skipped."""
+        records: list[BucketRecord] = []
+        exposed, applied, skipped = 0.0, 0, 0
+        while self._in_flight and (step is None or self._in_flight[0].lands <= step):
+            waited, ok = self._land(self._in_flight.popleft(), records)
+            exposed, applied, skipped = exposed + waited, applied + 1, skipped + (not ok)
+        return records, exposed, applied, skipped
+
+    def _land(self, flight: _InFlight, records: list[BucketRecord]) -> tuple[float, bool]:
+        """Wait for ``flight``'s average, take the outer step and adopt it; returns the seconds waited
+        and whether the step was taken (not skipped for a non-finite average)."""
+        began = time.perf_counter()
+        average = flight.handle.wait() if flight.handle is not None else flight.average
+        assert average is not None
+        waited = time.perf_counter() - began
+        records += self._records_of(self.engine, flight.number)
+        members = self.fragments[flight.fragment]
+        finite = bool(torch.isfinite(average).all())
+        if finite:
+            for i, view in zip(members, self._views(average, members), strict=True):
+                self.globals[i].grad = view
+            self.outer[flight.fragment].step()
+            self.outer[flight.fragment].zero_grad(set_to_none=True)
+        else:
+            logger.warning(
+                "step %d: fragment %d's averaged outer gradient is not finite; its outer step is skipped",
+                self.steps_done, flight.fragment,
+            )  # fmt: skip
+        keep = self.sync.mixing if finite else 0.0
+        with torch.no_grad():
+            for i in members:
+                p, g = self.parameters[i], self.globals[i]
+                if keep == 0:
+                    p.copy_(g)
+                else:  # keep * own + (1 - keep) * global
+                    p.lerp_(g.to(p.dtype), 1 - keep)
+        if self._state_engine is not None:
+            self._average_optimizer_state(members, records)
+        return waited, finite
+
+    def _average_optimizer_state(self, members: list[int], records: list[BucketRecord]) -> None:
+        """The inner optimizer's per-parameter tensors (momentum, Adam's moments) of ``members``,
+        averaged over the group uncompressed (every rank holds the same kinds: the same optimizer)."""
+        assert self.optimizer is not None and self._state_engine is not None
+        tensors = []
+        for i in members:
+            state = self.optimizer.state.get(self.parameters[i], {})
+            tensors += [state[k] for k in sorted(state) if _averageable(state[k], self.parameters[i])]
+        if not tensors:
+            return
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        self._state_engine.reduce(flat, None, None).wait()
+        records.append(self._state_engine.records[-1])
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    # -- statistics ---------------------------------------------------------------------------
+
+    def steps(self) -> list[dict[str, Any]]:
+        """Per inner step of this process (counted from 0): what the synchronizations applied in it
+        cost, as a DDP hook's steps are reported (``input_bytes``, ``payload_bytes``, ``sent_bytes``,
+        ``compress_s``, ``communicate_s``, ``decompress_s``, ...), plus ``exposed_s`` (the time the
+        training thread waited for them), ``synchronized`` (fragments applied) and ``skipped`` (outer
+        steps skipped for a non-finite average). Steps without one count zeros."""
+        return self.steps_since(0)
+
+    def steps_since(self, first: int) -> list[dict[str, Any]]:
+        """:meth:`steps` from step ``first`` on."""
+        fresh = []
+        for entry in reversed(self._stats):
+            if entry["step"] < first:
+                break
+            fresh.append(entry)
+        return fresh[::-1]
+
+    def _record(self, records: list[BucketRecord], exposed: float, applied: int, skipped: int, new_step: bool) -> None:
+        """The statistics of a step, or added to the latest step's (``new_step`` False: a flush)."""
+        if new_step:
+            self._stats.append(_quiet_step(self._steps_here))
+            self._steps_here += 1
+        entry = self._stats[-1]
+        summed = per_step(dataclasses.replace(r, step=entry["step"]) for r in records)
+        for name, value in (summed[0] if summed else {}).items():
+            if name in ("sent_bytes", "received_bytes"):
+                entry[name] = None if value is None or entry[name] is None else entry[name] + value
+            elif name not in ("step", "compression_ratio"):
+                entry[name] += value
+        if entry["payload_bytes"]:
+            entry["compression_ratio"] = entry["input_bytes"] / entry["payload_bytes"]
+        entry["exposed_s"] += exposed
+        entry["synchronized"] += applied
+        entry["skipped"] += skipped
+
+    @staticmethod
+    def _records_of(engine: Engine, number: int | None) -> list[BucketRecord]:
+        if number is None:  # restored from a checkpoint: its transfer happened before
+            return []
+        return [r for r in reversed(engine.records) if r.step == number][:1]
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue bitwise (with each rank's own model and inner
+        optimizer, which differ between synchronizations: save every rank's): the specs, the step,
+        the global parameters, the outer optimizers, the compressor's state (residuals) and the
+        averages of synchronizations still in flight (waited for here). Tensors and plain values:
+        loadable with ``torch.load(..., weights_only=True)``."""
+        return {
+            "sync": str(self.sync),
+            "spec": str(self.spec),
+            "world_size": self.world,
+            "steps_done": self.steps_done,
+            "globals": [g.clone() for g in self.globals],
+            "outer": [o.state_dict() for o in self.outer],
+            "compressor": self.engine.compressor.state_dict(),
+            "engine": self.engine.state_dict(),
+            "in_flight": [
+                {"fragment": f.fragment, "lands": f.lands, "average": self._average(f).clone()} for f in self._in_flight
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, from a synchronizer of the same specs and world
+        size: anything else is refused, naming both."""
+        if not isinstance(state, dict) or "sync" not in state:
+            raise ValueError("not a synchronizer's state (it records no sync spec)")
+        saved = (state["sync"], state["spec"], state["world_size"])
+        mine = (str(self.sync), str(self.spec), self.world)
+        if saved != mine:
+            raise ValueError(
+                f"this state was saved by {saved[0]} over {saved[1]} at world size {saved[2]}; "
+                f"this synchronizer is {mine[0]} over {mine[1]} at world size {mine[2]}"
+            )
+        with torch.no_grad():
+            for g, s in zip(self.globals, state["globals"], strict=True):
+                g.copy_(s)
+        for outer, saved_outer in zip(self.outer, state["outer"], strict=True):
+            outer.load_state_dict(saved_outer)
+        self.engine.compressor.load_state_dict(state["compressor"])
+        self.engine.load_state_dict(state["engine"])
+        self.steps_done = int(state["steps_done"])
+        device = self.globals[0].device
+        self._in_flight = collections.deque(
+            _InFlight(int(f["fragment"]), int(f["lands"]), None, f["average"].to(device)) for f in state["in_flight"]
+        )
+
+    def _average(self, flight: _InFlight) -> Tensor:
+        if flight.average is None:
+            assert flight.handle is not None
+            flight.average = flight.handle.wait()
+        return flight.average
+
+    def _views(self, flat: Tensor, members: list[int]) -> list[Tensor]:
+        views, offset = [], 0
+        for i in members:
+            shape = self.parameters[i].shape
+            views.append(flat[offset : offset + math.prod(shape)].view(shape))
+            offset += math.prod(shape)
+        return views
+
+
+class LocalSGD(Synchronizer):
+    """Local SGD: every ``every`` steps the replicas are replaced by their average (through ``spec``:
+    the average of what changed since the last one, so a compressor with error feedback applies).
+
+    >>> sync = LocalSGD(model, every=8)                        # then sync.step() after each optimizer step
+
+    Options (``every``, ``fragments``, ``delay``, ``mix``, ``state``) as :class:`SyncSpec`'s.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        spec: HookSpecLike = "allreduce",
+        group: dist.ProcessGroup | None = None,
+        timeout: datetime.timedelta | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(model, ("localsgd", options), spec, optimizer=optimizer, group=group, timeout=timeout)
+
+
+class DiLoCo(Synchronizer):
+    """DiLoCo (Douillard et al., 2023), and Streaming DiLoCo with ``fragments`` and ``delay``.
+
+    >>> sync = DiLoCo(model, every=50, spec="quantize:bits=4,ef=true", fragments=4, delay=2)
+
+    Options (``every``, ``outer_lr``, ``momentum``, ``nesterov``, ``fragments``, ``delay``, ``mix``,
+    ``state``) as :class:`SyncSpec`'s; the defaults are the paper's (outer Nesterov SGD, lr 0.7,
+    momentum 0.9).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        spec: HookSpecLike = "allreduce",
+        group: dist.ProcessGroup | None = None,
+        timeout: datetime.timedelta | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(model, ("diloco", options), spec, optimizer=optimizer, group=group, timeout=timeout)
+
+
+def _averageable(value: Any, parameter: Tensor) -> bool:
+    """An optimizer state entry that is per element of its parameter (not a step count)."""
+    return isinstance(value, Tensor) and value.is_floating_point() and value.shape == parameter.shape
+
+
+def _quiet_step(step: int) -> dict[str, Any]:
+    """A step in which nothing synchronized."""
+    counts = ("buckets", "input_bytes", "payload_bytes", "sent_bytes", "received_bytes")
+    times = ("sent_estimate", "compress_s", "communicate_s", "decompress_s", "tail_s")
+    return {
+        "step": step,
+        **dict.fromkeys((*counts, "synchronized", "skipped"), 0),
+        **dict.fromkeys((*times, "exposed_s"), 0.0),
+        "compression_ratio": float("inf"),
+    }
