@@ -28,6 +28,7 @@ from scipy import stats
 from gradcomp.engine.sharded import SHARD_OPTIONS, ShardSpec
 from gradcomp.engine.spec import HookSpec
 from gradcomp.experiments.report.records import Run
+from gradcomp.experiments.training.config import SYNC_JOIN
 from gradcomp.hooks.torch_hooks import is_torch_spec
 from gradcomp.options import format_value
 
@@ -283,6 +284,9 @@ def short_name(hook: str) -> str:
     ``topk:ratio=0.01,method=exact,tolerance=0.2,ef=true``."""
     if is_torch_spec(hook):
         return hook
+    if SYNC_JOIN in hook:  # local SGD or DiLoCo, over a hook spec
+        sync, _, inner = hook.partition(SYNC_JOIN)
+        return sync + SYNC_JOIN + short_name(inner)
     sharded: list[str] = []  # a sharded run's own options (local_size, param_bits)
     try:
         spec = HookSpec.parse(hook)

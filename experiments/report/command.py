@@ -7,6 +7,8 @@ import os
 import sys
 
 from gradcomp import hooks
+from gradcomp.experiments.training.config import SYNC_JOIN
+from gradcomp.sync import SyncSpec
 
 
 def add_command(commands: argparse._SubParsersAction) -> None:
@@ -68,7 +70,11 @@ def write(
 
 
 def _canonical(hook: str) -> str:
-    """A baseline's canonical text: a DDP hook spec, else a sharded run's (``torch:reduce_scatter``)."""
+    """A baseline's canonical text: a DDP hook spec, a sharded run's (``torch:reduce_scatter``), or
+    local SGD's or DiLoCo's (``diloco:every=50 over allreduce``)."""
+    if SYNC_JOIN in hook:
+        sync, _, inner = hook.partition(SYNC_JOIN)
+        return str(SyncSpec.parse(sync.strip())) + SYNC_JOIN + _canonical(inner.strip())
     try:
         return str(hooks.parse(hook))
     except ValueError:

@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from gradcomp.experiments.training import curves, runinfo
+from gradcomp.experiments.training.config import method
 
 PLAN = "sweep.json"
 """What a sweep writes in its output directory when it starts: ``{"config": path, "runs": [{"name",
@@ -28,6 +29,8 @@ class Run:
     name: str
     label: str
     hook: str
+    """The method: the hook spec, or local SGD's or DiLoCo's ``SYNC over HOOK``
+    (:func:`gradcomp.experiments.training.config.method`)."""
     network: str
     world: int
     seed: int
@@ -93,7 +96,7 @@ def read_run(out: str, planned: dict[str, Any] | None) -> Run | None:
     return Run(
         name=str(record.get("name") or os.path.basename(os.path.normpath(out))),
         label=label,
-        hook=str(config.get("hook")),
+        hook=method(config),
         network=str(config.get("network", "loopback")),
         world=int(record.get("world_size") or config.get("ranks") or 1),
         seed=int(config.get("seed", 0)),

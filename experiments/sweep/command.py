@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from gradcomp.experiments.report import records
 from gradcomp.experiments.sweep import plan
 from gradcomp.experiments.sweep.runner import Progress, existing, format_summary, lock, run_sweep
+from gradcomp.experiments.training.config import method
 
 
 def add_command(commands: argparse._SubParsersAction) -> None:
@@ -56,8 +57,9 @@ def _command(args: argparse.Namespace) -> int:
         return 0
     try:
         with lock(out):
-            planned = [{"name": r.name, "label": r.label, "hook": r.config.hook, "network": r.config.network,
-                        "ranks": r.config.ranks, "seed": r.config.seed} for r in runs]  # fmt: skip
+            planned = [{"name": r.name, "label": r.label, "hook": method(r.config.to_dict()),
+                        "network": r.config.network, "ranks": r.config.ranks, "seed": r.config.seed}
+                       for r in runs]  # fmt: skip
             records.write_plan(out, os.path.abspath(path), planned)  # a report lists what is not made yet
             rows = run_sweep(runs, Progress(sys.stderr))
     except KeyboardInterrupt:

@@ -9,6 +9,8 @@
 
     [grid]                       # axes; every combination is a run
     hooks = ["allreduce", "fp16", "topk:ratio=0.01,ef=true"]
+    syncs = ["none"]             # none (the hooks average every step; the default), or local SGD and
+                                 # DiLoCo, whose outer gradients travel by each hook: "diloco:every=50"
     ranks = [2]                  # world sizes (default [2])
     networks = ["loopback"]      # gradcomp.netem profiles (default ["loopback"])
     seeds = [0, 1]               # (default [0])
@@ -38,16 +40,16 @@ from typing import Any
 from gradcomp import netem
 from gradcomp.experiments.tasks import build_task, parse_task
 from gradcomp.experiments.training import runinfo
-from gradcomp.experiments.training.config import TrainConfig, field_names, from_mapping
+from gradcomp.experiments.training.config import NO_SYNC, TrainConfig, field_names, from_mapping
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-AXES = {"hooks": "hook", "ranks": "ranks", "networks": "network", "seeds": "seed"}
+AXES = {"hooks": "hook", "syncs": "sync", "ranks": "ranks", "networks": "network", "seeds": "seed"}
 """Grid keys with a name of their own, and the setting each one sets."""
-DEFAULT_AXES: dict[str, list[Any]] = {"ranks": [2], "networks": ["loopback"], "seeds": [0]}
+DEFAULT_AXES: dict[str, list[Any]] = {"syncs": ["none"], "ranks": [2], "networks": ["loopback"], "seeds": [0]}
 RUNNER_FIELDS = ("out", "checkpoint", "resume", "overwrite", "stop_at")
 """Settings the sweep runner sets itself (a run's directory is OUT/<run name>)."""
 SECTIONS = ("sweep", "grid", "tasks")
@@ -161,7 +163,7 @@ def _expand_entry(
         )
     # seeds outermost, hooks innermost: a sweep cut short has every method for the first seeds
     order: list[str] = [k for k in ("seeds", "networks", "ranks") if k in axes]
-    order += [k for k in axes if k not in AXES] + ["hooks"]
+    order += [k for k in axes if k not in AXES] + ["syncs", "hooks"]
     runs = []
     for combination in itertools.product(*(axes[k] for k in order)):
         chosen: dict[str, Any] = dict(zip(order, combination, strict=True))
@@ -171,6 +173,7 @@ def _expand_entry(
         probe = from_mapping({**settings, "out": "."}, where)  # checks every value
         run_label = label or _default_label(probe)
         parts = [run_label, *(f"{k}={_slug(str(chosen[k]))}" for k in order if k not in AXES)]
+        parts += [_slug(probe.sync)] if probe.sync != NO_SYNC else []
         parts += [_slug(probe.hook), f"p{probe.ranks}", _slug(probe.network), f"seed{probe.seed}"]
         name = "_".join(parts)
         config = dataclasses.replace(probe, out=os.path.join(out, name), resume="auto")

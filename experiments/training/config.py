@@ -19,6 +19,7 @@ from gradcomp.experiments.tasks import parse_task
 from gradcomp.experiments.training.optim import OPTIMIZERS, SCHEDULES
 from gradcomp.experiments.training.parallel import PARALLELS
 from gradcomp.options import convert, format_value
+from gradcomp.sync import SyncSpec
 
 BACKENDS = ("gloo", "nccl")
 
@@ -59,6 +60,12 @@ class TrainConfig:
     torch:fp16, torch:bf16, torch:powersgd:rank=4; kept in its canonical text, which names the run's
     directory in sweeps. With ``parallel`` fsdp, a sharded spec (``gradcomp.hooks.parse_sharded``):
     none, noop, quantize:bits=4,ef=true, ..., or FSDP2's own: torch:reduce_scatter, torch:bf16, torch:fp16."""
+    sync: str = "none"
+    """none (the hook averages gradients every step) or infrequent synchronization (``gradcomp.sync``):
+    localsgd:every=8 (the replicas averaged every 8 steps), diloco:every=50 (DiLoCo's outer Nesterov
+    step), with fragments=, delay= and mix= for Streaming DiLoCo. Each rank then trains its own replica,
+    and ``hook`` is the gradcomp spec the outer gradients travel by (allreduce, quantize:bits=4,ef=true,
+    ...). Kept in its canonical text."""
     parallel: str = "ddp"
     """ddp (a replica per rank; the hook averages gradients) or fsdp (FSDP2: parameters, gradients and
     optimizer state sharded; the hook reduce-scatters gradients)."""
@@ -124,8 +131,28 @@ class TrainConfig:
             object.__setattr__(self, "hook", str(self._parse_hook()))
         except ValueError as error:
             raise ValueError(f"hook {self.hook!r}: {error}") from None
+        if self.sync != NO_SYNC:
+            self._check_sync()
         if not self.network.strip():
             raise ValueError("network must be a profile such as loopback or 1gbit")
+
+    def _check_sync(self) -> None:
+        try:
+            object.__setattr__(self, "sync", str(SyncSpec.parse(self.sync)))
+        except ValueError as error:
+            raise ValueError(f"sync {self.sync!r}: {error}; or none (the hook averages every step)") from None
+        if self.parallel != "ddp":
+            raise ValueError(f"sync {self.sync} trains a replica per rank: parallel must be ddp, not {self.parallel}")
+        if not isinstance(self._parse_hook(), hooks.HookSpec) or self.hook == "noop":
+            raise ValueError(
+                f"with sync {self.sync}, the hook is the gradcomp spec the outer gradients travel by (allreduce, "
+                f"quantize:bits=4,ef=true, ...); {self.hook} averages every step"
+            )
+
+    @property
+    def sync_spec(self) -> SyncSpec | None:
+        """The sync spec, or None when the hook averages every step."""
+        return None if self.sync == NO_SYNC else SyncSpec.parse(self.sync)
 
     @property
     def hook_spec(self) -> hooks.AnySpec | hooks.AnyShardedSpec:
@@ -150,6 +177,22 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+NO_SYNC = "none"
+"""The ``sync`` of a run whose hook averages every step."""
+
+
+def method(config: Mapping[str, Any]) -> str:
+    """What a run compares by, from its config's values: the hook spec, or, with infrequent
+    synchronization, the sync spec and the hook spec its outer gradients travel by
+    (``diloco:every=50 over quantize:bits=4,ef=true``)."""
+    hook, sync = str(config.get("hook")), config.get("sync") or NO_SYNC
+    return hook if sync == NO_SYNC else f"{sync}{SYNC_JOIN}{hook}"
+
+
+SYNC_JOIN = " over "
+"""Between the sync spec and the hook spec in a method's name (:func:`method`)."""
 
 
 PATH_FIELDS = ("out", "checkpoint", "resume", "overwrite", "stop_at", "timeout")

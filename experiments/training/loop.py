@@ -19,14 +19,15 @@ import torch.distributed as dist
 from gradcomp.experiments.tasks import Task
 from gradcomp.experiments.training.config import TrainConfig
 from gradcomp.experiments.training.metrics import WireMeter, Writer
-from gradcomp.experiments.training.parallel import Replicated, Sharded
+from gradcomp.experiments.training.parallel import AnySpread
 
 logger = logging.getLogger(__name__)
 
 EVAL_BATCH = 512
 """Samples (windows, for language models) per evaluation forward pass."""
 
-PARTS = ("data", "forward", "backward_comm", "optimizer")
+PARTS = ("data", "forward", "backward_comm", "optimizer", "sync")
+"""A step's parts: ``sync`` is infrequent synchronization's (local SGD, DiLoCo), zero under DDP's hooks."""
 COMPUTE_REPEATS = 5
 """Steps without communication timed at the end of a run (:meth:`Loop.compute_ms`)."""
 
@@ -39,7 +40,7 @@ class Loop:
         self,
         config: TrainConfig,
         task: Task,
-        spread: Replicated | Sharded,
+        spread: AnySpread,
         optimizer: torch.optim.Optimizer,
         schedule: torch.optim.lr_scheduler.LRScheduler,
         meter: WireMeter,
@@ -108,10 +109,12 @@ class Loop:
         self.optimizer.step()
         self.schedule.step()
         sync()
+        stepped = time.perf_counter()
+        self.spread.after_step(last=self.step + 1 == self.total)  # local SGD and DiLoCo synchronize here
+        sync()
         finished = time.perf_counter()
-        for part, seconds in zip(
-            PARTS, (loaded - began, forwarded - loaded, backwarded - forwarded, finished - backwarded), strict=True
-        ):
+        parts = (loaded - began, forwarded - loaded, backwarded - forwarded, stepped - backwarded, finished - stepped)
+        for part, seconds in zip(PARTS, parts, strict=True):
             self._times[part] += seconds
             self._window[part] += seconds
         self._window_loss += loss.detach().double()
@@ -181,12 +184,12 @@ class Loop:
         x, y = self.task.eval_set()
         total = len(x)
         x, y = x[self.rank :: self.world], y[self.rank :: self.world]
-        model = self.spread.module
-        model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)
-        for xb, yb in self.spread.eval_batches(x, y, EVAL_BATCH, total):
-            sums += self.task.eval_sums(model(xb.to(self.device)), yb.to(self.device)).double()
-        model.train()
+        with self.spread.evaluated() as model:  # DiLoCo's: the global parameters
+            model.eval()
+            for xb, yb in self.spread.eval_batches(x, y, EVAL_BATCH, total):
+                sums += self.task.eval_sums(model(xb.to(self.device)), yb.to(self.device)).double()
+            model.train()
         dist.all_reduce(sums)
         metrics = self.task.eval_metrics(sums.cpu())
         logger.info("step %d: %s", self.step, ", ".join(f"eval {k} {v:.4g}" for k, v in metrics.items()))

@@ -35,6 +35,7 @@ from gradcomp.engine.stats import wire_bytes
 from gradcomp.experiments.training import curves
 from gradcomp.hooks import AutoState, HookState, TorchFSDPState
 from gradcomp.hooks.torch_hooks import TorchHookState
+from gradcomp.sync import Synchronizer
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class WireMeter:
             for key, value in counts:
                 self._window[key] = self._window.get(key, 0) + value
             for key in HOOK_TIMES:
-                if s[key] is not None:
+                if s.get(key) is not None:
                     self.hook_seconds[key] = (self.hook_seconds[key] or 0.0) + s[key]
                     self._window[key] = self._window.get(key, 0) + s[key]
             self._next = s["step"] + 1
@@ -114,10 +115,12 @@ class WireMeter:
         return self.input_bytes / self.payload_bytes if self.payload_bytes else None
 
 
-HOOK_TIMES = ("compress_s", "communicate_s", "decompress_s")
-"""The hook's own times that a run reports (per step, on the hook's thread, overlapping backward)."""
-AnyHookState = HookState | AutoState | TorchHookState | TorchFSDPState
-"""A gradcomp hook's state or one of torch's hooks' (``torch:...``, DDP's or FSDP2's)."""
+HOOK_TIMES = ("compress_s", "communicate_s", "decompress_s", "exposed_s")
+"""The hook's own times that a run reports (per step, on the hook's thread, overlapping backward), and
+infrequent synchronization's ``exposed_s``: the time the training thread waited for it."""
+AnyHookState = HookState | AutoState | TorchHookState | TorchFSDPState | Synchronizer
+"""A gradcomp hook's state, one of torch's hooks' (``torch:...``, DDP's or FSDP2's), or the synchronizer
+of local SGD or DiLoCo."""
 
 
 class Writer(Protocol):

@@ -24,20 +24,35 @@ from gradcomp import hooks
 from gradcomp.experiments.tasks.base import Batch, batches
 from gradcomp.hooks import torch_hooks
 from gradcomp.hooks.torch_hooks import TorchHookSpec
+from gradcomp.sync import Synchronizer, SyncSpec
 
 PARALLELS = ("ddp", "fsdp")
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.TransformerEncoder, nn.TransformerDecoder)
 """Modules that only hold others: FSDP2 units are cut inside them, not around them."""
 
 
-class Replicated:
+class Spread:
+    """What every way of spreading the model shares: nothing to do after an optimizer step, and the
+    model itself to evaluate."""
+
+    module: nn.Module
+
+    def after_step(self, last: bool) -> None:
+        """Called after every optimizer step (``last``: the run's final one)."""
+
+    def evaluated(self) -> contextlib.AbstractContextManager[nn.Module]:
+        """The model to evaluate, for the ``with`` block."""
+        return contextlib.nullcontext(self.module)
+
+
+class Replicated(Spread):
     """DDP: the model on every rank; the hook averages gradients."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.module = model
         self.forward = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
 
-    def register(self, spec: Any, seed: int) -> Any:
+    def register(self, spec: Any, seed: int, optimizer: torch.optim.Optimizer) -> Any:
         if isinstance(spec, TorchHookSpec):
             return torch_hooks.register(self.forward, spec, seed=seed)
         return hooks.register(self.forward, spec)
@@ -60,7 +75,7 @@ class Replicated:
         return batches(x, y, size)
 
 
-class Sharded:
+class Sharded(Spread):
     """FSDP2: each unit of the model (:func:`units`) and the root sharded over the ranks; the hook
     reduce-scatters gradients. Forwards are collectives (each unit all-gathers its parameters), so
     every rank runs as many as every other, evaluation included (:meth:`eval_batches`)."""
@@ -74,7 +89,7 @@ class Sharded:
         fully_shard(model, **options)
         self.module = self.forward = model
 
-    def register(self, spec: Any, seed: int) -> Any:
+    def register(self, spec: Any, seed: int, optimizer: torch.optim.Optimizer) -> Any:
         return hooks.register(self.module, spec)
 
     @contextlib.contextmanager
@@ -110,6 +125,57 @@ class Sharded:
         return zip(x.tensor_split(count), y.tensor_split(count), strict=True)
 
 
+class Local(Spread):
+    """Infrequent synchronization (``gradcomp.sync``): each rank trains its own replica, and the
+    synchronizer (the run's hook state) averages outer gradients through the hook spec every few
+    steps. Replicas differ between synchronizations, so checkpoints hold every rank's model and
+    optimizer; evaluation uses the global parameters, the same on every rank."""
+
+    def __init__(self, model: nn.Module, sync: SyncSpec) -> None:
+        self.module = self.forward = model
+        self.sync = sync
+        self.synchronizer: Synchronizer | None = None
+
+    def register(self, spec: Any, seed: int, optimizer: torch.optim.Optimizer) -> Synchronizer:
+        self.synchronizer = Synchronizer(self.module, self.sync, spec, optimizer=optimizer)
+        return self.synchronizer
+
+    def after_step(self, last: bool) -> None:
+        assert self.synchronizer is not None, "register the synchronizer first"
+        self.synchronizer.step()
+        if last:  # what is still in flight lands in the final model
+            self.synchronizer.flush()
+
+    def evaluated(self) -> contextlib.AbstractContextManager[nn.Module]:
+        assert self.synchronizer is not None, "register the synchronizer first"
+        return self.synchronizer.global_model()
+
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()  # nothing communicates in backward
+
+    def model_state(self) -> dict[str, Any]:
+        """Every rank's replica, on rank 0 (a collective: all ranks call it)."""
+        return {"replicas": _every_rank(self.module.state_dict())}
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return {"replicas": _every_rank(optimizer.state_dict())}
+
+    def load(self, saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        rank = torch.distributed.get_rank()
+        self.module.load_state_dict(saved["model"]["replicas"][rank])
+        optimizer.load_state_dict(saved["optimizer"]["replicas"][rank])
+
+    def eval_batches(self, x: Tensor, y: Tensor, size: int, total: int) -> Iterator[Batch]:
+        return batches(x, y, size)
+
+
+def _every_rank(value: Any) -> Any:
+    """Every rank's ``value`` on rank 0 (None elsewhere)."""
+    from gradcomp.experiments.training.checkpoint import gather  # it imports the config, which imports this
+
+    return gather(value)
+
+
 def _full(offload: bool = True) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -129,8 +195,16 @@ def units(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def make(parallel: str, model: nn.Module, device: torch.device, spec: Any) -> Replicated | Sharded:
-    """The model spread over the ranks as ``parallel`` says (the hook not registered yet)."""
+AnySpread = Replicated | Sharded | Local
+"""Any way of spreading the model over the ranks."""
+
+
+def make(
+    parallel: str, model: nn.Module, device: torch.device, spec: Any, sync: SyncSpec | None = None
+) -> AnySpread:
+    """The model spread over the ranks as ``parallel`` and ``sync`` say (the hook not registered yet)."""
+    if sync is not None:
+        return Local(model, sync)
     if parallel == "ddp":
         return Replicated(model, device)
     policy = spec.policy() if isinstance(spec, hooks.TorchFSDPSpec) else None

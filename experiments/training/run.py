@@ -62,11 +62,11 @@ def train(rank: int, world: int, config: TrainConfig) -> dict[str, Any] | None:
     resume = _resume_path(config)
     saved = checkpoint.load(resume, config, world, device) if resume else None
     spec = config.hook_spec
-    spread = parallel.make(config.parallel, model, device, spec)
-    state: AnyHookState = spread.register(spec, config.seed)
+    spread = parallel.make(config.parallel, model, device, spec, config.sync_spec)
     optimizer = make_optimizer(
         config.optimizer, spread.forward.parameters(), config.lr, config.momentum, config.weight_decay
     )
+    state: AnyHookState = spread.register(spec, config.seed, optimizer)
     schedule = make_schedule(optimizer, config.schedule, total, config.warmup_steps)
     torch.manual_seed(config.seed + 7919 * (rank + 1))  # each rank's own stream (dropout and the like)
     progress = {"elapsed_s": 0.0, "wire_bytes": 0, "wire_estimated": False, "origin": time.time()}
@@ -88,9 +88,10 @@ def train(rank: int, world: int, config: TrainConfig) -> dict[str, Any] | None:
     meter = WireMeter(state, world, int(progress["wire_bytes"]), bool(progress["wire_estimated"]))
 
     def save(step: int, elapsed: float) -> None:
+        hook_state = state.state_dict()  # first: a synchronizer completes what is in flight, which the meter counts
         meter.collect()
         progress.update(elapsed_s=elapsed, wire_bytes=meter.total, wire_estimated=meter.estimated)
-        _save(config, spread, optimizer, schedule, state, device, step, world, progress)
+        _save(config, spread, optimizer, schedule, hook_state, device, step, world, progress)
         writer.flush()
 
     loop = Loop(config, task, spread, optimizer, schedule, meter, writer, rank, world, device, total, save)
@@ -140,17 +141,17 @@ def _resume_path(config: TrainConfig) -> str | None:
 
 def _save(
     config: TrainConfig,
-    spread: parallel.Replicated | parallel.Sharded,
+    spread: parallel.AnySpread,
     optimizer: torch.optim.Optimizer,
     schedule: torch.optim.lr_scheduler.LRScheduler,
-    state: AnyHookState,
+    hook_state: dict[str, Any],
     device: torch.device,
     step: int,
     world: int,
     progress: dict[str, Any],
 ) -> None:
     """A checkpoint, with every rank's hook and generator state (a collective: all ranks call it)."""
-    hook_states = checkpoint.gather(state.state_dict())
+    hook_states = checkpoint.gather(hook_state)
     rng = checkpoint.gather(checkpoint.rng_state(device))
     model, optimizer_state = spread.model_state(), spread.optimizer_state(optimizer)  # FSDP2's gather here
     if dist.get_rank() == 0:

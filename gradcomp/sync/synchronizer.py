@@ -264,7 +264,9 @@ class Synchronizer:
         cost, as a DDP hook's steps are reported (``input_bytes``, ``payload_bytes``, ``sent_bytes``,
         ``compress_s``, ``communicate_s``, ``decompress_s``, ...), plus ``exposed_s`` (the time the
         training thread waited for them), ``synchronized`` (fragments applied) and ``skipped`` (outer
-        steps skipped for a non-finite average). Steps without one count zeros."""
+        steps skipped for a non-finite average). Steps without one count zeros; a checkpoint taken
+        with synchronizations in flight adds an entry of its own for their transfers
+        (:meth:`state_dict`)."""
         return self.steps_since(0)
 
     def steps_since(self, first: int) -> list[dict[str, Any]]:
@@ -306,8 +308,17 @@ class Synchronizer:
         """Everything a resumed run needs to continue bitwise (with each rank's own model and inner
         optimizer, which differ between synchronizations: save every rank's): the specs, the step,
         the global parameters, the outer optimizers, the compressor's state (residuals) and the
-        averages of synchronizations still in flight (waited for here). Tensors and plain values:
-        loadable with ``torch.load(..., weights_only=True)``."""
+        averages of synchronizations still in flight (waited for here: their transfers are then
+        counted in a statistics entry of their own, not when they land, so that a run resumed from
+        this state counts every byte once). Tensors and plain values: loadable with
+        ``torch.load(..., weights_only=True)``."""
+        records: list[BucketRecord] = []
+        for flight in self._in_flight:
+            self._average(flight)
+            records += self._records_of(self.engine, flight.number)
+            flight.number = None
+        if records:
+            self._record(records, 0.0, 0, 0, new_step=True)
         return {
             "sync": str(self.sync),
             "spec": str(self.spec),

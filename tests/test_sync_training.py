@@ -1,0 +1,136 @@
+"""Training runs with infrequent synchronization (``--sync``): real 2-rank runs of Streaming DiLoCo on
+the digits, stopped with a synchronization in flight and resumed bitwise; what the run records; the
+settings refused; sweeps and reports that name the methods."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gradcomp.experiments.report.analysis import short_name
+from gradcomp.experiments.sweep import plan
+from gradcomp.experiments.training.config import TrainConfig, method
+from gradcomp.experiments.training.run import launch
+from tests.training_runs import scalars, tensors
+
+STOP = 13
+SETTINGS: dict[str, Any] = {
+    "task": "digits",
+    "steps": 24,
+    "batch_size": 32,
+    "optimizer": "sgd",
+    "momentum": 0.9,
+    "lr": 0.05,
+    "sync": "diloco:every=6,fragments=2,delay=2",  # starts at steps 3, 6, 9, 12, ...: one in flight at 13
+    "hook": "quantize:bits=4,ef=true",
+    "ranks": 2,
+    "seed": 5,
+    "eval_every": 6,
+    "log_every": 3,
+    "timeout": 120,
+    "group_timeout": 60,
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The run straight through, and the same run stopped at STOP and resumed."""
+    root = tmp_path_factory.mktemp("sync-runs")
+    straight = TrainConfig(**SETTINGS, out=str(root / "straight"))
+    resumed = TrainConfig(**SETTINGS, out=str(root / "resumed"), resume="auto")
+    stopped = launch(dataclasses.replace(resumed, stop_at=STOP))
+    return {
+        "straight": launch(straight),
+        "stopped": stopped,
+        "resumed": launch(resumed),
+        "straight_checkpoint": torch.load(straight.checkpoint_path, weights_only=True),
+        "resumed_checkpoint": torch.load(resumed.checkpoint_path, weights_only=True),
+        "out": root,
+    }
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_and_resumed_diloco_run_ends_bitwise_where_the_straight_run_does(runs: dict[str, Any]) -> None:
+    assert runs["stopped"]["status"] == "stopped" and runs["resumed"]["status"] == "finished"
+    straight, ended = runs["straight_checkpoint"], runs["resumed_checkpoint"]
+    assert len(straight["model"]["replicas"]) == 2  # every rank's own replica
+    for part in ("model", "optimizer", "hooks"):
+        pairs = zip(tensors(straight[part]), tensors(ended[part]), strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs), part
+    assert ended["progress"]["wire_bytes"] == straight["progress"]["wire_bytes"]
+    assert runs["resumed"]["metrics"]["eval_accuracy"] == runs["straight"]["metrics"]["eval_accuracy"]
+
+
+@pytest.mark.timeout(240)
+def test_a_diloco_run_records_what_it_sent_and_waited(runs: dict[str, Any]) -> None:
+    metrics = runs["straight"]["metrics"]
+    hook = runs["straight_checkpoint"]["hooks"][0]
+    assert hook["sync"] == "diloco:every=6,fragments=2,delay=2" and hook["steps_done"] == 24
+    assert metrics["compression_ratio"] > 6  # 4-bit codes of float32 outer gradients
+    assert metrics["sync_ms"] is not None and metrics["exposed_ms"] is not None
+    events = scalars(runs["out"] / "straight")
+    sent = [e.value for e in events.Scalars("comm/sent_bytes_per_step")]
+    # counted when they land: the first, started at step 3, lands at step 5; every later window holds one
+    assert sent[0] == 0 and len(sent) == 8 and all(value > 0 for value in sent[1:]), sent
+    assert runs["straight"]["config"]["sync"] == SETTINGS["sync"]
+
+
+def test_a_synchronized_run_takes_a_gradcomp_spec_and_replicas() -> None:
+    base = {**SETTINGS, "steps": 10}
+    for hook in ("torch:allreduce", "auto", "noop"):
+        with pytest.raises(ValueError, match=f"the outer gradients travel by .*; {hook} averages every step"):
+            TrainConfig(**{**base, "hook": hook})
+    with pytest.raises(ValueError, match="parallel must be ddp, not fsdp"):
+        TrainConfig(**{**base, "parallel": "fsdp", "hook": "none"})
+    with pytest.raises(ValueError, match=r"sync 'fedavg': unknown synchronization 'fedavg'; valid: localsgd, diloco"):
+        TrainConfig(**{**base, "sync": "fedavg"})
+    assert TrainConfig(**{**base, "sync": "diloco:every=6,outer_lr=0.7"}).sync == "diloco:every=6"
+
+
+def test_methods_are_named_by_their_sync_and_hook() -> None:
+    assert method({"hook": "fp16", "sync": "none"}) == "fp16"
+    assert method({"hook": "fp16"}) == "fp16"  # runs made before sync existed
+    text = method(TrainConfig(**SETTINGS).to_dict())
+    assert text == "diloco:every=6,fragments=2,delay=2 over quantize:chunk=1024,bits=4,rounding=stochastic,ef=true"
+    assert short_name(text) == "diloco:every=6,fragments=2,delay=2 over quantize:bits=4,ef=true"
+
+
+SWEEP = """
+[sweep]
+task = "digits"
+steps = 12
+batch_size = 32
+
+[grid]
+hooks = ["allreduce"]
+
+[[tasks]]
+name = "digits"
+hooks = ["torch:allreduce", "fp16"]
+
+[[tasks]]
+name = "digits"
+syncs = ["localsgd:every=4", "diloco:every=6"]
+hooks = ["allreduce", "quantize:bits=4,ef=true"]
+"""
+
+
+def test_a_sweep_compares_synchronized_runs_beside_the_hooks(tmp_path: Path) -> None:
+    (tmp_path / "sweep.toml").write_text(SWEEP)
+    runs = plan.load(str(tmp_path / "sweep.toml"), str(tmp_path / "out"))
+    assert [run.name for run in runs] == [
+        "digits_torch-allreduce_p2_loopback_seed0",
+        "digits_fp16_p2_loopback_seed0",
+        "digits_localsgd-every=4_allreduce_p2_loopback_seed0",
+        "digits_localsgd-every=4_quantize-chunk=1024-bits=4-rounding=stochastic-ef=true_p2_loopback_seed0",
+        "digits_diloco-every=6_allreduce_p2_loopback_seed0",
+        "digits_diloco-every=6_quantize-chunk=1024-bits=4-rounding=stochastic-ef=true_p2_loopback_seed0",
+    ]
+    assert {run.label for run in runs} == {"digits"}  # one group in the report
+    (tmp_path / "bad.toml").write_text(SWEEP.replace('"allreduce", "quantize', '"torch:fp16", "quantize'))
+    with pytest.raises(ValueError, match="torch:fp16 averages every step"):
+        plan.load(str(tmp_path / "bad.toml"), str(tmp_path / "out"))
