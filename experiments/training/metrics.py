@@ -13,8 +13,9 @@ TensorBoard tags (``step`` is always the optimizer step):
 - ``train/loss`` (mean over the ranks and the steps since the last point), ``train/lr``, ``train/steps_per_s``
 - ``eval/<metric>``: ``loss``, ``accuracy`` (and ``perplexity`` for language models)
 - ``time/<part>_ms``: per step: ``data``, ``forward``, ``backward_comm`` (backward, with the hooks'
-  communication overlapping it), ``optimizer``, ``step``; from the hook: ``compress``, ``communicate``,
-  ``decompress`` (on the hook's thread, overlapping backward)
+  communication overlapping it), ``optimizer``, ``sync`` (local SGD's or DiLoCo's synchronization),
+  ``step``; from the hook: ``compress``, ``communicate``, ``decompress`` (on the hook's thread,
+  overlapping backward), and with ``--sync`` ``exposed`` (the time the training thread waited)
 - ``comm/compression_ratio``, ``comm/sent_bytes_per_step``, ``comm/payload_bytes_per_step``, ``comm/wire_bytes``
 - the ``auto`` hook's: ``hook/predicted_step_ms`` (its prediction of the step it chose), and in the Text
   dashboard ``hook/decision`` (each decision: every bucket's method and why)

@@ -1,12 +1,15 @@
-"""How a run spreads its model over the ranks: DDP's replicas or FSDP2's shards.
+"""How a run spreads its model over the ranks: DDP's replicas, FSDP2's shards, or replicas that
+synchronize every few steps (local SGD, DiLoCo).
 
 ``--parallel ddp`` (the default): every rank holds the whole model and optimizer state, and DDP
 averages gradients through the hook (a DDP communication hook spec). ``--parallel fsdp``: FSDP2
 shards parameters, gradients and optimizer state; the model is cut into units (:func:`units`),
 each all-gathered for its forward and backward and its gradients reduce-scattered through the hook,
 here a sharded spec (gradcomp's compressed reduce-scatter, or FSDP2's own: ``torch:reduce_scatter``,
-``torch:bf16``, ``torch:fp16``). :func:`make` builds either; the training loop and checkpoints talk
-to both through the same few methods.
+``torch:bf16``, ``torch:fp16``). ``--sync localsgd:...`` or ``diloco:...``: every rank trains its own
+replica, no DDP, and a :class:`gradcomp.sync.Synchronizer` averages outer gradients through the hook
+spec every few steps (:class:`Local`). :func:`make` builds any of them; the training loop and
+checkpoints talk to all through the same few methods.
 """
 
 from __future__ import annotations
