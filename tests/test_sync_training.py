@@ -165,3 +165,22 @@ def test_diloco_every_50_steps_reaches_the_all_reduce_accuracy_with_20x_fewer_by
     assert ddp["eval_accuracy"] > 0.8
     assert diloco["eval_accuracy"] >= ddp["eval_accuracy"] - TOLERANCE, (diloco["eval_accuracy"], ddp["eval_accuracy"])
     assert ddp["wire_bytes"] >= 20 * diloco["wire_bytes"] > 0, (ddp["wire_bytes"], diloco["wire_bytes"])
+
+
+def test_the_local_sgd_sweep_puts_synchronizations_beside_the_hooks_on_both_study_tasks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gradcomp import netem
+
+    monkeypatch.setattr(netem, "check", lambda profile: None)  # 100mbit needs root and tc
+    runs = plan.load(plan.find_config("local-sgd"), str(tmp_path))
+    methods: dict[str, set[str]] = {}
+    for run in runs:
+        methods.setdefault(run.label, set()).add(method(run.config.to_dict()))
+    assert set(methods) == {"digits-mlp1024", "signal-mlp2048"}
+    for label, names in methods.items():
+        assert "torch:allreduce" in names and "torch:fp16" in names, label
+        synchronized = [name for name in names if " over " in name]
+        assert len(synchronized) == 6, (label, synchronized)
+    assert {run.config.network for run in runs} == {"100mbit"} and {run.config.seed for run in runs} == {0, 1, 2}
+    assert len(runs) == 57

@@ -34,8 +34,7 @@ COMPUTE_REPEATS = 5
 
 class Loop:
     """Trains the model (DDP's replicas, FSDP2's shards, or replicas synchronized every few steps:
-    ``spread``) from a step to
-    ``min(total, config.stop_at)``; see :meth:`run`."""
+    ``spread``) from a step to ``min(total, config.stop_at)``; see :meth:`run`."""
 
     def __init__(
         self,

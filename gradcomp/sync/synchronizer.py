@@ -373,14 +373,10 @@ class Synchronizer:
         return views
 
 
-class LocalSGD(Synchronizer):
-    """Local SGD: every ``every`` steps the replicas are replaced by their average (through ``spec``:
-    the average of what changed since the last one, so a compressor with error feedback applies).
+class _Kind(Synchronizer):
+    """A synchronizer of one kind, its options as keywords."""
 
-    >>> sync = LocalSGD(model, every=8)                        # then sync.step() after each optimizer step
-
-    Options (``every``, ``fragments``, ``delay``, ``mix``, ``state``) as :class:`SyncSpec`'s.
-    """
+    kind: str
 
     def __init__(
         self,
@@ -392,10 +388,22 @@ class LocalSGD(Synchronizer):
         timeout: datetime.timedelta | None = None,
         **options: Any,
     ) -> None:
-        super().__init__(model, ("localsgd", options), spec, optimizer=optimizer, group=group, timeout=timeout)
+        super().__init__(model, (self.kind, options), spec, optimizer=optimizer, group=group, timeout=timeout)
 
 
-class DiLoCo(Synchronizer):
+class LocalSGD(_Kind):
+    """Local SGD: every ``every`` steps the replicas are replaced by their average (through ``spec``:
+    the average of what changed since the last one, so a compressor with error feedback applies).
+
+    >>> sync = LocalSGD(model, every=8)                        # then sync.step() after each optimizer step
+
+    Options (``every``, ``fragments``, ``delay``, ``mix``, ``state``) as :class:`SyncSpec`'s.
+    """
+
+    kind = "localsgd"
+
+
+class DiLoCo(_Kind):
     """DiLoCo (Douillard et al., 2023), and Streaming DiLoCo with ``fragments`` and ``delay``.
 
     >>> sync = DiLoCo(model, every=50, spec="quantize:bits=4,ef=true", fragments=4, delay=2)
@@ -405,17 +413,7 @@ class DiLoCo(Synchronizer):
     momentum 0.9).
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        *,
-        spec: HookSpecLike = "allreduce",
-        group: dist.ProcessGroup | None = None,
-        timeout: datetime.timedelta | None = None,
-        **options: Any,
-    ) -> None:
-        super().__init__(model, ("diloco", options), spec, optimizer=optimizer, group=group, timeout=timeout)
+    kind = "diloco"
 
 
 def _averageable(value: Any, parameter: Tensor) -> bool:
