@@ -213,8 +213,9 @@ def streaming(rank: int, world: int) -> Failures:
     return failures
 
 
-def test_streaming_diloco_keeps_the_global_parameters_identical_on_every_rank() -> None:
-    run_checks(2, streaming, timeout=120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_streaming_diloco_keeps_the_global_parameters_identical_on_every_rank(world: int) -> None:
+    run_checks(world, streaming, timeout=120)
 
 
 RESUMES = [
