@@ -74,8 +74,14 @@ def curves_figure(group: Group, colours: dict[str, str]) -> str:
             if kind == "train" and starts:  # a diverging method leaves the chart instead of flattening the rest
                 ax.set_ylim(0, 1.2 * max(starts))
     handles, labels = axes[0][0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4), frameon=False)
+    # as many columns as the longest name leaves room for (local SGD's and DiLoCo's names are long)
+    columns = max(1, min(len(labels), 4, LEGEND_CHARACTERS // (max(map(len, labels), default=1) + 8)))
+    figure.legend(handles, labels, loc="outside lower center", ncol=columns, frameon=False)
     return svg(figure)
+
+
+LEGEND_CHARACTERS = 170
+"""About how many characters of the legend's font fit across the curves' figure (13.5 inches)."""
 
 
 def time_to_target_figure(group: Group, colours: dict[str, str]) -> str:
