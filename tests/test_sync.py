@@ -4,6 +4,7 @@ between synchronizations and with one in flight, the non-finite policy, and a de
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -169,6 +170,13 @@ def references(rank: int, world: int) -> Failures:
     size = sum(p.numel() * 4 for p in model.parameters())
     failures.expect([s["input_bytes"] for s in steps] == [0, 0, size, 0, 0, size], "input bytes")
     failures.expect(all(s["exposed_s"] >= 0 for s in steps), "exposed time")
+    trace = Path(f"/tmp/gradcomp-sync-trace-{os.getpid()}.json")
+    sync.write_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    trace.unlink()
+    phases = {e["name"] for e in events if e["ph"] == "X"}
+    failures.expect({"queued", "communicate"} <= phases, f"trace phases {phases}")
+    failures.expect(sum(e["name"].startswith("ready") for e in events) == 2, "one bucket per synchronization")
     return failures
 
 

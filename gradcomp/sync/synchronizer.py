@@ -39,7 +39,7 @@ from gradcomp import collectives
 from gradcomp.collectives.executor import Handle
 from gradcomp.engine import Engine, HookSpec, HookSpecLike
 from gradcomp.engine.pipeline import check_same_spec
-from gradcomp.engine.stats import BucketRecord, per_step
+from gradcomp.engine.stats import BucketRecord, per_step, write_trace
 from gradcomp.sync import fragments
 from gradcomp.sync.spec import SyncSpec, SyncSpecLike
 
@@ -277,6 +277,11 @@ class Synchronizer:
                 break
             fresh.append(entry)
         return fresh[::-1]
+
+    def write_trace(self, path: str) -> None:
+        """A Chrome / Perfetto JSON trace of every recorded synchronization (one bucket per fragment:
+        when it started, its wait on the executor, and its compress / communicate / decompress phases)."""
+        write_trace(self.engine.records, path, dist.get_rank(self.engine.group))
 
     def _record(self, records: list[BucketRecord], exposed: float, applied: int, skipped: int, new_step: bool) -> None:
         """The statistics of a step, or added to the latest step's (``new_step`` False: a flush)."""
