@@ -71,7 +71,9 @@ def test_without_root_the_error_says_so(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def _busbw(rank: int, world: int, nbytes: int, repeats: int) -> float:
-    """Median seconds of gloo's own all-reduce of ``nbytes`` (the slowest rank's)."""
+    """The fastest of ``repeats`` of gloo's own all-reduce of ``nbytes``, in seconds (each the slowest
+    rank's): a busy machine only ever slows a transfer down, so the fastest is what the link delivers
+    (the median fell to 84.9 Mbit/s once, beside a full test run on 2 cores)."""
     tensor = torch.ones(nbytes // 4)
     dist.all_reduce(tensor)  # connections up, buffers warm
     times = []
@@ -82,7 +84,7 @@ def _busbw(rank: int, world: int, nbytes: int, repeats: int) -> float:
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed))
-    return sorted(times)[len(times) // 2]
+    return min(times)
 
 
 def _ours() -> list[str]:
@@ -173,7 +175,7 @@ def test_cleanup_removes_what_a_killed_process_left() -> None:
 
 
 def _round_trip(rank: int, world: int) -> float:
-    """Median seconds of a 4-byte all-reduce: one round trip between two ranks."""
+    """The fastest of 21 4-byte all-reduces, in seconds: one round trip between two ranks."""
     return _busbw(rank, world, 4, 21)
 
 
