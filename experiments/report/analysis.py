@@ -28,7 +28,8 @@ from scipy import stats
 from gradcomp.engine.sharded import SHARD_OPTIONS, ShardSpec
 from gradcomp.engine.spec import HookSpec
 from gradcomp.experiments.report.records import Run
-from gradcomp.experiments.training.config import SYNC_JOIN
+from gradcomp.experiments.training.config import method as method_name
+from gradcomp.experiments.training.config import split_method
 from gradcomp.hooks.torch_hooks import is_torch_spec
 from gradcomp.options import format_value
 
@@ -284,9 +285,9 @@ def short_name(hook: str) -> str:
     ``topk:ratio=0.01,method=exact,tolerance=0.2,ef=true``."""
     if is_torch_spec(hook):
         return hook
-    if SYNC_JOIN in hook:  # local SGD or DiLoCo, over a hook spec
-        sync, _, inner = hook.partition(SYNC_JOIN)
-        return sync + SYNC_JOIN + short_name(inner)
+    sync, inner = split_method(hook)
+    if sync is not None:  # local SGD or DiLoCo, over a hook spec
+        return method_name({"sync": sync, "hook": short_name(inner)})
     sharded: list[str] = []  # a sharded run's own options (local_size, param_bits)
     try:
         spec = HookSpec.parse(hook)

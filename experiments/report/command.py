@@ -7,7 +7,7 @@ import os
 import sys
 
 from gradcomp import hooks
-from gradcomp.experiments.training.config import SYNC_JOIN
+from gradcomp.experiments.training.config import method, split_method
 from gradcomp.sync import SyncSpec
 
 
@@ -72,9 +72,9 @@ def write(
 def _canonical(hook: str) -> str:
     """A baseline's canonical text: a DDP hook spec, a sharded run's (``torch:reduce_scatter``), or
     local SGD's or DiLoCo's (``diloco:every=50 over allreduce``)."""
-    if SYNC_JOIN in hook:
-        sync, _, inner = hook.partition(SYNC_JOIN)
-        return str(SyncSpec.parse(sync.strip())) + SYNC_JOIN + _canonical(inner.strip())
+    sync, inner = split_method(hook)
+    if sync is not None:
+        return method({"sync": str(SyncSpec.parse(sync)), "hook": _canonical(inner)})
     try:
         return str(hooks.parse(hook))
     except ValueError:

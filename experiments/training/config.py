@@ -128,22 +128,23 @@ class TrainConfig:
         if self.batch_size % self.ranks:
             raise ValueError(f"batch_size {self.batch_size} does not split evenly over {self.ranks} ranks")
         try:  # frozen: set once, canonical
-            object.__setattr__(self, "hook", str(self._parse_hook()))
+            hook = self._parse_hook()
+            object.__setattr__(self, "hook", str(hook))
         except ValueError as error:
             raise ValueError(f"hook {self.hook!r}: {error}") from None
         if self.sync != NO_SYNC:
-            self._check_sync()
+            self._check_sync(hook)
         if not self.network.strip():
             raise ValueError("network must be a profile such as loopback or 1gbit")
 
-    def _check_sync(self) -> None:
+    def _check_sync(self, hook: hooks.AnySpec | hooks.AnyShardedSpec) -> None:
         try:
             object.__setattr__(self, "sync", str(SyncSpec.parse(self.sync)))
         except ValueError as error:
             raise ValueError(f"sync {self.sync!r}: {error}; or none (the hook averages every step)") from None
         if self.parallel != "ddp":
             raise ValueError(f"sync {self.sync} trains a replica per rank: parallel must be ddp, not {self.parallel}")
-        if not isinstance(self._parse_hook(), hooks.HookSpec) or self.hook == "noop":
+        if not isinstance(hook, hooks.HookSpec) or hook.noop:
             raise ValueError(
                 f"with sync {self.sync}, the hook is the gradcomp spec the outer gradients travel by (allreduce, "
                 f"quantize:bits=4,ef=true, ...); {self.hook} averages every step"
@@ -189,6 +190,12 @@ def method(config: Mapping[str, Any]) -> str:
     (``diloco:every=50 over quantize:bits=4,ef=true``)."""
     hook, sync = str(config.get("hook")), config.get("sync") or NO_SYNC
     return hook if sync == NO_SYNC else f"{sync}{SYNC_JOIN}{hook}"
+
+
+def split_method(text: str) -> tuple[str | None, str]:
+    """A method's name (:func:`method`) as its sync spec (None for a hook alone) and its hook spec."""
+    sync, joined, hook = text.partition(SYNC_JOIN)
+    return (sync.strip(), hook.strip()) if joined else (None, text)
 
 
 SYNC_JOIN = " over "

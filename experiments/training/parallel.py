@@ -202,9 +202,7 @@ AnySpread = Replicated | Sharded | Local
 """Any way of spreading the model over the ranks."""
 
 
-def make(
-    parallel: str, model: nn.Module, device: torch.device, spec: Any, sync: SyncSpec | None = None
-) -> AnySpread:
+def make(parallel: str, model: nn.Module, device: torch.device, spec: Any, sync: SyncSpec | None = None) -> AnySpread:
     """The model spread over the ranks as ``parallel`` and ``sync`` say (the hook not registered yet)."""
     if sync is not None:
         return Local(model, sync)

@@ -147,25 +147,28 @@ class Synchronizer:
         """Call after every inner optimizer step, on every rank: starts the fragments due after this
         step and applies the synchronizations that land now (waiting for them if they have not)."""
         self.steps_done += 1
-        try:
+        with self._keeping_error():
             for fragment in fragments.due(self.steps_done, self.sync.every, self.sync.fragments):
                 self._start(fragment)
             landed = self._land_until(self.steps_done)
-        except BaseException as error:
-            self.error = self.error or error
-            raise
         self._record(*landed, new_step=True)
 
     def flush(self) -> None:
         """Apply every synchronization still in flight now (waiting for it), counted in the latest
         step's statistics: at the end of training, so that the global parameters hold every
         synchronization started."""
-        try:
+        with self._keeping_error():
             landed = self._land_until(None)
+        self._record(*landed, new_step=not self._stats)
+
+    @contextlib.contextmanager
+    def _keeping_error(self) -> Iterator[None]:
+        """Keep the first error that fails a synchronization in :attr:`error` (later ones follow from it)."""
+        try:
+            yield
         except BaseException as error:
             self.error = self.error or error
             raise
-        self._record(*landed, new_step=not self._stats)
 
     @contextlib.contextmanager
     def global_model(self) -> Iterator[nn.Module]:
@@ -211,8 +214,7 @@ class Synchronizer:
         """Wait for ``flight``'s average, take the outer step and adopt it; returns the seconds waited
         and whether the step was taken (not skipped for a non-finite average)."""
         began = time.perf_counter()
-        average = flight.handle.wait() if flight.handle is not None else flight.average
-        assert average is not None
+        average = self._average(flight)
         waited = time.perf_counter() - began
         records += self._records_of(self.engine, flight.number)
         members = self.fragments[flight.fragment]
@@ -364,6 +366,7 @@ class Synchronizer:
         )
 
     def _average(self, flight: _InFlight) -> Tensor:
+        """``flight``'s average, waited for once."""
         if flight.average is None:
             assert flight.handle is not None
             flight.average = flight.handle.wait()
