@@ -107,6 +107,22 @@ def check_world(rank: int, world: int) -> dict[str, Any]:
         results["big"][str(algo)] = failures
         if handle.traffic is not None:
             results["traffic"][str(algo)] = (handle.traffic.sent, handle.traffic.received)
+    # min and max propagate NaN: a NaN on one rank reaches every rank, and no other element
+    results["nan"] = {}
+    for algo in algorithms(world):
+        for op in ("min", "max"):
+            x = rank_data(rank, 11, torch.float32, op)
+            if rank == world - 1:
+                x[3] = float("nan")
+            collectives.all_reduce(x, op, algo=algo.name, **algo.options)
+            if algo.name == "native":
+                results["native_nan"] = bool(x[3].isnan())  # gloo's own: documented, not ours to test
+                continue
+            failures = Failures()
+            failures.expect(bool(x[3].isnan()), "the NaN was dropped")
+            failures.expect(bool(torch.isfinite(x[torch.arange(11) != 3]).all()), "the NaN spread")
+            failures.expect(identical_on_all_ranks(x), "not bitwise identical on all ranks")
+            results["nan"][f"{algo}-{op}"] = failures
     # a non-contiguous input, reduced in place
     column = rank_data(rank, 60, torch.float32, "sum").view(6, 10).t()
     reference = torch_all_reduce(column.contiguous(), "sum")
@@ -158,6 +174,16 @@ def test_all_reduce_3mib(world: int, algo: Algo, ranks: Callable[[int], list[dic
 def test_non_contiguous_input_is_reduced_in_place(world: int, ranks: Callable[[int], list[dict[str, Any]]]) -> None:
     """A transposed matrix, reduced by the ring in place: as torch's all-reduce of a contiguous copy."""
     assert_no_failures([result["non_contiguous"] for result in ranks(world)])
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"w{w}")
+def test_min_and_max_propagate_nan(world: int, ranks: Callable[[int], list[dict[str, Any]]]) -> None:
+    """gradcomp's min and max keep a NaN that one rank holds (torch.minimum / torch.maximum), as
+    ``docs/collectives.md`` says, for every algorithm; a non-finite gradient is never hidden."""
+    results = ranks(world)
+    for key in results[0]["nan"]:
+        assert_no_failures([result["nan"][key] for result in results])
+    assert len(results[0]["nan"]) == 2 * (len(algorithms(world)) - 1)
 
 
 def traffic(results: list[dict[str, Any]], algo: str) -> list[tuple[int, int]]:

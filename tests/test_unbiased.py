@@ -55,6 +55,20 @@ def test_stochastic_compressors_are_unbiased(spec: str) -> None:
     assert abs(float((compressor_mean - x).mean())) < 0.05 * float(x.abs().mean())
 
 
+@pytest.mark.parametrize(
+    "spec", ["quantize:bits=1,chunk=64", "quantize:bits=4,chunk=64", "qsgd:bits=4,chunk=64", "terngrad:chunk=64"]
+)
+@pytest.mark.parametrize("magnitude", [2.0**-130, 2.0**124], ids=["tiny", "huge"])
+def test_unbiased_at_float32_extremes(spec: str, magnitude: float) -> None:
+    """The same check where the codec leaves float32 (steps below its smallest normal; ranges past
+    half its largest value): scaling by a power of two changes nothing else."""
+    x = (fixed_input() * magnitude).float()
+    assert x.abs().max() < torch.finfo(torch.float32).max
+    z = z_scores(spec, x, trials=1500)
+    assert z.numel() > 0.5 * x.numel()
+    assert z.max() < 5.5
+
+
 def test_the_check_detects_a_biased_compressor() -> None:
     # randomk without scaling is biased by a factor of the keep ratio: the same statistic explodes.
     z = z_scores("randomk:ratio=0.25,scale=false", fixed_input(), trials=500)

@@ -18,11 +18,19 @@ copied out with one strided read. That replaces a float -> uint8 conversion (sev
 than the add: ``docs/benchmarks.md``, "Why the kernels look as they do"). Cost per element: the map
 (two passes), the rounding add, the byte copy, and for stochastic rounding 1 random byte, its
 conversion and an add; temporaries live in the compressor's workspace.
+
+The arithmetic is float32 (float64 for float64 inputs) unless a chunk's map does not fit float32:
+a step below float32's smallest normal (1.2e-38: its reciprocal overflows, or loses precision) or
+levels that span more than half of float32's range (x - base, or (q - zero) * step, would overflow).
+Then the whole call computes in float64, which holds every such map exactly: any finite input
+keeps the documented bound and decodes to finite values. Deciding costs one look at the per-chunk
+steps on the host (a few microseconds; on a GPU, a synchronization).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 
 import torch
@@ -43,14 +51,43 @@ def _low_bytes(y: Tensor) -> Tensor:
     return y.view(torch.uint8)[0 if sys.byteorder == "little" else size - 1 :: size]
 
 
+FLOAT32 = torch.finfo(torch.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Affine:
-    """x = base + (q - zero) * step, per chunk; no base means 0."""
+    """x = base + (q - zero) * step, per chunk; no base means 0.
+
+    ``step`` may be wider than float32 (quantizers derive it in float64 from the float32 scales
+    that travel), so that a step no float32 can hold still decodes exactly.
+    """
 
     base: Tensor | None
     step: Tensor
     levels: int
     zero: int = 0
+
+    def fits_float32(self) -> bool:
+        """Whether float32 arithmetic holds this map for every finite chunk (see the module's notes).
+
+        Non-finite steps (from NaN/Inf inputs) count as fitting: they travel to the decoder as they are.
+        """
+        if not self.step.numel():
+            return True
+        magnitude = self.step.abs()
+        limit = FLOAT32.max / 2 / max(self.zero, self.levels - self.zero)
+        low, high = (float(v) for v in torch.aminmax(magnitude))
+        if FLOAT32.tiny <= low and high <= limit:
+            return True  # the common case, in one small reduction (the full test costs 3x more)
+        misfit = ((magnitude < FLOAT32.tiny) & (magnitude > 0)) | ((magnitude > limit) & (magnitude < math.inf))
+        return not bool(misfit.any())
+
+
+def working_dtype(flat: Tensor, affine: Affine) -> torch.dtype:
+    """float32 for every narrower input, float64 for float64 inputs and maps that float32 cannot hold."""
+    if flat.dtype == torch.float64 or not affine.fits_float32():
+        return torch.float64
+    return torch.float32
 
 
 def inverse_or_zero(scales: Tensor) -> Tensor:
@@ -66,12 +103,12 @@ def encode(flat: Tensor, affine: Affine, chunk: int, generator: torch.Generator 
     Returns a contiguous uint8 workspace buffer: valid until the next call.
     """
     n = flat.numel()
-    # float32 arithmetic for every narrower input; float64 stays float64
-    y = workspace.take("affine.y", n, torch.promote_types(flat.dtype, torch.float32), flat.device)
-    step = affine.step
+    dtype = working_dtype(flat, affine)
+    y = workspace.take("affine.y", n, dtype, flat.device)
+    step = affine.step.to(dtype)
     positive = step > 0
     inverse = inverse_or_zero(step)
-    base = affine.base
+    base = None if affine.base is None else affine.base.to(dtype)
     if generator is not None:
         # Stochastic rounding is floor(y + u), u uniform in [0, 1), computed as round(y + u - 0.5).
         # u = (r + v) / 256: r, 8 random bits per element, and v, uniform in [0, 1) per chunk.
@@ -79,7 +116,7 @@ def encode(flat: Tensor, affine: Affine, chunk: int, generator: torch.Generator 
         # bits that 32-bit noise would cost; (v / 256 - 0.5) steps are folded into the chunk's base.
         v = torch.rand(step.numel(), generator=generator, device=flat.device, dtype=torch.float64)
         shift = (v / 256 - 0.5) * torch.where(positive, step, 0.0).double()
-        base = (-shift if base is None else base.double() - shift).to(step.dtype)
+        base = (-shift if base is None else base.double() - shift).to(dtype)
     for (view, rows), (y_view, _) in zip(chunks.parts(flat, chunk), chunks.parts(y, chunk), strict=True):
         if base is None:
             torch.mul(view, inverse[rows, None], out=y_view)
@@ -111,17 +148,20 @@ def encode(flat: Tensor, affine: Affine, chunk: int, generator: torch.Generator 
 def decode(codes: Tensor, affine: Affine, chunk: int, out: Tensor, workspace: Workspace) -> Tensor:
     """Write ``base + (codes - zero) * step`` per chunk into the flat floating tensor ``out``.
 
-    Low-precision outputs are computed in float32 and rounded once.
+    Computed in the working dtype (:func:`working_dtype`) and rounded once into ``out``.
     """
-    exact = out if out.dtype in (torch.float32, torch.float64) else None
-    values = exact if exact is not None else workspace.take("affine.decoded", out.numel(), torch.float32, out.device)
+    dtype = working_dtype(out, affine)
+    exact = out if out.dtype == dtype else None
+    values = exact if exact is not None else workspace.take("affine.decoded", out.numel(), dtype, out.device)
     values.copy_(codes)
     if affine.zero:
         values.sub_(affine.zero)
+    step = affine.step.to(dtype)
+    base = None if affine.base is None else affine.base.to(dtype)
     for view, rows in chunks.parts(values, chunk):
-        view.mul_(affine.step[rows, None].to(values.dtype))
-        if affine.base is not None:
-            view.add_(affine.base[rows, None].to(values.dtype))
+        view.mul_(step[rows, None])
+        if base is not None:
+            view.add_(base[rows, None])
     if exact is None:
         out.copy_(values)
     return out

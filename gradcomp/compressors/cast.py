@@ -73,6 +73,12 @@ class Cast(Compressor):
 
     def decompress(self, payload: Payload, ctx: Meta, out: Tensor | None = None) -> Tensor:
         (wire,) = payload
+        limit = torch.finfo(ctx.dtype).max
+        if limit < torch.finfo(wire.dtype).max:
+            # bf16's coarser rounding lifts float16's largest values past its range (65504 -> 65536):
+            # saturate them rather than turn finite gradients into Inf. Inf stays Inf.
+            wide = wire.float()  # bf16 itself cannot hold 65504
+            wire = torch.where(wide.isinf(), wide, wide.clamp(-limit, limit))
         if out is None:
             return wire.to(ctx.dtype).view(ctx.shape)
         return flat_out(out, ctx, wire.device).copy_(wire).view(ctx.shape)
@@ -96,8 +102,10 @@ class Fp16(Cast):
 class Bf16(Cast):
     """bfloat16: float32's exponent range with 8 bits of mantissa; also on CPU/gloo.
 
-    Wire: 2 bytes per element. Error: relative 2**-8; no overflow for any float32 value, so sums of
-    many ranks are safe. Works on CPU/gloo, where torch's ``bf16_compress_hook`` refuses.
+    Wire: 2 bytes per element. Error: relative 2**-8; float32's range, so sums of many ranks are
+    safe (only values within 2**-9 of float32's largest, |x| >= 3.3961e38, round to Inf). On float16
+    gradients, results saturate at +-65504 (bf16 rounds 65504 up to 65536). Works on CPU/gloo, where
+    torch's ``bf16_compress_hook`` refuses.
     When: like fp16 when gradients have a wide dynamic range.
     """
 

@@ -35,6 +35,17 @@ def reduce(flat: Tensor, chunk: int, op: Callable[[Tensor], Tensor]) -> Tensor:
     return results[0] if len(results) == 1 else torch.cat(results)
 
 
+def reduce_rows(flat: Tensor, chunk: int, indices: Tensor, op: Callable[[Tensor], Tensor]) -> Tensor:
+    """``reduce`` over the chunks at ``indices`` only (sorted, as ``torch.nonzero`` gives them):
+    for a slower, exact reduction of the few chunks that need it."""
+    full = flat.numel() // chunk
+    inside = indices[indices < full]
+    results = [op(flat[: full * chunk].view(full, chunk).index_select(0, inside))] if inside.numel() else []
+    if inside.numel() < indices.numel():  # the tail chunk
+        results.append(op(flat[full * chunk :].view(1, -1)))
+    return torch.cat(results) if results else torch.empty(0, dtype=flat.dtype, device=flat.device)
+
+
 def amax_abs(flat: Tensor, chunk: int) -> Tensor:
     """max |x| per chunk, without materialising |x| (two cheap reductions instead of a 4-byte pass)."""
     return reduce(flat, chunk, lambda v: torch.maximum(v.amax(dim=1), v.amin(dim=1).neg()))

@@ -45,9 +45,10 @@ class Fp8Config(ChunkedConfig):
 class Fp8(Compressor):
     """Each chunk is scaled so that its max |x| maps to the format's largest value, then cast.
 
-    Wire: 1 byte per element + 4 bytes (the float32 scale) per chunk. Error: relative 2**-4 (e4m3)
+    Wire: 1 byte per element + 4 bytes (the float32 max |x|) per chunk. Error: relative 2**-4 (e4m3)
     or 2**-3 (e5m2) of each value, down to the format's smallest subnormal times the scale (values
-    far below the chunk's max flush toward zero). Deterministic (round to nearest even), biased.
+    far below the chunk's max flush toward zero), at every float32 magnitude: chunks whose scale
+    float32 cannot hold are computed in float64 (:func:`working_dtype`). Deterministic (round to nearest even), biased.
     Aggregates by ``gather``: scales differ between ranks.
     When: between fp16 (2 bytes) and 4-bit quantization, with a floating error profile that keeps
     small gradients relatively accurate.
@@ -62,36 +63,55 @@ class Fp8(Compressor):
         self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
     ) -> tuple[Payload, Meta]:
         flat = check_gradient(tensor)
-        dtype = DTYPES[self.config.format]
-        scales = chunks.amax_abs(flat, self.config.chunk).float() / torch.finfo(dtype).max
-        inverse = inverse_or_zero(scales)
-        scaled = self.workspace.take(
-            "scaled", flat.numel(), torch.promote_types(flat.dtype, torch.float32), flat.device
-        )
+        peaks = chunks.amax_abs(flat, self.config.chunk).float()
+        dtype = working_dtype(flat, peaks, self.config.format)
+        inverse = inverse_or_zero(scales(peaks, self.config.format, dtype))
+        scaled = self.workspace.take("scaled", flat.numel(), dtype, flat.device)
         for (view, rows), (target, _) in zip(
             chunks.parts(flat, self.config.chunk), chunks.parts(scaled, self.config.chunk), strict=True
         ):
             torch.mul(view, inverse[rows, None], out=target)
-        # Non-finite scales (NaN/Inf inputs) reach the decoder through ``scales``.
-        codes = torch.empty(flat.numel(), dtype=dtype, device=flat.device).copy_(scaled)
-        return (codes.view(torch.uint8), scales), Meta.of(tensor)
+        # Non-finite peaks (NaN/Inf inputs) reach the decoder through ``peaks``.
+        codes = torch.empty(flat.numel(), dtype=DTYPES[self.config.format], device=flat.device).copy_(scaled)
+        return (codes.view(torch.uint8), peaks), Meta.of(tensor)
 
     def decompress(self, payload: Payload, ctx: Meta, out: Tensor | None = None) -> Tensor:
-        codes, scales = payload
+        codes, peaks = payload
         result = flat_out(out, ctx, codes.device)
-        exact = result if result.dtype in (torch.float32, torch.float64) else None
-        values = exact if exact is not None else self.workspace.take("values", ctx.numel, torch.float32, codes.device)
+        dtype = working_dtype(result, peaks, self.config.format)
+        exact = result if result.dtype == dtype else None
+        values = exact if exact is not None else self.workspace.take("values", ctx.numel, dtype, codes.device)
         values.copy_(as_half(codes, self.config.format, self.workspace))
         # as_half returns e4m3 values times 2**-8: fold the factor into the scale.
         factor = 256.0 if self.config.format == "e4m3" else 1.0
+        multipliers = scales(peaks, self.config.format, dtype) * factor
         for view, rows in chunks.parts(values, self.config.chunk):
-            view.mul_(scales[rows, None].to(values.dtype) * factor)
+            view.mul_(multipliers[rows, None])
         if exact is None:
             result.copy_(values)
         return result.view(ctx.shape)
 
     def state_dict(self) -> dict[str, Any]:
         return {}
+
+
+def scales(peaks: Tensor, format: str, dtype: torch.dtype) -> Tensor:
+    """Per chunk, the value of the format's unit: max |x| / the format's largest value, in ``dtype``."""
+    return peaks.to(dtype) / torch.finfo(DTYPES[format]).max
+
+
+def working_dtype(flat: Tensor, peaks: Tensor, format: str) -> torch.dtype:
+    """float32 (float64 for float64 inputs) unless a chunk's scale falls below float32's smallest
+    normal (max |x| < 448 * 1.2e-38 for e4m3, 57344 * 1.2e-38 for e5m2): its reciprocal would
+    overflow float32, or the scale lose precision. Then the call computes in float64, which holds
+    them; deciding costs one look at the per-chunk peaks on the host."""
+    if flat.dtype == torch.float64:
+        return torch.float64
+    if not peaks.numel() or float(peaks.min()) / torch.finfo(DTYPES[format]).max >= torch.finfo(torch.float32).tiny:
+        return torch.float32  # the common case, in one small reduction
+    unit = scales(peaks, format, torch.float32)
+    tiny = (unit < torch.finfo(torch.float32).tiny) & (peaks > 0)
+    return torch.float64 if bool(tiny.any()) else torch.float32
 
 
 def as_half(codes: Tensor, format: str, workspace: Workspace) -> Tensor:

@@ -57,6 +57,7 @@ class PowerSGDContext:
     ps: list[Tensor] = dataclasses.field(default_factory=list)  # orthonormal P, after round one
     raw_sum: Tensor | None = None  # the aggregated uncompressed part, after round one
     raw_local: Tensor | None = None  # this rank's uncompressed part, once ``flat`` was overwritten
+    ranks: float = 1.0  # how many ranks' payloads are summed (the divisor of compress_divided)
 
 
 @register
@@ -71,8 +72,11 @@ class PowerSGD(Compressor):
     came back zero restarts from a random one.
 
     Wire: 4 * r * (n + m) bytes per compressed matrix, the raw bytes of the rest. Biased (a low-rank
-    projection): use with error feedback, as the paper does. Pass ``shapes`` when compressing a
-    flat bucket, or every tensor looks like a vector.
+    projection): use with error feedback, as the paper does. Finite inputs give finite results at
+    every float32 magnitude: the warm start is rescaled (its scale does not change P's span, and
+    unscaled it squares the gradient's magnitude), and factors that overflow float32 (entries past
+    ~3.4e38 / sqrt(rows or cols)) are recomputed in float64 and saturated (``docs/compressors.md``).
+    Pass ``shapes`` when compressing a flat bucket, or every tensor looks like a vector.
     When: large matrices on slow links; the compute is two thin matmuls per matrix.
     """
 
@@ -112,18 +116,43 @@ class PowerSGD(Compressor):
         flat = check_gradient(tensor)
         segments = self.layout(flat.numel(), tensor.shape, shapes)
         qs = self._initial_qs(key, segments, flat.device)
-        ps = [_times(self._matrix(flat, s), q) for s, q in zip(_compressed(segments), qs, strict=True)]
+        compressed = _compressed(segments)
+        pairs = list(zip(compressed, qs, strict=True))
+        p_local = _cat([_times(self._matrix(flat, s), q) for s, q in pairs], torch.float32, flat.device)
+        if not all_finite(p_local) and all_finite(flat):
+            # M Q overflowed float32. Only P's span matters (it is orthonormalized), so this rank's
+            # columns are scaled to a largest entry of 1, computed in float64.
+            p_local = _cat(
+                [_unit_columns(self._matrix(flat, s).double() @ q.double()) for s, q in pairs],
+                torch.float32,
+                flat.device,
+            )
         raw = [flat[s.start : s.stop] for s in segments if not s.rank]
-        payload = (_cat(ps, torch.float32, flat.device), _cat(raw, flat.dtype, flat.device))
+        payload = (p_local, _cat(raw, flat.dtype, flat.device))
         return payload, PowerSGDContext(Meta.of(tensor), key, segments, flat)
+
+    def compress_divided(
+        self, tensor: Tensor, divisor: float, key: Key = None, shapes: Sequence[torch.Size] | None = None
+    ) -> tuple[Payload, PowerSGDContext]:
+        payload, ctx = super().compress_divided(tensor, divisor, key, shapes)
+        ctx.ranks = max(divisor, 1.0)  # what bounds the sum of the saturated factors (next_round)
+        return payload, ctx
 
     def next_round(self, payload: Payload, ctx: PowerSGDContext) -> tuple[Payload, PowerSGDContext]:
         p_sum, raw_sum = payload
         compressed = _compressed(ctx.segments)
         ctx.ps = [torch.linalg.qr(p).Q for p in _split(p_sum, [(s.rows, s.rank) for s in compressed])]
         ctx.raw_sum = raw_sum
-        qs = [_times(self._matrix(ctx.flat, s).t(), p) for s, p in zip(compressed, ctx.ps, strict=True)]
-        return (_cat(qs, torch.float32, ctx.flat.device),), ctx
+        pairs = list(zip(compressed, ctx.ps, strict=True))
+        device = ctx.flat.device
+        q_local = _cat([_times(self._matrix(ctx.flat, s).t(), p) for s, p in pairs], torch.float32, device)
+        if not all_finite(q_local) and all_finite(ctx.flat):
+            # M^T P overflowed: a column of M whose norm is past float32's range. The projection's
+            # coordinates cannot travel as float32; they saturate so that the sum over ranks stays finite.
+            limit = torch.finfo(torch.float32).max / ctx.ranks
+            wide = [(self._matrix(ctx.flat, s).double().t() @ p.double()).clamp_(-limit, limit) for s, p in pairs]
+            q_local = _cat(wide, torch.float32, device)
+        return (q_local,), ctx
 
     def decompress(self, payload: Payload, ctx: PowerSGDContext, out: Tensor | None = None) -> Tensor:
         """The aggregate from the summed Qs; remembers them for the next step's warm start."""
@@ -149,6 +178,8 @@ class PowerSGD(Compressor):
         matrix once); the uncompressed pieces travel exactly, so nothing of them is left."""
         if tensor.dtype != torch.float32 or not tensor.is_contiguous():
             return False
+        if self._overflows(payload[0]):
+            return False  # the product needs float64 and saturation: contribution() does both
         flat = tensor.view(-1)
         if flat.data_ptr() == ctx.flat.data_ptr():  # contribution() must still find what was sent
             ctx.raw_local = self._local_raw(ctx)
@@ -165,12 +196,16 @@ class PowerSGD(Compressor):
     def _reconstruct(self, qs: list[Tensor], raw: Tensor, ctx: PowerSGDContext, out: Tensor | None) -> Tensor:
         result = flat_out(out, ctx.meta, raw.device)
         raw_at = 0
+        wide = self._overflows(torch.cat([q.reshape(-1) for q in qs]) if qs else None)
         compressed = iter(zip(ctx.ps, qs, strict=True))
         for s in ctx.segments:
             target = result[s.start : s.stop]
             if s.rank:
                 p, q = next(compressed)
-                if target.dtype == torch.float32:
+                if wide:  # saturate, in the input's dtype, what float32 products would turn into Inf
+                    limit = torch.finfo(target.dtype).max
+                    target.copy_((p.double() @ q.double().t()).clamp_(-limit, limit).view(-1))
+                elif target.dtype == torch.float32:
                     torch.matmul(p, q.t(), out=target.view(s.rows, s.cols))
                 else:
                     target.copy_(p.matmul(q.t()).view(-1))
@@ -187,8 +222,17 @@ class PowerSGD(Compressor):
         if remembered is None or [q.shape for q in remembered] != [q.shape for q in fresh]:
             return fresh
         # A zero column (the tensor's gradient was zero last step) would make P rank-deficient for
-        # good: restart it from the random draw. torch.where keeps this free of host syncs.
-        return [torch.where(q.norm(dim=0) > 0, q, f) for q, f in zip(remembered, fresh, strict=True)]
+        # good: restart it from the random draw. The others are scaled to a largest entry of 1: Q
+        # carries the gradient's magnitude, and M Q would square it (overflowing float32 past
+        # |x| ~ 1e19). torch.where keeps this free of host syncs.
+        return [torch.where(_peaks(q) > 0, _unit_columns(q), f) for q, f in zip(remembered, fresh, strict=True)]
+
+    def _overflows(self, qs: Tensor | None) -> bool:
+        """Whether P Q^T may overflow float32, from all of a call's Q factors at once (one host
+        check): its entries are at most rank * max |Q|, P being orthonormal."""
+        if qs is None or not qs.numel():
+            return False
+        return bool(qs.abs().amax() * self.config.rank >= torch.finfo(torch.float32).max / 2)
 
     @staticmethod
     def _matrix(flat: Tensor, segment: Segment) -> Tensor:
@@ -209,6 +253,17 @@ def _times(matrix: Tensor, thin: Tensor) -> Tensor:
     """matrix @ thin, computed as (thin^T @ matrix^T)^T: faster for a thin right factor on CPU BLAS
     (up to 10x, for a transposed matrix: ``docs/benchmarks.md``), and the same numbers."""
     return thin.t().matmul(matrix.t()).t()
+
+
+def _peaks(matrix: Tensor) -> Tensor:
+    """The largest |entry| of each column (no squares: exact at every magnitude)."""
+    return matrix.abs().amax(dim=0)
+
+
+def _unit_columns(matrix: Tensor) -> Tensor:
+    """Each column divided by its largest |entry| (zero columns stay zero), as float32."""
+    peaks = _peaks(matrix)
+    return (matrix / torch.where(peaks > 0, peaks, 1.0)).float()
 
 
 def _compressed(segments: list[Segment]) -> list[Segment]:

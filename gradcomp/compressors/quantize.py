@@ -8,6 +8,7 @@ Their payloads are not summable (each rank has its own scales), so they aggregat
 from __future__ import annotations
 
 import dataclasses
+import math
 from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -38,6 +39,8 @@ class AffineQuantizer(Compressor):
     """Base of the quantizers: codes = round((x - offset) / step) per chunk, bit-packed.
 
     Payload: ``(packed codes: uint8[ceil(n * bits / 8)], scales: float32[k, chunks])``.
+    The codec computes in float64 where a chunk's map does not fit float32
+    (:func:`gradcomp.compressors.affine.working_dtype`), so every finite chunk keeps the bound.
     Subclasses choose ``bits``, ``chunk``, the scales and how offset and step follow from them.
     """
 
@@ -105,7 +108,7 @@ class AffineQuantizer(Compressor):
         self.noise.load_state_dict(state["noise"])
 
 
-def _finite_float32(values: Tensor) -> Tensor:
+def finite_float32(values: Tensor) -> Tensor:
     """Round float64 chunk statistics to float32 scales: finite stays finite, Inf and NaN stay."""
     limit = torch.finfo(torch.float32).max
     return torch.where(torch.isfinite(values), values.clamp(-limit, limit), values).float()
@@ -113,7 +116,7 @@ def _finite_float32(values: Tensor) -> Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class QuantizeConfig(ChunkedConfig):
-    """``chunk``: elements per (min, step) pair, 8 bytes each."""
+    """``chunk``: elements per (min, max) pair, 8 bytes each."""
 
     bits: int = 4
     """Bits per element, 1..8."""
@@ -135,7 +138,7 @@ class Quantize(AffineQuantizer):
     Each chunk's range [min, max] is cut into 2**bits - 1 equal steps; a value travels as the index
     of a neighbouring level, rounded stochastically (unbiased) or to the nearest (biased).
 
-    Wire: ``ceil(n * bits / 8)`` bytes of codes + 8 bytes (float32 min and step) per chunk.
+    Wire: ``ceil(n * bits / 8)`` bytes of codes + 8 bytes (float32 min and max) per chunk.
     Error: at most one step (nearest: half a step) per element, step = (max - min) / (2**bits - 1).
     When: a general-purpose 4- or 8-bit compressor; with error feedback at 1-2 bits.
     """
@@ -153,13 +156,16 @@ class Quantize(AffineQuantizer):
         return self.config.rounding == "stochastic"
 
     def scales(self, flat: Tensor) -> Tensor:
-        low = chunks.reduce(flat, self.chunk, lambda v: v.amin(dim=1)).double()
-        high = chunks.reduce(flat, self.chunk, lambda v: v.amax(dim=1)).double()
-        step = (high - low) / (2**self.bits - 1)
-        return torch.stack([_finite_float32(low), _finite_float32(step)])
+        # min and max travel, not the step: both are exact input values, and the step, derived in
+        # float64 on both sides, exists even where float32 cannot hold it (1 bit over a range past 3.4e38)
+        low = chunks.reduce(flat, self.chunk, lambda v: v.amin(dim=1))
+        high = chunks.reduce(flat, self.chunk, lambda v: v.amax(dim=1))
+        return torch.stack([low, high]).float()
 
     def affine(self, scales: Tensor) -> Affine:
-        return Affine(base=scales[0], step=scales[1], levels=2**self.bits - 1)
+        levels = 2**self.bits - 1
+        low, high = scales.double()
+        return Affine(base=scales[0], step=(high - low) / levels, levels=levels)
 
 
 class SymmetricQuantizer(AffineQuantizer):
@@ -176,7 +182,7 @@ class SymmetricQuantizer(AffineQuantizer):
 
     def affine(self, scales: Tensor) -> Affine:
         s = self.half_levels
-        return Affine(base=None, step=scales[0] / s, levels=2 * s, zero=s)
+        return Affine(base=None, step=scales[0].double() / s, levels=2 * s, zero=s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +204,8 @@ class QSGD(SymmetricQuantizer):
 
     Per chunk, x_i travels as ||x||_2 * sign(x_i) * l_i / s with l_i the stochastic rounding of
     s * |x_i| / ||x||_2. Unbiased; variance at most min(d / s**2, sqrt(d) / s) * ||x||**2 per chunk.
+    A norm past the input dtype's largest value (float16: 65504) travels as that value, so that the
+    top level decodes to a finite number; the levels are then finer, and still unbiased.
 
     Wire: ``ceil(n * bits / 8)`` bytes + 4 bytes (the float32 norm) per chunk.
     When: unbiased compression without error feedback, with a convergence guarantee.
@@ -217,11 +225,22 @@ class QSGD(SymmetricQuantizer):
 
     def scales(self, flat: Tensor) -> Tensor:
         norms = chunks.reduce(flat, self.chunk, lambda v: torch.linalg.vector_norm(v, dim=1)).float()
-        if not bool(torch.isfinite(norms).all()):
-            # Squares overflow float32 past |x| ~ 1e19; float64 tells overflow from real Inf/NaN.
-            # Only then: the float64 reduction is far slower (docs/benchmarks.md).
-            wide = chunks.reduce(flat, self.chunk, lambda v: torch.linalg.vector_norm(v, dim=1, dtype=torch.float64))
-            norms = _finite_float32(wide)
+        # float32 squares overflow past |x| ~ 1e19 and turn subnormal below ~1e-19: such chunks (and
+        # zero or non-finite ones, which look the same) are measured again in float64, which tells
+        # overflow from real Inf/NaN. Only those: the float64 reduction is far slower (docs/benchmarks.md).
+        low, high = (float(v) for v in torch.aminmax(norms)) if norms.numel() else (1.0, 1.0)
+        if not 2.0**-62 <= low <= high <= 2.0**62:  # one small reduction tells the common case
+            unsure = torch.nonzero(~((norms >= 2.0**-62) & (norms <= 2.0**62))).view(-1)
+            wide = chunks.reduce_rows(
+                flat, self.chunk, unsure, lambda v: torch.linalg.vector_norm(v, dim=1, dtype=torch.float64)
+            )
+            norms[unsure] = finite_float32(wide)
+            high = math.inf
+        # A norm past the input dtype's range would decode (the top level is the norm) to Inf: it
+        # travels capped there, which keeps every level unbiased for values the dtype holds.
+        limit = min(torch.finfo(flat.dtype).max, torch.finfo(torch.float32).max)
+        if not high <= limit:
+            norms = torch.where(torch.isfinite(norms), norms.clamp(max=limit), norms)
         return norms.view(1, -1)
 
 

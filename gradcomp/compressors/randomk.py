@@ -57,7 +57,8 @@ class RandomK(Compressor):
     unbiased with variance below uniform sampling's.
 
     Wire: k value bytes, no indices. Every rank must compress the same tensors in the same order (the
-    engine guarantees it), or their indices diverge. Non-finite inputs poison the sent values.
+    engine guarantees it), or their indices diverge. Non-finite inputs poison the sent values; a
+    scaled value beyond the dtype's largest finite one saturates there (unbiased except there).
     When: cheap unbiased sparsification; weaker than top-k per byte, but summable.
     """
 
@@ -97,6 +98,10 @@ class RandomK(Compressor):
         values = flat[indices]
         if self.config.scale:
             values = values * sizes.to(values.dtype)
+            # An estimate past the dtype's range saturates rather than becoming Inf (finite inputs
+            # give finite results); only such elements lose unbiasedness. k elements: cheap.
+            limit = torch.finfo(values.dtype).max
+            values.clamp_(-limit, limit)
         if n:
             # Dropped elements would hide a NaN/Inf from the optimizer; 0 * (max, min) is NaN iff
             # the input holds a non-finite value, and makes every sent value NaN then.

@@ -10,7 +10,7 @@ from torch import Tensor
 from gradcomp.compressors import chunks
 from gradcomp.compressors.affine import Affine
 from gradcomp.compressors.base import ChunkedConfig, Key
-from gradcomp.compressors.quantize import AffineQuantizer
+from gradcomp.compressors.quantize import AffineQuantizer, finite_float32
 from gradcomp.compressors.registry import register
 
 
@@ -44,11 +44,19 @@ class Sign(AffineQuantizer):
     def scales(self, flat: Tensor) -> Tensor:
         magnitudes = self.workspace.take("abs", flat.numel(), flat.dtype, flat.device)
         torch.abs(flat, out=magnitudes)
-        return chunks.reduce(magnitudes, self.chunk, lambda v: v.mean(dim=1, dtype=torch.float32)).view(1, -1)
+        means = chunks.reduce(magnitudes, self.chunk, lambda v: v.mean(dim=1, dtype=torch.float32))
+        if not bool(torch.isfinite(means).all()):
+            # The float32 sum overflows past |x| ~ 3.4e38 / chunk; float64 tells overflow from real
+            # Inf/NaN. Only then: the float64 reduction is slower.
+            wide = chunks.reduce(magnitudes, self.chunk, lambda v: v.mean(dim=1, dtype=torch.float64))
+            means = finite_float32(wide)
+        return means.view(1, -1)
 
     def affine(self, scales: Tensor) -> Affine:
         # code 0 -> +scale, code 1 -> -scale
-        return Affine(base=scales[0], step=-2 * scales[0], levels=1)
+        # in float64: -2 * scale overflows float32 past 1.7e38
+        scale = scales[0].double()
+        return Affine(base=scale, step=-2 * scale, levels=1)
 
     def encode(self, flat: Tensor, mapping: Affine, key: Key = None) -> Tensor:
         negative = self.workspace.take("negative", flat.numel(), torch.bool, flat.device)
