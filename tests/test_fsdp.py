@@ -294,6 +294,8 @@ def test_a_silent_peer_is_an_error_naming_it_within_the_timeout(tmp_path: Path) 
         ("quantize:bits=4,local_size=two", "local_size"),
         ("quantize:bits=4,param_bits=1", "param_bits"),
         ("noop:param_bits=8", "noop has none"),
+        ("quantize:bits=4,ef=true,warmup=5", "warmup is built for DDP's hooks"),
+        ("quantize:bits=4,ef=ef21", "ef=ef21 is built for DDP's hooks"),
         ("nonsense", "unknown compressor"),
     ],
 )

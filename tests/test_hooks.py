@@ -158,7 +158,18 @@ def resume(rank: int, world: int, spec: str) -> Failures:
     return failures
 
 
-@pytest.mark.parametrize("spec", ["topk:ratio=0.1,ef=true", "powersgd:rank=2,ef=true", "quantize:bits=2"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "topk:ratio=0.1,ef=true",
+        "powersgd:rank=2,ef=true",
+        "quantize:bits=2",
+        # stopped at step 6 inside an 8-step warm-up: dense steps, then the ratio schedule's end
+        "quantize:bits=2,ef=true,momentum=0.9,warmup=8",
+        "topk:ratio=0.1,ef=true,momentum=0.9,nesterov=true,clip=1,warmup=8",
+        "sign:ef=ef21",
+    ],
+)
 def test_checkpoint_and_resume_continue_exactly(spec: str) -> None:
     run_checks(2, resume, (spec,), timeout=240)
 

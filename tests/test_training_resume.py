@@ -84,3 +84,24 @@ def test_resuming_with_other_settings_is_refused(straight_run: TrainingRun) -> N
     with pytest.raises(ValueError, match="written by 2 ranks"):
         checkpoint.load(path, TrainConfig(**SETTINGS), 4, torch.device("cpu"))
     assert os.path.isfile(path)
+
+
+@pytest.mark.timeout(240)
+def test_a_dgc_run_resumed_inside_its_warm_up_ends_bitwise(tmp_path: os.PathLike[str]) -> None:
+    """Momentum moved into the hook (momentum=true), local clipping, and a ratio warm-up of 20 steps:
+    stopped at step 17, inside the warm-up, and resumed, the run ends bitwise where the run straight
+    through does (velocities, residuals, the engine's step count and the ratio schedule all resume)."""
+    settings = {**SETTINGS, "hook": "topk:ratio=0.05,ef=true,momentum=true,warmup=20", "clip": 1.0}
+    straight = TrainConfig(**settings, out=os.path.join(tmp_path, "straight"))
+    assert straight.hook.endswith("ef=true,momentum=0.9,clip=1.0,warmup=20") and straight.momentum == 0.0
+    launch(straight)
+    config = TrainConfig(**settings, out=os.path.join(tmp_path, "resumed"), resume="auto")
+    assert launch(dataclasses.replace(config, stop_at=STOP))["status"] == "stopped"
+    assert launch(config)["resumed_from"] == STOP
+    expected = torch.load(straight.checkpoint_path, weights_only=True)
+    ended = torch.load(config.checkpoint_path, weights_only=True)
+    for part in ("model", "hooks", "optimizer"):
+        for a, b in zip(tensors(expected[part]), tensors(ended[part]), strict=True):
+            assert torch.equal(a, b), part
+    for rank_state in ended["hooks"]:  # every rank's hook state holds its velocities and the step count
+        assert rank_state["compressor"]["velocities"] and rank_state["engine"]["steps"] == SETTINGS["steps"]

@@ -29,6 +29,16 @@ from gradcomp.experiments.training.run import main
         ({"steps": 10, "data": __file__}, "takes no data file"),
         ({"steps": 10, "backend": "mpi"}, "unknown backend"),
         ({"steps": 10, "momentum": 1.0}, "momentum must be < 1"),
+        ({"steps": 10, "clip": -1.0}, "clip must be >= 0"),
+        ({"steps": 10, "momentum": 0.9, "hook": "topk:ef=true,momentum=0.9"}, "momentum twice"),
+        ({"steps": 10, "optimizer": "nesterov", "hook": "topk:ef=true,momentum=0.5"}, "momentum twice"),
+        ({"steps": 10, "hook": "topk:ef=true,momentum=true"}, "takes the run's momentum, which is 0"),
+        (
+            {"steps": 10, "momentum": 0.9, "optimizer": "adam", "hook": "topk:ef=true,momentum=true"},
+            "optimizer is adam",
+        ),
+        ({"steps": 10, "momentum": 0.9, "hook": "topk:momentum=true"}, "needs ef=true"),
+        ({"steps": 10, "clip": 1.0, "hook": "topk:ef=true,clip=2"}, "clip twice"),
     ],
 )
 def test_bad_settings_are_refused(settings: dict[str, Any], message: str) -> None:
@@ -54,3 +64,23 @@ def test_help_is_plain_text_with_the_real_defaults(capsys: pytest.CaptureFixture
     assert "``" not in text and "(default: None)" not in text
     assert "(default: 200)" in " ".join(text.split())  # --steps: the command line's default
     assert "--overwrite [OVERWRITE]" in text  # a flag: --overwrite alone means true
+
+
+def test_the_runs_momentum_moves_into_a_hook_that_asks_for_it() -> None:
+    """momentum=true: DGC's momentum correction takes the run's momentum; the optimizer goes without."""
+    config = TrainConfig(steps=10, momentum=0.9, hook="topk:ratio=0.01,ef=true,momentum=true")
+    assert (config.optimizer, config.momentum) == ("sgd", 0.0)
+    assert config.hook == "topk:ratio=0.01,method=exact,tolerance=0.2,ef=true,momentum=0.9"
+    nesterov = TrainConfig(steps=10, optimizer="nesterov", hook="sign:ef=true,momentum=true")
+    assert nesterov.hook == "sign:chunk=1024,ef=true,momentum=0.9,nesterov=true"
+    assert TrainConfig(**{**config.to_dict()}) == config  # the canonical config reads back the same
+
+
+def test_the_runs_clipping_moves_into_a_hook_with_error_feedback() -> None:
+    """With error feedback each rank clips its share before compression (the hook's clip); other
+    hooks leave the averaged gradients to the run's clipping."""
+    local = TrainConfig(steps=10, clip=2.0, hook="quantize:bits=2,ef=true")
+    assert local.hook.endswith("ef=true,clip=2.0") and not local.clips_averaged
+    averaged = TrainConfig(steps=10, clip=2.0, hook="fp16")
+    assert averaged.hook == "fp16" and averaged.clips_averaged
+    assert not TrainConfig(steps=10, hook="quantize:bits=2,ef=true").clips_averaged

@@ -305,8 +305,8 @@ def short_name(hook: str) -> str:
         for f in dataclasses.fields(config)
         if f.name in DEFINING or getattr(config, f.name) != getattr(defaults, f.name)
     ]
-    options += ["ef=true"] if spec.compressor.ef else []
-    options += [f"{key}={getattr(spec, key)}" for key in ("algo", "aggregation", "seed")
+    options += spec.compressor.feedback.words()
+    options += [f"{key}={getattr(spec, key)}" for key in ("algo", "aggregation", "seed", "warmup")
                 if getattr(spec, key) != getattr(HookSpec(None), key)]  # fmt: skip
     options += sharded
     return spec.compressor.name + (":" + ",".join(options) if options else "")

@@ -18,7 +18,7 @@ from gradcomp import hooks
 from gradcomp.experiments.tasks import parse_task
 from gradcomp.experiments.training.optim import OPTIMIZERS, SCHEDULES
 from gradcomp.experiments.training.parallel import PARALLELS
-from gradcomp.options import convert, format_value
+from gradcomp.options import convert, format_value, split_spec
 from gradcomp.sync import SyncSpec
 
 BACKENDS = ("gloo", "nccl")
@@ -46,8 +46,13 @@ class TrainConfig:
     lr: float = 0.1
     """Peak learning rate."""
     momentum: float = 0.0
-    """SGD momentum (nesterov: 0.9 if 0)."""
+    """SGD momentum (nesterov: 0.9 if 0). A gradcomp hook with ``momentum=true`` takes it over (DGC's
+    momentum correction, before compression; nesterov too): the optimizer then runs without it."""
     weight_decay: float = 0.0
+    clip: float = 0.0
+    """Clip gradients to this L2 norm (0: off): the averaged gradients, before the optimizer step; with
+    a hook that has error feedback, each rank's share instead, before compression (the hook's
+    ``clip``: DGC's local clipping, per tensor, scaled by the world size)."""
     schedule: str = "constant"
     """Learning-rate schedule after warmup: constant, cosine (to 0) or linear (to 0)."""
     warmup_steps: int = 0
@@ -114,7 +119,9 @@ class TrainConfig:
             raise ValueError("give steps or epochs (one of them)")
         _positive(self, "steps", "epochs", "batch_size", "ranks", "threads", "log_every", "timeout", "group_timeout")
         _positive(self, "lr", strict=True)
-        _positive(self, "momentum", "weight_decay", "warmup_steps", "eval_every", "checkpoint_every", strict=False)
+        _positive(
+            self, "momentum", "weight_decay", "clip", "warmup_steps", "eval_every", "checkpoint_every", strict=False
+        )
         if self.momentum >= 1:
             raise ValueError(f"momentum must be < 1, got {self.momentum}")
         if self.stop_at is not None and self.stop_at < 1:
@@ -128,6 +135,7 @@ class TrainConfig:
         if self.batch_size % self.ranks:
             raise ValueError(f"batch_size {self.batch_size} does not split evenly over {self.ranks} ranks")
         try:  # frozen: set once, canonical
+            self._move_into_hook()
             hook = self._parse_hook()
             object.__setattr__(self, "hook", str(hook))
         except ValueError as error:
@@ -136,6 +144,51 @@ class TrainConfig:
             self._check_sync(hook)
         if not self.network.strip():
             raise ValueError("network must be a profile such as loopback or 1gbit")
+
+    def _move_into_hook(self) -> None:
+        """Hand the run's momentum to a hook that asks for it (``momentum=true``) and its clipping
+        to a hook with error feedback, where DGC applies them: before compression, on each rank."""
+        if hooks.is_torch_spec(self.hook) or hooks.is_auto_spec(self.hook):
+            return
+        name, options = split_spec(self.hook)
+        if str(options.get("momentum", "")).lower() == "true":
+            if self.parallel != "ddp" or self.sync != NO_SYNC:
+                raise ValueError("momentum=true moves SGD's momentum into a DDP hook; not with fsdp or sync")
+            if self.optimizer not in ("sgd", "nesterov"):
+                raise ValueError(f"momentum=true moves SGD's momentum into the hook; the optimizer is {self.optimizer}")
+            momentum = self.momentum or (0.9 if self.optimizer == "nesterov" else 0.0)
+            if not momentum:
+                raise ValueError("momentum=true takes the run's momentum, which is 0: set momentum")
+            options["momentum"] = format_value(momentum)
+            if self.optimizer == "nesterov":
+                options["nesterov"] = "true"
+            object.__setattr__(self, "optimizer", "sgd")
+            object.__setattr__(self, "momentum", 0.0)
+        elif float(convert("momentum", options.get("momentum", 0.0), float)) and (
+            self.momentum or self.optimizer == "nesterov"
+        ):
+            raise ValueError(
+                "momentum twice: the hook's correction and the optimizer's; "
+                "write momentum=true in the hook to move the run's momentum there"
+            )
+        ef = str(options.get("ef", "false")).lower()
+        if self.clip and ef not in ("false", "0", "no", "off") and self.sync == NO_SYNC:
+            if "clip" in options and float(convert("clip", options["clip"], float)) != self.clip:
+                raise ValueError(f"clip twice: the run's {self.clip} and the hook's {options['clip']}")
+            options["clip"] = format_value(self.clip)
+        text = ",".join(f"{key}={value}" for key, value in options.items())
+        object.__setattr__(self, "hook", f"{name}:{text}" if text else name)
+
+    @property
+    def clips_averaged(self) -> bool:
+        """Whether the run clips the averaged gradients (a hook with error feedback clips before)."""
+        if not self.clip:
+            return False
+        if self.sync != NO_SYNC:
+            return True  # each replica's own gradients: the outer ones are not clipped
+        hook = self._parse_hook()
+        compressor = getattr(hook, "compressor", None)
+        return not (compressor is not None and getattr(compressor, "feedback", None) and compressor.ef)
 
     def _check_sync(self, hook: hooks.AnySpec | hooks.AnyShardedSpec) -> None:
         try:

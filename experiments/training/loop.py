@@ -63,6 +63,8 @@ class Loop:
         self._window_steps = 0
         self._steps_run = 0  # by this invocation
         self._window_loss = torch.zeros((), dtype=torch.float64, device=device)
+        self._clip = config.clip if config.clips_averaged else 0.0  # else the hook clipped, before compression
+        self._parameters = [p for group in optimizer.param_groups for p in group["params"]]
         self.train_loss: float | None = None
 
     def run(self, start: int, elapsed: float) -> dict[str, Any]:
@@ -106,6 +108,8 @@ class Loop:
         loss.backward()  # the hook averages (DDP) or reduce-scatters (FSDP2) meanwhile; done when it returns
         sync()
         backwarded = time.perf_counter()
+        if self._clip:
+            torch.nn.utils.clip_grad_norm_(self._parameters, self._clip)
         self.optimizer.step()
         self.schedule.step()
         sync()

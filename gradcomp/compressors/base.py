@@ -127,6 +127,10 @@ class Compressor(ABC):
     needs_shapes: ClassVar[bool] = False
     """True when compression relies on the tensors' shapes (PowerSGD's low rank of each matrix): a
     flat shard of sharded data parallelism has none, and sharded training refuses such compressors."""
+    ratio_based: ClassVar[bool] = False
+    """True for sparsifiers that keep a fraction ``ratio`` of the elements (topk, randomk): their
+    ``ratio`` attribute is the fraction in force, which a warm-up schedule lowers step by step
+    (``HookSpec.warmup``); it starts at the config's."""
     payload_shows_non_finite: ClassVar[bool] = False
     """True when a non-finite input, or a contribution (:meth:`contribution`) that would overflow,
     always puts a non-finite value into the payload's floating tensors: error feedback then checks
@@ -197,6 +201,11 @@ class Compressor(ABC):
         the same payload and state, for one memory pass fewer."""
         return self.compress(tensor.div_(divisor), key, shapes)
 
+    def dense_share(self, tensor: Tensor, divisor: float, key: Key = None) -> None:
+        """What this rank adds to an uncompressed sum (a warm-up step: ``HookSpec.warmup``), in
+        place: ``tensor / divisor``. Error feedback adds what it keeps (momentum, residual)."""
+        tensor.div_(divisor)
+
     @abstractmethod
     def decompress(self, payload: Payload, ctx: Any, out: Tensor | None = None) -> Tensor:
         """Reconstruct a tensor of the input's shape and dtype from a (final) payload.
@@ -245,6 +254,12 @@ class Compressor(ABC):
         reconstructing locally leaves its warm-start memory untouched.
         """
         return self.decompress(payload, ctx, out=out)
+
+    def sent_indices(self, payload: Payload, ctx: Any) -> Tensor | None:
+        """The flat indices (int64) of the elements ``payload`` carries, for compressors that select
+        some (sparsifiers, random-k); None for the others, which carry every element in part.
+        Momentum factor masking clears the velocity there."""
+        return None
 
     def subtract_contribution(self, payload: Payload, ctx: Any, tensor: Tensor) -> bool:
         """``tensor -= contribution`` in place, in one fused pass, if this compressor can (and its

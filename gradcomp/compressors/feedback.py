@@ -7,13 +7,30 @@ For every key, with g the new gradient and e the residual (zero at first)::
 
 so that ``g + e == contribution + e_new`` holds exactly up to float rounding, and nothing a
 compressor drops is lost, only delayed (Seide et al. 2014; Karimireddy et al., ICML 2019).
+
+What training with it needs besides (Lin et al., "Deep Gradient Compression", ICLR 2018; Richtarik
+et al., "EF21", NeurIPS 2021), as options of the same spec (:class:`Feedback`):
+
+- ``momentum=m`` (DGC's momentum correction): the velocity is accumulated locally, before
+  compression, ``u = m u + g; c = e + u`` (``nesterov=true``: ``c = e + g + m u``), for an optimizer
+  without momentum of its own; ``mask=true`` (the default) clears ``u`` where a sparsifier sent
+  (DGC's momentum factor masking). With nothing dropped and no masking, this is exactly momentum
+  SGD on the averaged gradient (every rank keeps its own ``u``; their average is the global one).
+- ``clip=C``: each tensor's share ``g / p`` is clipped to the L2 norm ``C / sqrt(p)`` before it is
+  accumulated (DGC's local gradient clipping: independent shares of p ranks add up to about
+  ``sqrt(p)`` times one).
+- ``ef=ef21`` (EF21): each rank keeps an estimate h of its own share and sends ``C(g - h)``; every
+  rank keeps the same global estimate ``G = sum of the h``, adds the aggregate to it and hands ``G``
+  on. Compression errors never accumulate in a residual (h tracks g), at the price of a state of the
+  gradient's size on every rank (G) besides h.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -27,6 +44,71 @@ from gradcomp.compressors.base import (
     check_gradient,
     payload_finite,
 )
+from gradcomp.options import convert, format_value
+
+Variant = Literal["classic", "ef21"]
+FEEDBACK_OPTIONS = ("ef", "momentum", "nesterov", "mask", "clip")
+"""Options every compressor spec accepts besides its own (``make_compressor`` wraps it then)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Feedback:
+    """The error-feedback options of a spec: ``ef=true`` (classic) or ``ef=ef21``, and DGC's
+    momentum correction, momentum factor masking and local clipping (the module's notes)."""
+
+    variant: Variant | None = None
+    """None: no error feedback; ``classic`` (``ef=true``) or ``ef21`` (``ef=ef21``)."""
+    momentum: float = 0.0
+    """Momentum correction's m, in [0, 1); needs ``ef=true``. 0: off."""
+    nesterov: bool = False
+    """Nesterov's form of the momentum correction; needs ``momentum``."""
+    mask: bool = True
+    """Momentum factor masking: clear the velocity where a sparsifier sent (topk, randomk, threshold)."""
+    clip: float = 0.0
+    """Clip each tensor's share g / p to the L2 norm clip / sqrt(p) before it is accumulated; 0: off."""
+
+    def __post_init__(self) -> None:
+        if self.variant not in (None, "classic", "ef21"):
+            raise ValueError(f"ef must be true, false or ef21, got {self.variant!r}")
+        if not (math.isfinite(self.momentum) and 0.0 <= self.momentum < 1.0):
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.momentum and self.variant != "classic":
+            raise ValueError("momentum correction accumulates into error feedback's residual: it needs ef=true")
+        if self.nesterov and not self.momentum:
+            raise ValueError("nesterov needs momentum")
+        if not (math.isfinite(self.clip) and self.clip >= 0.0):
+            raise ValueError(f"clip must be a finite number >= 0, got {self.clip}")
+        if self.clip and self.variant is None:
+            raise ValueError("clip bounds what error feedback accumulates: it needs ef=true or ef=ef21")
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any]) -> Feedback:
+        """From a spec's options (strings or typed values); ValueError names what is wrong."""
+        values = dict(options)
+        ef = values.pop("ef", False)
+        try:
+            variant: Variant | None = "ef21" if ef == "ef21" else ("classic" if convert("ef", ef, bool) else None)
+        except ValueError:
+            raise ValueError(f"option 'ef' must be true, false or ef21; got {ef!r}") from None
+        if "mask" in values and not float(convert("momentum", values.get("momentum", 0.0), float)):
+            raise ValueError("mask applies to the momentum correction: it needs momentum")
+        hints = {"momentum": float, "nesterov": bool, "mask": bool, "clip": float}
+        return cls(variant, **{key: convert(key, value, hints[key]) for key, value in values.items()})
+
+    def words(self) -> list[str]:
+        """The options as a spec writes them, defaults left out: ``["ef=true", "momentum=0.9"]``."""
+        if self.variant is None:
+            return []
+        words = ["ef=true" if self.variant == "classic" else "ef=ef21"]
+        defaults = Feedback(self.variant)
+        for name in ("momentum", "nesterov", "mask", "clip"):
+            if getattr(self, name) != getattr(defaults, name):
+                words.append(f"{name}={format_value(getattr(self, name))}")
+        return words
+
+    def options(self) -> dict[str, Any]:
+        """The options as a ``(name, options)`` spec pair carries them."""
+        return dict(word.split("=", 1) for word in self.words())
 
 
 @dataclasses.dataclass
@@ -38,40 +120,53 @@ class FeedbackContext:
 
 
 class ErrorFeedback(Compressor):
-    """Wraps any compressor with a residual per key. Build it with ``ef=true`` in a spec.
+    """Wraps any compressor with a residual per key. Build it with ``ef=true`` in a spec (or
+    ``ef=ef21``, with ``momentum``, ``nesterov``, ``mask`` and ``clip``: :class:`Feedback`).
 
     Same aggregation, rounds and payload as the wrapped compressor; the residual is updated from
     this rank's own final payload, before it travels (``Compressor.contribution``).
 
     Memory: two buffers per key the size of the gradient (the residual, and the compensated
     gradient, which the payload may alias while in flight), and a scratch buffer per thread the size
-    of the largest. Compute: the add (fused with the engine's division by the world size,
-    :meth:`compress_divided`), then one decompression of the local payload, the subtract and a
-    finiteness check (a pass each). Compressors that fuse the subtraction
-    (``Compressor.subtract_contribution``) skip the decompression: PowerSGD in one pass; the
-    sparsifiers and random-k touch only their k elements, and since their payload shows every
-    non-finite input (``Compressor.payload_shows_non_finite``) the check reads only the payload.
-    A non-finite step leaves the residual as it was (:meth:`_update`).
+    of the largest; momentum correction two more per key (the velocity, and its next value until the
+    step proves finite), EF21 one more (the global estimate). Compute: the add (fused with the
+    engine's division by the world size, :meth:`compress_divided`), then one decompression of the
+    local payload, the subtract and a finiteness check (a pass each); momentum and clipping add a
+    pass or two each. Compressors that fuse the subtraction (``Compressor.subtract_contribution``)
+    skip the decompression: PowerSGD in one pass; the sparsifiers and random-k touch only their k
+    elements, and since their payload shows every non-finite input
+    (``Compressor.payload_shows_non_finite``) the check reads only the payload.
+    A non-finite step leaves the residual (and velocity, and estimates) as they were (:meth:`_update`).
     Keys: every distinct tensor needs its own key (its identity across steps, e.g. its parameter
     names); the same key with a new shape is an error, not a silent reset.
     """
 
     Config = CompressorConfig
 
-    def __init__(self, inner: Compressor) -> None:
+    def __init__(self, inner: Compressor, feedback: Feedback | None = None) -> None:
         if isinstance(inner, ErrorFeedback):
             raise ValueError("this compressor already has error feedback")
+        feedback = Feedback("classic") if feedback is None else feedback
+        if feedback.variant is None:
+            raise ValueError("ErrorFeedback needs a variant: Feedback('classic') or Feedback('ef21')")
         super().__init__(inner.config, seed=inner.seed, rank=inner.rank)
         self.inner = inner
+        self.feedback = feedback
         self.name = inner.name
         self.aggregation = inner.aggregation
         self.rounds = inner.rounds
         self.residuals: dict[Key, Tensor] = {}
+        """Classic: what compression left behind. EF21: this rank's estimate h of its share."""
+        self.velocities: dict[Key, Tensor] = {}
+        """Momentum correction's u per key."""
+        self.estimates: dict[Key, Tensor] = {}
+        """EF21's global estimate G per key: the same on every rank."""
         self._compensated: dict[Key, Tensor] = {}
+        self._next_velocities: dict[Key, Tensor] = {}
         self._divisors: dict[tuple[float, torch.dtype, torch.device], Tensor] = {}
 
     def __repr__(self) -> str:
-        return f"{self.inner!r},ef=true"
+        return ",".join([repr(self.inner), *self.feedback.words()])
 
     @property
     def unbiased(self) -> bool:
@@ -87,17 +182,19 @@ class ErrorFeedback(Compressor):
 
     def residual(self, key: Key, like: Tensor) -> Tensor:
         """The residual of ``key`` (zeros the first time), checked against the new gradient."""
-        residual = self.residuals.get(key)
-        if residual is None:
-            residual = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
-            self.residuals[key] = residual
-        elif residual.shape != like.shape or residual.dtype != like.dtype or residual.device != like.device:
+        return self._state(self.residuals, key, like, "residual")
+
+    def _state(self, states: dict[Key, Tensor], key: Key, like: Tensor, what: str) -> Tensor:
+        state = states.get(key)
+        if state is None:
+            state = states[key] = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+        elif state.shape != like.shape or state.dtype != like.dtype or state.device != like.device:
             raise ValueError(
-                f"error feedback key {key!r} held a {residual.dtype} residual of shape {tuple(residual.shape)} on "
-                f"{residual.device}, now gets {like.dtype} of shape {tuple(like.shape)} on {like.device}: "
+                f"error feedback key {key!r} held a {state.dtype} {what} of shape {tuple(state.shape)} on "
+                f"{state.device}, now gets {like.dtype} of shape {tuple(like.shape)} on {like.device}: "
                 "give every tensor its own key"
             )
-        return residual
+        return state
 
     def compress(
         self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
@@ -105,18 +202,80 @@ class ErrorFeedback(Compressor):
         check_gradient(tensor)
         residual = self.residual(key, tensor)
         compensated = self._compensated_buffer(key, residual)
-        torch.add(tensor, residual, out=compensated)
+        if self._plain:
+            torch.add(tensor, residual, out=compensated)
+        else:
+            self._accumulate(tensor, 1.0, key, residual, compensated)
         return self._compress_compensated(compensated, key, shapes)
 
     def compress_divided(
         self, tensor: Tensor, divisor: float, key: Key = None, shapes: Sequence[torch.Size] | None = None
     ) -> tuple[Payload, FeedbackContext]:
-        # residual + tensor / divisor in one pass (bitwise what dividing, then adding, gives)
         check_gradient(tensor)
         residual = self.residual(key, tensor)
         compensated = self._compensated_buffer(key, residual)
-        torch.addcdiv(residual, tensor, self._divisor(divisor, tensor), out=compensated)
+        if self._plain:  # residual + tensor / divisor in one pass (bitwise what dividing, then adding, gives)
+            torch.addcdiv(residual, tensor, self._divisor(divisor, tensor), out=compensated)
+        else:
+            self._accumulate(tensor, divisor, key, residual, compensated)
         return self._compress_compensated(compensated, key, shapes)
+
+    def dense_share(self, tensor: Tensor, divisor: float, key: Key = None) -> None:
+        """What this rank adds to an uncompressed sum (a warm-up step), in place: its share
+        ``tensor / divisor``, clipped and momentum-corrected as a compressed step would be, plus
+        the residual, which then is zero (everything travels). EF21 has no dense steps."""
+        if self.feedback.variant == "ef21":
+            raise ValueError("ef=ef21 keeps estimates that an uncompressed step would bypass: no warm-up with it")
+        check_gradient(tensor)
+        residual = self.residual(key, tensor)
+        compensated = self._compensated_buffer(key, residual)
+        self._accumulate(tensor, divisor, key, residual, compensated)
+        if not all_finite(compensated):
+            tensor.copy_(compensated)  # the step carries the NaN; the state stays as it was
+            return
+        tensor.copy_(compensated)
+        residual.zero_()
+        self._commit_velocity(key, None)
+
+    @property
+    def _plain(self) -> bool:
+        """Classic error feedback alone: the fused path of the original algorithm."""
+        return self.feedback.variant == "classic" and not self.feedback.momentum and not self.feedback.clip
+
+    def _accumulate(self, tensor: Tensor, divisor: float, key: Key, state: Tensor, out: Tensor) -> None:
+        """Into ``out``: the share ``tensor / divisor``, clipped, through the momentum correction,
+        plus the residual (classic) or minus the estimate (EF21). A new velocity waits in
+        ``_next_velocities`` until :meth:`_update` sees a finite step."""
+        feedback = self.feedback
+        torch.div(tensor, self._divisor(divisor, tensor), out=out)
+        if feedback.clip:
+            limit = feedback.clip / math.sqrt(divisor)
+            norm = torch.linalg.vector_norm(out)
+            out.mul_((limit / norm).clamp(max=1.0))  # a zero norm divides to Inf, clamped to 1
+        if feedback.momentum:
+            velocity = self._state(self.velocities, key, tensor, "velocity")
+            following = self._next_velocities.get(key)
+            if following is None or following.shape != velocity.shape:
+                following = self._next_velocities[key] = torch.empty_like(velocity)
+            torch.add(out, velocity, alpha=feedback.momentum, out=following)  # u = m u + g
+            if feedback.nesterov:
+                out.add_(following, alpha=feedback.momentum)  # g + m u
+            else:
+                out.copy_(following)
+        if feedback.variant == "ef21":
+            out.sub_(state)
+        else:
+            out.add_(state)
+
+    def _commit_velocity(self, key: Key, sent: Tensor | None) -> None:
+        """The step was finite: its velocity replaces the last one, cleared where ``sent`` says
+        (momentum factor masking)."""
+        if not self.feedback.momentum:
+            return
+        following = self._next_velocities[key]
+        self._next_velocities[key], self.velocities[key] = self.velocities[key], following
+        if sent is not None and self.feedback.mask:
+            following.view(-1)[sent] = 0
 
     def _compensated_buffer(self, key: Key, residual: Tensor) -> Tensor:
         compensated = self._compensated.get(key)
@@ -152,13 +311,17 @@ class ErrorFeedback(Compressor):
     def _update(self, payload: Payload, ctx: FeedbackContext) -> None:
         """e = c - contribution(payload), with no allocation: fused in c's buffer, which then
         becomes the residual (the two buffers swap roles), or through a scratch buffer into the
-        residual's own.
+        residual's own. EF21: h = h + contribution(payload).
 
         A non-finite step (a NaN or Inf gradient, an overflowing cast, a peer's NaN in PowerSGD's
         factors) leaves the residual as it was: the step itself carries the NaN (so that GradScaler
         skips it), and the next step starts clean (rule "one bad step", ``docs/architecture.md``).
         """
+        if self.feedback.variant == "ef21":
+            self._update_estimate(payload, ctx)
+            return
         residual = self.residuals[ctx.key]
+        sent = self.inner.sent_indices(payload, ctx.inner) if self.feedback.momentum else None
         # A compressor whose payload shows every bad step is checked there (a few elements);
         # the others through the contribution or the new residual (a reduction pass).
         cheap_check = self.inner.payload_shows_non_finite
@@ -167,29 +330,60 @@ class ErrorFeedback(Compressor):
         if self.inner.subtract_contribution(payload, ctx.inner, ctx.compensated):
             if cheap_check or all_finite(ctx.compensated):
                 self.residuals[ctx.key], self._compensated[ctx.key] = ctx.compensated, residual
+                self._commit_velocity(ctx.key, sent)
             return
         contribution = self.workspace.take("feedback", residual.numel(), residual.dtype, residual.device)
         self.inner.contribution(payload, ctx.inner, out=contribution.view_as(residual))
         # By the input policy a non-finite input gives a non-finite contribution: one check covers both.
         if cheap_check or all_finite(contribution):
             torch.sub(ctx.compensated, contribution.view_as(residual), out=residual)
+            self._commit_velocity(ctx.key, sent)
+
+    def _update_estimate(self, payload: Payload, ctx: FeedbackContext) -> None:
+        """EF21: this rank's estimate moves by what its payload carries (when finite)."""
+        estimate = self.residuals[ctx.key]
+        if self.inner.payload_shows_non_finite and not payload_finite(payload):
+            return
+        contribution = self.workspace.take("feedback", estimate.numel(), estimate.dtype, estimate.device)
+        self.inner.contribution(payload, ctx.inner, out=contribution.view_as(estimate))
+        if all_finite(contribution):
+            estimate.add_(contribution.view_as(estimate))
 
     def decompress(self, payload: Payload, ctx: FeedbackContext, out: Tensor | None = None) -> Tensor:
-        return self.inner.decompress(payload, ctx.inner, out=out)
+        return self._estimated(self.inner.decompress(payload, ctx.inner, out=out), ctx.key)
 
     def decompress_sum(self, payloads: Sequence[Payload], ctx: FeedbackContext, out: Tensor | None = None) -> Tensor:
-        return self.inner.decompress_sum(payloads, ctx.inner, out=out)
+        return self._estimated(self.inner.decompress_sum(payloads, ctx.inner, out=out), ctx.key)
+
+    def _estimated(self, aggregate: Tensor, key: Key) -> Tensor:
+        """EF21 hands on the global estimate, moved by the aggregate (kept when that is finite);
+        classic error feedback, the aggregate itself."""
+        if self.feedback.variant != "ef21":
+            return aggregate
+        estimate = self._state(self.estimates, key, aggregate, "estimate")
+        aggregate.add_(estimate)
+        if all_finite(aggregate):
+            estimate.copy_(aggregate)
+        return aggregate
 
     def contribution(self, payload: Payload, ctx: FeedbackContext, out: Tensor | None = None) -> Tensor:
         return self.inner.contribution(payload, ctx.inner, out=out)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state: dict[str, Any] = {
             "inner": self.inner.state_dict(),
             "residuals": [{"key": key, "residual": residual} for key, residual in self.residuals.items()],
         }
+        if self.feedback.momentum:
+            state["velocities"] = [{"key": key, "velocity": u} for key, u in self.velocities.items()]
+        if self.feedback.variant == "ef21":
+            state["estimates"] = [{"key": key, "estimate": g} for key, g in self.estimates.items()]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state["inner"])
         self.residuals = {entry["key"]: entry["residual"] for entry in state["residuals"]}
+        self.velocities = {entry["key"]: entry["velocity"] for entry in state.get("velocities", [])}
+        self.estimates = {entry["key"]: entry["estimate"] for entry in state.get("estimates", [])}
         self._compensated.clear()
+        self._next_velocities.clear()

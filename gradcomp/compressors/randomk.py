@@ -67,10 +67,12 @@ class RandomK(Compressor):
     payload_shows_non_finite = True  # every value is NaN if the input holds a non-finite one
     Config = RandomKConfig
     config: RandomKConfig
+    ratio_based = True
 
     def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
         super().__init__(config, seed=seed, rank=rank)
         self.shared = Generators(seed)  # the same stream on every rank: the same indices
+        self.ratio = self.config.ratio
 
     @classmethod
     def feedback_problem(cls, config: CompressorConfig) -> str | None:
@@ -90,7 +92,7 @@ class RandomK(Compressor):
     ) -> tuple[Payload, RandomKContext]:
         flat = check_gradient(tensor)
         n = flat.numel()
-        k = kept(self.config.ratio, n)
+        k = kept(self.ratio, n)
         starts = torch.arange(k + 1, device=flat.device, dtype=torch.int64) * n // max(k, 1)
         sizes = starts.diff()
         uniform = torch.rand(k, generator=self.shared.on(flat.device, key), device=flat.device, dtype=torch.float64)
@@ -114,6 +116,9 @@ class RandomK(Compressor):
         result = flat_out(out, ctx.meta, values.device).zero_()
         result[ctx.indices] = values.to(result.dtype)
         return result.view(ctx.meta.shape)
+
+    def sent_indices(self, payload: Payload, ctx: RandomKContext) -> Tensor:
+        return ctx.indices
 
     def subtract_contribution(self, payload: Payload, ctx: RandomKContext, tensor: Tensor) -> bool:
         # The contribution is zero off the k indices (unique: one per block): k reads and writes.

@@ -6,6 +6,7 @@ sweep configs::
     "topk:ratio=0.01,method=sampled"
     ("topk", {"ratio": 0.01})
     "quantize:bits=2,ef=true"        # ef wraps the compressor in error feedback
+    "topk:ratio=0.01,ef=true,momentum=0.9,clip=5"   # and what DGC adds to it (feedback.Feedback)
 
 Options are the fields of the compressor's config dataclass; string values are converted by the
 field's type (:mod:`gradcomp.options`). Unknown names and options raise an error that lists the
@@ -19,14 +20,16 @@ from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from gradcomp.compressors.base import Compressor, CompressorConfig, spec_text
-from gradcomp.compressors.feedback import ErrorFeedback
-from gradcomp.options import convert, options_from, split_spec
+from gradcomp.compressors.feedback import FEEDBACK_OPTIONS, ErrorFeedback, Feedback
+from gradcomp.options import options_from, split_spec
 
 REGISTRY: dict[str, type[Compressor]] = {}
 """Every registered compressor, by name."""
 
-WRAPPER_OPTIONS = ("ef",)
-"""Options every spec accepts besides the compressor's own: ``ef`` turns on error feedback."""
+NO_FEEDBACK = Feedback()
+WRAPPER_OPTIONS = FEEDBACK_OPTIONS
+"""Options every spec accepts besides the compressor's own: ``ef`` turns on error feedback, and
+``momentum``, ``nesterov``, ``mask`` and ``clip`` configure it (:class:`Feedback`)."""
 
 C = TypeVar("C", bound=type[Compressor])
 
@@ -45,10 +48,15 @@ class Spec:
 
     name: str
     config: CompressorConfig
-    ef: bool = False
+    feedback: Feedback = NO_FEEDBACK
+
+    @property
+    def ef(self) -> bool:
+        """Whether the compressor is wrapped in error feedback (either variant)."""
+        return self.feedback.variant is not None
 
     def __str__(self) -> str:
-        return spec_text(self.name, self.config, ["ef=true"] if self.ef else [])
+        return spec_text(self.name, self.config, self.feedback.words())
 
 
 SpecLike = str | tuple[str, Mapping[str, Any]] | Spec
@@ -66,12 +74,15 @@ def parse_spec(spec: SpecLike) -> Spec:
         raise TypeError(f"a compressor spec is a string or a (name, options) pair, got {spec!r}")
     if name not in REGISTRY:
         raise ValueError(f"unknown compressor {name!r}; valid names: {', '.join(sorted(REGISTRY))}")
-    ef = convert("ef", options.pop("ef", False), bool)
+    try:
+        feedback = Feedback.parse({key: options.pop(key) for key in WRAPPER_OPTIONS if key in options})
+    except ValueError as error:
+        raise ValueError(f"invalid options for {name!r}: {error}") from None
     config = options_from(REGISTRY[name].Config, options, repr(name), also_valid=WRAPPER_OPTIONS)
-    problem = REGISTRY[name].feedback_problem(config) if ef else None
+    problem = REGISTRY[name].feedback_problem(config) if feedback.variant else None
     if problem:
-        raise ValueError(f"{name!r} with ef=true: {problem}")
-    return Spec(name, config, ef)
+        raise ValueError(f"{name!r} with {feedback.words()[0]}: {problem}")
+    return Spec(name, config, feedback)
 
 
 def make_compressor(spec: SpecLike, *, seed: int = 0, rank: int = 0) -> Compressor:
@@ -79,5 +90,5 @@ def make_compressor(spec: SpecLike, *, seed: int = 0, rank: int = 0) -> Compress
     parsed = parse_spec(spec)
     compressor = REGISTRY[parsed.name](parsed.config, seed=seed, rank=rank)
     if parsed.ef:
-        return ErrorFeedback(compressor)
+        return ErrorFeedback(compressor, parsed.feedback)
     return compressor

@@ -57,6 +57,9 @@ class SparseCompressor(Compressor):
         result[indices.long()] = values.to(result.dtype)
         return result.view(ctx.shape)
 
+    def sent_indices(self, payload: Payload, ctx: Meta) -> Tensor:
+        return payload[1].long()
+
     def subtract_contribution(self, payload: Payload, ctx: Meta, tensor: Tensor) -> bool:
         # The contribution is zero off the indices (unique within a payload): k reads and writes,
         # no pass over the tensor. Under error feedback the values are the tensor's own there, so

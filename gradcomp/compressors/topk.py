@@ -68,10 +68,12 @@ class TopK(SparseCompressor):
     name = "topk"
     Config = TopKConfig
     config: TopKConfig
+    ratio_based = True
 
     def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
         super().__init__(config, seed=seed, rank=rank)
         self.sampler = Generators(rank_seed(seed, rank))
+        self.ratio = self.config.ratio
 
     def compress(
         self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
@@ -79,7 +81,7 @@ class TopK(SparseCompressor):
         flat = check_gradient(tensor)
         magnitudes = self.workspace.take("abs", flat.numel(), flat.dtype, flat.device)
         torch.abs(flat, out=magnitudes)
-        indices = self.select(magnitudes, kept(self.config.ratio, flat.numel()), key)
+        indices = self.select(magnitudes, kept(self.ratio, flat.numel()), key)
         return self.sparse_payload(flat, indices), Meta.of(tensor)
 
     def select(self, magnitudes: Tensor, k: int, key: Key = None) -> Tensor:

@@ -28,6 +28,10 @@ every rank and nothing communicates from a backend's callback thread (rule "one 
   in the caller's thread when nothing is queued, as torch's own hooks issue theirs; an uncompressed
   bucket then goes straight to the backend's asynchronous all-reduce.
 - The first call checks that every rank uses the same spec, and fails with every rank's spec named.
+- A warm-up (``HookSpec.warmup``) sends the first steps uncompressed, as the all-reduce hook does
+  (error feedback's momentum correction and clipping still apply: :meth:`Compressor.dense_share`),
+  or, for ratio-based sparsifiers, compressed at a ratio that falls exponentially to theirs. Steps
+  are counted where buckets are compressed, and the count is part of :meth:`Engine.state_dict`.
 - The engine communicates on gradcomp's own process group, with the same ranks (one per parent group
   and timeout, shared by every engine), so that DDP's own collectives never interleave with it.
 """
@@ -53,7 +57,7 @@ from gradcomp.collectives.groups import private
 from gradcomp.collectives.link import Traffic
 from gradcomp.compressors import Aggregation, Compressor, Key, Payload, make_compressor
 from gradcomp.engine import transport, two_phase
-from gradcomp.engine.spec import HookSpec, HookSpecLike
+from gradcomp.engine.spec import HookSpec, HookSpecLike, warmup_ratio
 from gradcomp.engine.stats import BucketRecord
 from gradcomp.errors import PeerError, SpecMismatchError, backend_failure
 
@@ -93,8 +97,9 @@ class Engine:
             self.spec.compressor, seed=self.spec.seed, rank=dist.get_rank(group)
         )
         aggregation = self.spec.aggregation
+        ef21 = self.spec.compressor.feedback.variant == "ef21"  # adds each aggregate to its estimate: once
         self.two_phase = self.compressor.aggregation is Aggregation.GATHER and (
-            aggregation == "two_phase" or (aggregation == "auto" and self.world >= TWO_PHASE_FROM)
+            aggregation == "two_phase" or (aggregation == "auto" and self.world >= TWO_PHASE_FROM and not ef21)
         )
         # gradcomp's own group (same ranks, shared by its engines): DDP issues collectives of its
         # own from the training thread (find_unused_parameters' bitmap, static_graph's checks); on
@@ -109,6 +114,9 @@ class Engine:
         )
         self.step = 0
         self.records: collections.deque[BucketRecord] = collections.deque(maxlen=history)
+        self.steps_prepared = 0
+        """Steps whose buckets were compressed (counted in the caller's thread): the warm-up's clock."""
+        self._uncompressed = make_compressor("none")
 
     def reduce(
         self,
@@ -143,7 +151,21 @@ class Engine:
         # communication and what follows it to the ordered executor: the next bucket's compression
         # then overlaps this bucket's communication instead of queueing behind it.
         keys, shapes = list(keys), list(shapes)
-        prepared = None if self.two_phase else self._prepare(buffer, keys, shapes, record)
+        step, warmup = self.steps_prepared, self.spec.warmup
+        dense = step < warmup and not self.compressor.codec.ratio_based
+        if self.compressor.codec.ratio_based and warmup and step <= warmup:
+            ratio = warmup_ratio(self.spec.compressor.config.ratio, warmup, step)  # type: ignore[union-attr]
+        else:
+            ratio = None
+        compressor = self._uncompressed if dense else self.compressor
+        if dense:
+            prepared = self._prepare_dense(buffer, keys, shapes, record)
+        elif self.two_phase:
+            prepared = None  # compressed on the executor: the ratio is set there
+        else:
+            self._set_ratio(ratio)
+            prepared = self._prepare(buffer, keys, shapes, record)
+        self.steps_prepared += int(last)
         done: Future[tuple[Tensor, Traffic | None]] = Future()
 
         def complete(finish: Callable[[], None] | None = None) -> None:
@@ -166,27 +188,31 @@ class Engine:
                     check_same_spec(str(self.spec), self.group, buffer.device)
                     self._checked = True
                 if prepared is None:
+                    self._set_ratio(ratio)
                     self._reduce_two_phase(buffer, keys, shapes, record)
                     complete()
                 else:
-                    self._finish(buffer, *prepared, record, complete, tuple(keys))
+                    self._finish(compressor, buffer, *prepared, record, complete, tuple(keys))
             except BaseException as error:
                 done.set_exception(error)
             return None, None
 
         # An operation that only issues the backend's asynchronous all-reduce runs in this thread
         # when the executor is idle (in order all the same), as torch's own hooks issue theirs.
-        executor().submit(operation, brief=self._checked and self._issues_only)
+        brief = self._issues_only or (dense and self.algo == "native")
+        executor().submit(operation, brief=self._checked and brief)
         return Handle(done)
 
     def state_dict(self) -> dict[str, Any]:
         """What the engine learned about its transfers: the padded all-gather's capacity per bucket
         (plain values). Saved with the compressor's state, a resumed run sends exactly what the run
         straight through sends, without re-learning the capacities."""
-        return {"capacities": [{"keys": list(keys), "bytes": size} for keys, size in self._capacities.items()]}
+        capacities = [{"keys": list(keys), "bytes": size} for keys, size in self._capacities.items()]
+        return {"capacities": capacities, "steps": self.steps_prepared}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._capacities = {tuple(entry["keys"]): int(entry["bytes"]) for entry in state["capacities"]}
+        self.steps_prepared = int(state.get("steps", 0))  # states saved before warm-ups counted none
 
     @property
     def per_tensor(self) -> bool:
@@ -194,6 +220,24 @@ class Engine:
         stateless compressor (``allreduce``, the casts), which compresses the bucket whole, so that
         a hook need not list its parameters."""
         return not self.compressor.elementwise
+
+    def _set_ratio(self, ratio: float | None) -> None:
+        """The warm-up's keep-ratio for a ratio-based sparsifier (None: nothing to change)."""
+        if ratio is not None:
+            self.compressor.codec.ratio = ratio  # type: ignore[attr-defined]
+
+    def _prepare_dense(
+        self, buffer: Tensor, keys: list[Key], shapes: list[torch.Size], record: BucketRecord
+    ) -> tuple[list[Tensor], list[tuple[Payload, Any]]]:
+        """A warm-up step: each tensor's share of the sum (momentum correction and clipping of error
+        feedback included), then the bucket as the all-reduce hook sends it."""
+        with record.phase("compress"):
+            if self.per_tensor:
+                for part, key in zip(_views(buffer, shapes), keys, strict=True):
+                    self.compressor.dense_share(part, self.world, key)
+            else:
+                buffer.div_(self.world)
+            return [buffer], [self._uncompressed.compress(buffer)]
 
     def _prepare(
         self, buffer: Tensor, keys: list[Key], shapes: list[torch.Size], record: BucketRecord
@@ -209,6 +253,7 @@ class Engine:
 
     def _finish(
         self,
+        compressor: Compressor,
         buffer: Tensor,
         parts: list[Tensor],
         states: list[tuple[Payload, Any]],
@@ -220,7 +265,6 @@ class Engine:
         ``complete``. A final round on the backend's own all-reduce is left in flight: the executor
         moves on to the next bucket's collectives while the backend moves this one, and
         ``complete(decompress)`` runs on the backend's thread when it lands."""
-        compressor = self.compressor
         for _ in range(1, compressor.rounds):
             record.payload_bytes += sum(compressor.wire_bytes(p) for p, _ in states)
             with record.phase("communicate"):

@@ -84,7 +84,11 @@ class ShardSpec:
                 "aggregation chooses between DDP's all-gather and two-phase; a sharded reduce-scatter has "
                 f"one way to aggregate: leave it out (got {self.hook.aggregation!r})"
             )
+        if self.hook.warmup:
+            raise ValueError("warmup is built for DDP's hooks, not yet for the sharded reduce-scatter: leave it out")
         spec = self.hook.compressor
+        if spec is not None and spec.feedback.variant == "ef21":
+            raise ValueError("ef=ef21 is built for DDP's hooks, not yet for the sharded reduce-scatter: use ef=true")
         if spec is not None and REGISTRY[spec.name].needs_shapes:
             raise ValueError(
                 f"{spec.name} needs each tensor's shape (it compresses matrices), and a sharded gradient is a "

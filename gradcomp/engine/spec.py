@@ -5,6 +5,7 @@ the command line, sweep configs)::
 
     "topk:ratio=0.01,ef=true"                      # a compressor spec (gradcomp compressors lists them)
     "topk:ratio=0.01,ef=true,algo=ring,aggregation=two_phase,seed=3"
+    "topk:ratio=0.001,ef=true,momentum=0.9,warmup=500"   # DGC: momentum correction, ratio warm-up
     ("topk", {"ratio": 0.01, "ef": True, "algo": "ring"})
     "allreduce"                                    # the uncompressed gradient, as DDP's default
     "noop"                                         # no communication: the compute floor of benchmarks
@@ -31,7 +32,7 @@ AGGREGATIONS = ("auto", "gather", "two_phase")
 """How ``gather`` payloads travel: all-gathered, two-phase, or ``auto`` (the engine decides by world size)."""
 ALLREDUCE, NOOP = "allreduce", "noop"
 """Hook names beside the compressors: the uncompressed gradient (compressor ``none``), and nothing at all."""
-ENGINE_OPTIONS = ("algo", "aggregation", "seed")
+ENGINE_OPTIONS = ("algo", "aggregation", "seed", "warmup")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,10 @@ class HookSpec:
     at the price of a second compression error) or ``auto`` (two-phase from 8 ranks on)."""
     seed: int = 0
     """Seed of the compressor's generators; the same on every rank."""
+    warmup: int = 0
+    """Steps before the compressor takes over: uncompressed (the all-reduce hook's sum, bitwise), or
+    for the ratio-based sparsifiers (topk, randomk) an exponential ratio schedule from 1 down to
+    theirs, ``ratio ** ((t + 1) / (warmup + 1))`` at step t (DGC's; :func:`warmup_ratio`)."""
 
     def __post_init__(self) -> None:
         if self.algo not in ALGORITHMS:
@@ -56,9 +61,16 @@ class HookSpec:
             raise ValueError(f"unknown aggregation {self.aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup must be an integer >= 0, got {self.warmup!r}")
         name = self.compressor.name if self.compressor else NOOP
         if self.aggregation == "two_phase" and self.compressor and REGISTRY[name].aggregation is Aggregation.SUM:
             raise ValueError(f"two_phase is for gather compressors; {name} sums its payloads (all-reduce)")
+        if self.compressor is not None and self.compressor.feedback.variant == "ef21":
+            if self.aggregation == "two_phase":
+                raise ValueError("ef=ef21 adds every aggregate to its estimate; two_phase aggregates twice: use gather")
+            if self.warmup:
+                raise ValueError("ef=ef21 keeps estimates that uncompressed warm-up steps would bypass: no warmup")
 
     @classmethod
     def parse(cls, spec: HookSpecLike, **defaults: Any) -> HookSpec:
@@ -72,11 +84,12 @@ class HookSpec:
             raise TypeError(f"unknown engine option(s) {unknown}; valid: {', '.join(ENGINE_OPTIONS)}")
         name, options = split_hook_spec(spec)
         engine = {**defaults, **{key: options.pop(key) for key in ENGINE_OPTIONS if key in options}}
-        if "seed" in engine:
-            try:
-                engine["seed"] = convert("seed", engine["seed"], int)
-            except ValueError:
-                raise ValueError(f"seed must be an integer, got {engine['seed']!r}") from None
+        for key in ("seed", "warmup"):
+            if key in engine:
+                try:
+                    engine[key] = convert(key, engine[key], int)
+                except ValueError:
+                    raise ValueError(f"{key} must be an integer, got {engine[key]!r}") from None
         if name == NOOP:
             if options:
                 raise ValueError(f"noop takes no options, got {sorted(options)}")
@@ -121,5 +134,15 @@ def split_hook_spec(spec: str | tuple[str, Mapping[str, Any]] | SpecLike) -> tup
     if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str) and isinstance(spec[1], Mapping):
         return spec[0].strip(), dict(spec[1])
     if isinstance(spec, Spec):
-        return spec.name, {**dataclasses.asdict(spec.config), "ef": spec.ef}
+        return spec.name, {**dataclasses.asdict(spec.config), **spec.feedback.options()}
     raise TypeError(f"a hook spec is a string or a (name, options) pair, got {spec!r}")
+
+
+def warmup_ratio(ratio: float, warmup: int, step: int) -> float:
+    """The keep-ratio of a ratio-based sparsifier at ``step`` (from 0) under a warm-up of ``warmup``
+    steps: ``ratio ** ((step + 1) / (warmup + 1))`` during it, falling exponentially from near 1
+    (DGC's schedule, per step rather than per epoch: with 4 steps and ratio 0.001, 25%, 6.3%, 1.6%
+    and 0.4%), then ``ratio``."""
+    if step >= warmup:
+        return ratio
+    return float(ratio ** ((step + 1) / (warmup + 1)))
