@@ -24,7 +24,7 @@ MOMENTUM_STEPS = 300
 MOMENTUM_SPECS = {  # spec: the optimizer's momentum (DGC's correction takes it over in the hook)
     "default": 0.9,
     "topk:ratio=0.01,ef=true": 0.9,
-    "topk:ratio=0.01,ef=true,momentum=0.9,warmup=30": 0.0,
+    "topk:ratio=0.01,ef=true,momentum=0.9,mask=true,warmup=30": 0.0,
 }
 
 
@@ -81,6 +81,6 @@ def test_momentum_correction_recovers_what_error_feedback_loses_with_momentum(ac
     ratio, it comes within a point."""
     default = accuracy["momentum default"]
     assert default > 0.93
-    corrected = accuracy["momentum topk:ratio=0.01,ef=true,momentum=0.9,warmup=30"]
+    corrected = accuracy["momentum topk:ratio=0.01,ef=true,momentum=0.9,mask=true,warmup=30"]
     assert corrected >= default - 0.01
     assert corrected >= accuracy["momentum topk:ratio=0.01,ef=true"] + 0.01

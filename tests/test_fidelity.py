@@ -45,8 +45,8 @@ def averaged(compressors: list, grads: list[torch.Tensor], key: str = "w") -> to
         ("sign:ef=ef21", "sign:chunk=1024,ef=ef21"),
         ("sign:ef=ef21,clip=2", "sign:chunk=1024,ef=ef21,clip=2.0"),
         (
-            "topk:ef=true,mask=false,momentum=0.5,nesterov=true",
-            "topk:ratio=0.01,method=exact,tolerance=0.2,ef=true,momentum=0.5,nesterov=true,mask=false",
+            "topk:ef=true,mask=true,momentum=0.5,nesterov=true",
+            "topk:ratio=0.01,method=exact,tolerance=0.2,ef=true,momentum=0.5,nesterov=true,mask=true",
         ),
     ],
 )
@@ -63,7 +63,7 @@ def test_feedback_options_have_a_canonical_text(text: str, canonical: str) -> No
         ("topk:ef=ef21,momentum=0.9", "needs ef=true"),
         ("topk:ef=true,momentum=1.0", r"momentum must be in \[0, 1\)"),
         ("topk:ef=true,nesterov=true", "nesterov needs momentum"),
-        ("topk:ef=true,mask=false", "mask applies to the momentum correction"),
+        ("topk:ef=true,mask=true", "mask applies to the momentum correction"),
         ("topk:clip=1", "clip bounds what error feedback accumulates"),
         ("topk:ef=true,clip=-1", "clip must be a finite number >= 0"),
         ("topk:ef=yes-please", "true, false or ef21"),
@@ -98,7 +98,7 @@ def test_momentum_correction_without_dropping_is_momentum_sgd(nesterov: bool) ->
 
 
 def test_momentum_factor_masking_clears_exactly_the_sent_coordinates() -> None:
-    compressor = make_compressor("topk:ratio=0.1,ef=true,momentum=0.9")
+    compressor = make_compressor("topk:ratio=0.1,ef=true,momentum=0.9,mask=true")
     assert isinstance(compressor, ErrorFeedback)
     velocity = torch.zeros(200)
     residual = torch.zeros(200)

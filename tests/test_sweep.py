@@ -282,6 +282,22 @@ def test_the_study_compares_the_methods_of_the_issue_against_torch_on_three_netw
     assert len(runs) == 2 * 10 * 3 * 3
 
 
+def test_the_fidelity_sweep_trains_every_method_with_momentum_on_both_study_tasks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Momentum 0.9 everywhere: in the optimizer, or moved into the hooks that ask for it."""
+    runs = _shipped("fidelity", tmp_path, monkeypatch)
+    assert {run.label for run in runs} == {"digits-mlp1024", "signal-mlp2048"} and len(runs) == 2 * 11 * 3
+    for run in runs:
+        moved = "momentum=0.9" in run.config.hook
+        assert run.config.momentum == (0.0 if moved else 0.9), run.name
+        assert run.config.schedule == "cosine" and run.config.network == "loopback"
+    warmups = {
+        (run.label, HookSpec.parse(run.config.hook).warmup) for run in runs if run.config.hook != "torch:allreduce"
+    }
+    assert warmups == {("digits-mlp1024", 0), ("digits-mlp1024", 50), ("signal-mlp2048", 0), ("signal-mlp2048", 75)}
+
+
 def test_networks_this_machine_cannot_build_are_left_out_when_asked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

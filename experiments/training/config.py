@@ -186,9 +186,8 @@ class TrainConfig:
             return False
         if self.sync != NO_SYNC:
             return True  # each replica's own gradients: the outer ones are not clipped
-        hook = self._parse_hook()
-        compressor = getattr(hook, "compressor", None)
-        return not (compressor is not None and getattr(compressor, "feedback", None) and compressor.ef)
+        compressor = getattr(self._parse_hook(), "compressor", None)  # torch's and auto hooks have none
+        return not (compressor is not None and compressor.ef)
 
     def _check_sync(self, hook: hooks.AnySpec | hooks.AnyShardedSpec) -> None:
         try:

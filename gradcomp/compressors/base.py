@@ -131,6 +131,10 @@ class Compressor(ABC):
     """True for sparsifiers that keep a fraction ``ratio`` of the elements (topk, randomk): their
     ``ratio`` attribute is the fraction in force, which a warm-up schedule lowers step by step
     (``HookSpec.warmup``); it starts at the config's."""
+    dense_from: ClassVar[float] = 1.0
+    """For ratio-based sparsifiers, the keep-ratio from which their payload carries at least the
+    uncompressed gradient's bytes (topk: 0.5, values and 4-byte indices): warm-up steps scheduled at
+    or above it go uncompressed instead, which is exact and no dearer."""
     payload_shows_non_finite: ClassVar[bool] = False
     """True when a non-finite input, or a contribution (:meth:`contribution`) that would overflow,
     always puts a non-finite value into the payload's floating tensors: error feedback then checks

@@ -69,6 +69,7 @@ class TopK(SparseCompressor):
     Config = TopKConfig
     config: TopKConfig
     ratio_based = True
+    dense_from = 0.5  # k values and k 4-byte indices: 2 k * 4 bytes against 4 n
 
     def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
         super().__init__(config, seed=seed, rank=rank)

@@ -30,7 +30,8 @@ every rank and nothing communicates from a backend's callback thread (rule "one 
 - The first call checks that every rank uses the same spec, and fails with every rank's spec named.
 - A warm-up (``HookSpec.warmup``) sends the first steps uncompressed, as the all-reduce hook does
   (error feedback's momentum correction and clipping still apply: :meth:`Compressor.dense_share`),
-  or, for ratio-based sparsifiers, compressed at a ratio that falls exponentially to theirs. Steps
+  or, for ratio-based sparsifiers, compressed at a ratio that falls exponentially to theirs (and
+  uncompressed while that ratio would cost as many bytes: ``Compressor.dense_from``). Steps
   are counted where buckets are compressed, and the count is part of :meth:`Engine.state_dict`.
 - The engine communicates on gradcomp's own process group, with the same ranks (one per parent group
   and timeout, shared by every engine), so that DDP's own collectives never interleave with it.
@@ -151,12 +152,11 @@ class Engine:
         # communication and what follows it to the ordered executor: the next bucket's compression
         # then overlaps this bucket's communication instead of queueing behind it.
         keys, shapes = list(keys), list(shapes)
-        step, warmup = self.steps_prepared, self.spec.warmup
-        dense = step < warmup and not self.compressor.codec.ratio_based
-        if self.compressor.codec.ratio_based and warmup and step <= warmup:
+        step, warmup, codec = self.steps_prepared, self.spec.warmup, self.compressor.codec
+        ratio = None
+        if codec.ratio_based and warmup and step <= warmup:
             ratio = warmup_ratio(self.spec.compressor.config.ratio, warmup, step)  # type: ignore[union-attr]
-        else:
-            ratio = None
+        dense = step < warmup and (ratio is None or ratio >= codec.dense_from)
         compressor = self._uncompressed if dense else self.compressor
         if dense:
             prepared = self._prepare_dense(buffer, keys, shapes, record)

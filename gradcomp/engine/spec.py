@@ -52,7 +52,8 @@ class HookSpec:
     warmup: int = 0
     """Steps before the compressor takes over: uncompressed (the all-reduce hook's sum, bitwise), or
     for the ratio-based sparsifiers (topk, randomk) an exponential ratio schedule from 1 down to
-    theirs, ``ratio ** ((t + 1) / (warmup + 1))`` at step t (DGC's; :func:`warmup_ratio`)."""
+    theirs, ``ratio ** ((t + 1) / (warmup + 1))`` at step t (DGC's; :func:`warmup_ratio`), with the
+    steps whose ratio would cost the uncompressed gradient's bytes sent uncompressed (topk: from 0.5)."""
 
     def __post_init__(self) -> None:
         if self.algo not in ALGORITHMS:
