@@ -135,7 +135,10 @@ def _list_compressors(args: argparse.Namespace) -> int:
         sys.stdout.write(f"{name:10s} {cls.aggregation.value:6s} {summary}\n")
         for option in options:
             sys.stdout.write(f"{'':17s} {option}\n")
-    sys.stdout.write(f"\nEvery spec also takes: {', '.join(WRAPPER_OPTIONS)} (error feedback, true/false).\n")
+    sys.stdout.write(
+        f"\nEvery spec also takes: {', '.join(WRAPPER_OPTIONS)} (error feedback: ef=true, false or ef21; "
+        "momentum, nesterov, mask and clip configure it: docs/compressors.md).\n"
+    )
     return 0
 
 

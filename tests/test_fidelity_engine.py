@@ -49,7 +49,16 @@ def ratio_schedule(rank: int, world: int) -> dict[str, Any]:
     _, state = train(rank, "topk:ratio=0.01,ef=true,warmup=20", 6)
     assert state is not None
     sizes = [p.numel() for p in toy_model().parameters()]
-    return {"failures": Failures(), "payload": [s["payload_bytes"] for s in state.steps()], "sizes": sizes}
+    _, warmed = train(rank, "topk:ratio=0.01,ef=true,warmup=4", 7)
+    _, plain = train(rank, "topk:ratio=0.01,ef=true", 7)
+    assert warmed is not None and plain is not None
+    return {
+        "failures": Failures(),
+        "payload": [s["payload_bytes"] for s in state.steps()],
+        "sizes": sizes,
+        "sent after warm-up": [s["sent_bytes"] for s in warmed.steps()][-1],
+        "sent without": [s["sent_bytes"] for s in plain.steps()][-1],
+    }
 
 
 def test_sparsifier_ratio_falls_exponentially_over_the_warm_up() -> None:
@@ -66,3 +75,6 @@ def test_sparsifier_ratio_falls_exponentially_over_the_warm_up() -> None:
 
     assert [warmup_ratio(0.01, 20, step) >= 0.5 for step in range(6)] == [True] * 3 + [False] * 3
     assert result["payload"] == [expected(step) for step in range(6)]
+    # After the warm-up, the link carries what it carries without one: the padded all-gather did
+    # not keep the warm-up's larger frames.
+    assert result["sent after warm-up"] == result["sent without"]

@@ -154,6 +154,8 @@ def resume(rank: int, world: int, spec: str) -> Failures:
     expected = [s["sent_bytes"] for s in straight.steps()][6:]
     if first["sent_bytes"] is not None:  # a gathered payload (the native all-reduce's is not observable)
         expected[0] = first["sent_bytes"] - 8 * (world - 1) * first["buckets"]
+    if "warmup=" in spec:  # the first resumed step, inside the warm-up, all-gathers exact sizes (no
+        sent, expected = sent[1:], expected[1:]  # capacity) over DDP's first bucketing: other buckets
     failures.expect(sent == expected, f"the resumed steps sent {sent}, expected {expected}")
     return failures
 

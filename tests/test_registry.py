@@ -60,7 +60,7 @@ def test_unknown_option_lists_valid_options() -> None:
         ("threshold:tau=inf", r"'tau' must be a finite number"),
         ("randomk:scale=maybe", r"'scale' must be true or false"),
         ("randomk:ratio=0.01,ef=true", r"'randomk' with ef=true: .* no contraction .* use randomk:scale=false,ef=true"),
-        ("topk:ef=perhaps", r"'ef' must be true or false"),
+        ("topk:ef=perhaps", r"'ef' must be true, false or ef21"),
         ("topk:ratio", r"not of the form key=value"),
         ("topk:ratio=0.1,ratio=0.2", r"given twice"),
     ],

@@ -152,11 +152,10 @@ class Engine:
         # communication and what follows it to the ordered executor: the next bucket's compression
         # then overlaps this bucket's communication instead of queueing behind it.
         keys, shapes = list(keys), list(shapes)
-        step, warmup, codec = self.steps_prepared, self.spec.warmup, self.compressor.codec
-        ratio = None
-        if codec.ratio_based and warmup and step <= warmup:
-            ratio = warmup_ratio(self.spec.compressor.config.ratio, warmup, step)  # type: ignore[union-attr]
-        dense = step < warmup and (ratio is None or ratio >= codec.dense_from)
+        dense, ratio = self._warmup(self.steps_prepared)
+        # The padded all-gather keeps the largest frame it saw: learning it from the warm-up's
+        # shrinking payloads would pad every later step to them. Warm-up steps send exact sizes.
+        padded = self.steps_prepared >= self.spec.warmup
         compressor = self._uncompressed if dense else self.compressor
         if dense:
             prepared = self._prepare_dense(buffer, keys, shapes, record)
@@ -192,7 +191,7 @@ class Engine:
                     self._reduce_two_phase(buffer, keys, shapes, record)
                     complete()
                 else:
-                    self._finish(compressor, buffer, *prepared, record, complete, tuple(keys))
+                    self._finish(compressor, buffer, *prepared, record, complete, tuple(keys), padded)
             except BaseException as error:
                 done.set_exception(error)
             return None, None
@@ -204,9 +203,10 @@ class Engine:
         return Handle(done)
 
     def state_dict(self) -> dict[str, Any]:
-        """What the engine learned about its transfers: the padded all-gather's capacity per bucket
-        (plain values). Saved with the compressor's state, a resumed run sends exactly what the run
-        straight through sends, without re-learning the capacities."""
+        """What the engine learned about its transfers, the padded all-gather's capacity per bucket,
+        and the steps it compressed (the warm-up's clock), as plain values. Saved with the
+        compressor's state, a resumed run sends exactly what the run straight through sends, without
+        re-learning the capacities, and continues a warm-up where it stopped."""
         capacities = [{"keys": list(keys), "bytes": size} for keys, size in self._capacities.items()]
         return {"capacities": capacities, "steps": self.steps_prepared}
 
@@ -220,6 +220,15 @@ class Engine:
         stateless compressor (``allreduce``, the casts), which compresses the bucket whole, so that
         a hook need not list its parameters."""
         return not self.compressor.elementwise
+
+    def _warmup(self, step: int) -> tuple[bool, float | None]:
+        """Whether ``step`` goes uncompressed, and the keep-ratio to set for a ratio-based sparsifier
+        (None: nothing to change)."""
+        warmup, codec = self.spec.warmup, self.compressor.codec
+        ratio = None
+        if codec.ratio_based and warmup and step <= warmup:
+            ratio = warmup_ratio(self.spec.compressor.config.ratio, warmup, step)  # type: ignore[union-attr]
+        return step < warmup and (ratio is None or ratio >= codec.dense_from), ratio
 
     def _set_ratio(self, ratio: float | None) -> None:
         """The warm-up's keep-ratio for a ratio-based sparsifier (None: nothing to change)."""
@@ -260,6 +269,7 @@ class Engine:
         record: BucketRecord,
         complete: Callable[[Callable[[], None] | None], None],
         bucket: tuple[Key, ...],
+        padded: bool = True,
     ) -> None:
         """Communicate every round, then decompress into the bucket (on the executor), and call
         ``complete``. A final round on the backend's own all-reduce is left in flight: the executor
@@ -283,7 +293,7 @@ class Engine:
             self._sum_last(finals, record, complete, decompress)
             return
         with record.phase("communicate"):
-            gathered = self._gather(finals, record, bucket)
+            gathered = self._gather(finals, record, bucket, padded)
         with record.phase("decompress"):
             for everyone, (_, ctx), part in zip(gathered, states, parts, strict=True):
                 compressor.decompress_sum(everyone, ctx, out=part)
@@ -350,14 +360,16 @@ class Engine:
             record.add_traffic(traffic, native=ring_traffic(self.world) * tensor.numel() * tensor.element_size())
         return regroup(joined)
 
-    def _gather(self, payloads: list[Payload], record: BucketRecord, bucket: tuple[Key, ...]) -> list[list[Payload]]:
+    def _gather(
+        self, payloads: list[Payload], record: BucketRecord, bucket: tuple[Key, ...], padded: bool = True
+    ) -> list[list[Payload]]:
         """Every rank's payloads, per tensor then rank. On ``algo=native`` one of the backend's own
         all-gathers, padded to the bucket's capacity (kept per bucket: the same on every rank, as
-        every rank derives it from the same gathered frames); otherwise gradcomp's point-to-point
-        all-gather, sizes first."""
+        every rank derives it from the same gathered frames); otherwise (and while ``padded`` is
+        False: a warm-up) gradcomp's point-to-point all-gather, sizes first."""
         device = payloads[0][0].device if payloads and payloads[0] else torch.device("cpu")
         exchange = transport.GroupExchange(self.group, record.add_traffic)
-        if self.algo == "native":
+        if self.algo == "native" and padded:
             capacity = self._capacities.get(bucket, 0)
             per_rank, self._capacities[bucket] = transport.all_gather_padded(payloads, device, exchange, capacity)
         else:
