@@ -127,6 +127,26 @@ def test_a_non_finite_step_leaves_the_velocity_as_it_was() -> None:
     assert torch.equal(compressor.velocities["w"], before[0]) and torch.equal(compressor.residuals["w"], before[1])
 
 
+def test_a_dense_share_is_the_momentum_corrected_share_and_keeps_state_on_a_bad_step() -> None:
+    """A warm-up step's share: u = m u + g / p, sent whole (the residual then is zero); a NaN share
+    travels as it is and leaves the velocity as it was."""
+    compressor = make_compressor("topk:ratio=0.1,ef=true,momentum=0.5")
+    assert isinstance(compressor, ErrorFeedback)
+    g = torch.randn(50)
+    share = g.clone()
+    compressor.dense_share(share, 2, "w")
+    torch.testing.assert_close(share, g / 2)
+    share = g.clone()
+    compressor.dense_share(share, 2, "w")
+    torch.testing.assert_close(share, g / 2 + 0.5 * (g / 2))
+    assert torch.equal(compressor.velocities["w"], share) and not compressor.residuals["w"].any()
+    before = compressor.velocities["w"].clone()
+    bad = g.clone()
+    bad[3] = math.nan
+    compressor.dense_share(bad, 2, "w")
+    assert bad.isnan().any() and torch.equal(compressor.velocities["w"], before)
+
+
 # -- local clipping -----------------------------------------------------------------------------
 
 

@@ -231,12 +231,10 @@ class ErrorFeedback(Compressor):
         residual = self.residual(key, tensor)
         compensated = self._compensated_buffer(key, residual)
         self._accumulate(tensor, divisor, key, residual, compensated)
-        if not all_finite(compensated):
-            tensor.copy_(compensated)  # the step carries the NaN; the state stays as it was
-            return
         tensor.copy_(compensated)
-        residual.zero_()
-        self._commit_velocity(key, None)
+        if all_finite(compensated):  # else the step carries the NaN, and the state stays as it was
+            residual.zero_()
+            self._commit_velocity(key, None)
 
     @property
     def _plain(self) -> bool:
