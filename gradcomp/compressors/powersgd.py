@@ -161,13 +161,12 @@ class PowerSGD(Compressor):
         qs = _split(payload[0], [(s.cols, s.rank) for s in _compressed(ctx.segments)])
         if self.config.warm_start and all(all_finite(q) for q in qs):  # a NaN step must not poison the memory
             self.memory[ctx.key] = [q.clone() for q in qs]
-        return self._reconstruct(qs, ctx.raw_sum, ctx, out)
+        return self._reconstruct(payload[0], ctx.raw_sum, ctx, out)
 
     def contribution(self, payload: Payload, ctx: PowerSGDContext, out: Tensor | None = None) -> Tensor:
         """This rank's share, P Q_local^T plus its own uncompressed part; leaves the memory alone."""
-        qs = _split(payload[0], [(s.cols, s.rank) for s in _compressed(ctx.segments)])
         raw = ctx.raw_local if ctx.raw_local is not None else self._local_raw(ctx)
-        return self._reconstruct(qs, raw, ctx, out)
+        return self._reconstruct(payload[0], raw, ctx, out)
 
     @staticmethod
     def _local_raw(ctx: PowerSGDContext) -> Tensor:
@@ -193,10 +192,12 @@ class PowerSGD(Compressor):
                 flat[s.start : s.stop].zero_()
         return True
 
-    def _reconstruct(self, qs: list[Tensor], raw: Tensor, ctx: PowerSGDContext, out: Tensor | None) -> Tensor:
+    def _reconstruct(self, q_flat: Tensor, raw: Tensor, ctx: PowerSGDContext, out: Tensor | None) -> Tensor:
+        """P Q^T per matrix, and the raw pieces, from the (summed or local) Q factors ``q_flat``."""
         result = flat_out(out, ctx.meta, raw.device)
         raw_at = 0
-        wide = self._overflows(torch.cat([q.reshape(-1) for q in qs]) if qs else None)
+        qs = _split(q_flat, [(s.cols, s.rank) for s in _compressed(ctx.segments)])
+        wide = self._overflows(q_flat)
         compressed = iter(zip(ctx.ps, qs, strict=True))
         for s in ctx.segments:
             target = result[s.start : s.stop]
@@ -227,10 +228,10 @@ class PowerSGD(Compressor):
         # |x| ~ 1e19). torch.where keeps this free of host syncs.
         return [torch.where(_peaks(q) > 0, _unit_columns(q), f) for q, f in zip(remembered, fresh, strict=True)]
 
-    def _overflows(self, qs: Tensor | None) -> bool:
+    def _overflows(self, qs: Tensor) -> bool:
         """Whether P Q^T may overflow float32, from all of a call's Q factors at once (one host
         check): its entries are at most rank * max |Q|, P being orthonormal."""
-        if qs is None or not qs.numel():
+        if not qs.numel():
             return False
         return bool(qs.abs().amax() * self.config.rank >= torch.finfo(torch.float32).max / 2)
 
