@@ -10,15 +10,13 @@ import pytest
 import torch
 
 from gradcomp.cli import main
-from gradcomp.experiments.bench import ddp as bench_ddp
-from gradcomp.experiments.bench.ddp import (
-    NOOP,
-    TORCH_ALLREDUCE,
-    Row,
-    format_phases,
-    format_table,
-    split_hooks,
-)
+from gradcomp.experiments.bench.command import split_hooks
+from gradcomp.experiments.bench.modes import FSDP, NOOP, TORCH_ALLREDUCE
+from gradcomp.experiments.bench.results import Row, combine
+from gradcomp.experiments.bench.runner import failure, run
+from gradcomp.experiments.bench.settings import BenchSettings
+from gradcomp.experiments.bench.table import format_phases, format_table
+from gradcomp.experiments.bench.workloads import user_model
 from gradcomp.launch import RankError
 
 TORCH_FP16 = "torch:fp16"
@@ -43,21 +41,33 @@ def test_hook_lists_split_on_names_not_on_options(text: str, specs: list[str]) -
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"preset": "vgg"}, "unknown model preset"),
+        ({"model": "vgg"}, "unknown model preset"),
         ({"ranks": 1}, "needs peers"),
-        ({"specs": ["topq"]}, "unknown compressor"),
-        ({"specs": ["fp16:algo=butterfly"]}, "unknown all-reduce algorithm"),
-        ({"torch_hooks": ["torch:bf17"]}, "unknown torch hook"),
-        ({"torch_hooks": ["bf16"]}, "starts with 'torch:'"),
-        ({"specs": ["torch:powersgd:rank=0"]}, "rank must be >= 1"),
+        ({"specs": ("topq",)}, "unknown compressor"),
+        ({"specs": ("fp16:algo=butterfly",)}, "unknown all-reduce algorithm"),
+        ({"torch_hooks": ("torch:bf17",)}, "unknown torch hook"),
+        ({"torch_hooks": ("bf16",)}, "starts with 'torch:'"),
+        ({"specs": ("torch:powersgd:rank=0",)}, "rank must be >= 1"),
         ({"steps": 1, "rounds": 2}, "steps >= rounds"),
+        ({"runs": 0}, "--runs must be >= 1"),
     ],
 )
-def test_bad_arguments_fail_before_any_rank_starts(kwargs: dict[str, object], message: str) -> None:
-    arguments: dict[str, object] = {"preset": "mlp", "ranks": 2, "network": "loopback", "specs": ["fp16"]}
+def test_bad_settings_fail_before_any_rank_starts(kwargs: dict[str, object], message: str) -> None:
+    arguments: dict[str, object] = {"model": "mlp", "ranks": 2, "network": "loopback", "specs": ("fp16",)}
     arguments.update(kwargs)
     with pytest.raises(ValueError, match=message):
-        bench_ddp.run(**arguments)  # type: ignore[arg-type]
+        BenchSettings(**arguments)  # type: ignore[arg-type]
+
+
+def test_the_variants_are_the_anchors_then_torchs_then_each_spec_once() -> None:
+    """A spec that repeats an earlier variant (in its canonical text) is measured once; torch's
+    default hooks are the mode's own unless given."""
+    specs = ("fp16", " fp16:algo=ring ", "torch:fp16", "allreduce", "sign:ef=true")
+    ddp = BenchSettings("mlp", 2, "loopback", specs)
+    assert ddp.variants == [NOOP, TORCH_ALLREDUCE, "torch:allreduce_hook", "torch:fp16", "torch:powersgd:rank=4",
+                            "fp16", "fp16:algo=ring", "allreduce", "sign:ef=true"]  # fmt: skip
+    fsdp = BenchSettings("mlp", 2, "loopback", ("none", "bf16"), mode=FSDP)
+    assert fsdp.variants == [NOOP, "torch:reduce_scatter", "torch:bf16", "none", "bf16"]
 
 
 def test_the_command_refuses_an_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:
@@ -80,7 +90,7 @@ def test_the_command_refuses_an_unknown_model(capsys: pytest.CaptureFixture[str]
 )
 def test_a_users_model_is_checked_before_any_rank_starts(arguments: tuple[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        bench_ddp.user_model(*arguments)
+        user_model(*arguments)
 
 
 def test_a_users_model_needs_an_input_shape(capsys: pytest.CaptureFixture[str]) -> None:
@@ -91,31 +101,30 @@ def test_a_users_model_needs_an_input_shape(capsys: pytest.CaptureFixture[str]) 
 
 def test_a_factory_must_return_a_module() -> None:
     with pytest.raises(TypeError, match=r"returned a int, not a torch\.nn\.Module"):
-        bench_ddp.user_model("tests.bench_models:not_a_model", "16").build()
+        user_model("tests.bench_models:not_a_model", "16").build()
 
 
 def test_a_users_models_train_on_random_inputs_of_their_shape() -> None:
     """Float inputs for a plain model, token ids for one that embeds them (and returns a tuple)."""
-    floats = bench_ddp.user_model("tests.bench_models:tiny", "16", batch_size=4)
-    ids = bench_ddp.user_model("tests.bench_models:tokens", "12", batch_size=3, input_high=50)
-    rows = bench_ddp.run(
-        floats, 2, "loopback", ["fp16"], torch_hooks=[], steps=2, rounds=1, warmup=2, timeout=300, runs=2
-    )
+    floats = user_model("tests.bench_models:tiny", "16", batch_size=4)
+    ids = user_model("tests.bench_models:tokens", "12", batch_size=3, input_high=50)
+    rows = run(BenchSettings(floats, 2, "loopback", ("fp16",), (), steps=2, rounds=1, warmup=2, timeout=300, runs=2))
     assert [r.variant for r in rows] == [NOOP, TORCH_ALLREDUCE, "fp16"] and all(r.status == "ok" for r in rows)
     assert all(len(r.run_ms) == 2 and len(r.step_ms) == 4 for r in rows)  # two runs of two timed steps
     assert rows[-1].wire_mb_per_step == pytest.approx((16 * 32 + 32 + 32 * 4 + 4) * 2 / 1e6)
     batch = ids.batch(rank=1, seed=0)
     assert batch.shape == (3, 12) and batch.dtype == torch.int64 and 0 <= int(batch.min()) <= int(batch.max()) < 50
-    rows = bench_ddp.run(ids, 2, "loopback", ["bf16"], torch_hooks=[], steps=2, rounds=1, warmup=2, timeout=300)
+    rows = run(BenchSettings(ids, 2, "loopback", ("bf16",), (), steps=2, rounds=1, warmup=2, timeout=300))
     assert all(r.status == "ok" for r in rows)
 
 
 def test_torch_powersgd_runs_alone_and_its_bytes_are_its_factors_and_vectors() -> None:
     """The tiny model is one bucket: torch's PowerSGD runs. Rank 1 sends, per step, the factors of the
     32x16 weight (32 + 16) and the 4x32 one (4 + 32), and both biases whole (32 + 4): 120 floats."""
-    model = bench_ddp.user_model("tests.bench_models:tiny", "16", batch_size=4)
-    rows = bench_ddp.run(model, 2, "loopback", ["torch:powersgd:rank=1"], torch_hooks=[], steps=2, rounds=1,
-                         warmup=2, timeout=300)  # fmt: skip
+    model = user_model("tests.bench_models:tiny", "16", batch_size=4)
+    settings = BenchSettings(model, 2, "loopback", ("torch:powersgd:rank=1",), (), steps=2, rounds=1, warmup=2,
+                             timeout=300)  # fmt: skip
+    rows = run(settings)
     assert [r.variant for r in rows] == [NOOP, TORCH_ALLREDUCE, "torch:powersgd:rank=1"]
     assert all(r.status == "ok" for r in rows)
     assert rows[-1].wire_mb_per_step == pytest.approx(120 * 4 / 1e6)
@@ -123,10 +132,8 @@ def test_torch_powersgd_runs_alone_and_its_bytes_are_its_factors_and_vectors() -
 
 
 def test_a_real_run_measures_every_variant_and_counts_bytes_exactly() -> None:
-    specs = ["allreduce", "fp16", "topk:ratio=0.01,ef=true"]
-    rows = bench_ddp.run(
-        "mlp", 2, "loopback", specs, torch_hooks=[TORCH_FP16], steps=4, rounds=2, warmup=2, timeout=300
-    )
+    specs = ("allreduce", "fp16", "topk:ratio=0.01,ef=true")
+    rows = run(BenchSettings("mlp", 2, "loopback", specs, (TORCH_FP16,), steps=4, rounds=2, warmup=2, timeout=300))
     assert [r.variant for r in rows] == [NOOP, TORCH_ALLREDUCE, TORCH_FP16, *specs]
     wire = {r.variant: r.wire_mb_per_step for r in rows}
     for row in rows:
@@ -153,21 +160,21 @@ def test_a_real_run_measures_every_variant_and_counts_bytes_exactly() -> None:
         figures = phases[spec]
         assert figures is not None and 0 <= figures["tail"] <= max(r.ms_per_step or 0 for r in rows)
     table = format_phases(rows).splitlines()
-    assert [line.split("|")[1].strip() for line in table[2:]] == specs
+    assert [line.split("|")[1].strip() for line in table[2:]] == list(specs)
 
 
 @pytest.mark.parametrize("preset", ["transformer", "cnn"])
 def test_every_preset_trains_on_inputs_made_for_its_model(preset: str) -> None:
     """Token ids for the transformer, images for ResNet-18: the task makes them when the model is built."""
-    rows = bench_ddp.run(preset, 2, "loopback", ["fp16"], torch_hooks=[], steps=2, rounds=1, warmup=2, timeout=300)
+    rows = run(BenchSettings(preset, 2, "loopback", ("fp16",), (), steps=2, rounds=1, warmup=2, timeout=300))
     assert all(r.status == "ok" and r.ms_per_step for r in rows)
 
 
 def test_failures_are_reported_as_hung_or_aborted() -> None:
-    hung = bench_ddp._failure(RankError("ranks [0, 1] of 2 did not finish within 70 s"), 70.0)
+    hung = failure(RankError("ranks [0, 1] of 2 did not finish within 70 s"), 70.0)
     assert hung == "hung (killed after 70 s)"
     traceback = "rank 1 of 2 failed:\nTraceback (most recent call last):\n  File x\nRuntimeError: Received data size"
-    assert bench_ddp._failure(RankError(traceback), 70.0) == "aborted: RuntimeError: Received data size"
+    assert failure(RankError(traceback), 70.0) == "aborted: RuntimeError: Received data size"
 
 
 def test_a_failed_variant_has_a_row_without_figures() -> None:
@@ -192,7 +199,7 @@ def test_runs_combine_into_medians_with_the_range_of_each_runs_ratio() -> None:
     ]
     phases = {"compress": 1.0, "decompress": 2.0, "communicate": 3.0, "tail": 4.0}
     combined = [
-        bench_ddp._combine(
+        combine(
             [Row(v, "loopback", run[v], 1.0, "ok", [run[v]], phases if v == "fp16" else None, [run[v]]) for run in runs]
         )
         for v in (NOOP, TORCH_ALLREDUCE, "fp16")
@@ -209,20 +216,15 @@ def test_runs_combine_into_medians_with_the_range_of_each_runs_ratio() -> None:
 def test_a_variant_that_failed_in_some_runs_says_so() -> None:
     failed = Row("torch:powersgd:rank=4", "1gbit", None, None, "hung (killed after 70 s)", run_ms=[None])
     ok = Row("torch:powersgd:rank=4", "1gbit", 50.0, 0.6, "ok", [50.0], None, [50.0])
-    row = bench_ddp._combine([failed, ok])
+    row = combine([failed, ok])
     assert row.ms_per_step == 50.0 and row.run_ms == [None, 50.0]
     assert row.status == "ok in 1 of 2 runs; hung (killed after 70 s)"
-    assert bench_ddp._combine([failed, failed]).ms_per_step is None
+    assert combine([failed, failed]).ms_per_step is None
     # its ratios pair it with the anchors of the run where it completed, not with their medians
-    noop = bench_ddp._combine([Row(NOOP, "1gbit", t, 0.0, "ok", [t], None, [t]) for t in (20.0, 30.0)])
-    anchor = bench_ddp._combine([Row(TORCH_ALLREDUCE, "1gbit", t, 25.0, "ok", [t], None, [t]) for t in (40.0, 60.0)])
+    noop = combine([Row(NOOP, "1gbit", t, 0.0, "ok", [t], None, [t]) for t in (20.0, 30.0)])
+    anchor = combine([Row(TORCH_ALLREDUCE, "1gbit", t, 25.0, "ok", [t], None, [t]) for t in (40.0, 60.0)])
     lines = [line.split("|")[2:5] for line in format_table([noop, anchor, row]).splitlines()]
     assert [cell.strip() for cell in lines[4]] == ["50.0", "1.20x", "1.67"]  # 60 / 50 and 50 / 30
-
-
-def test_runs_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="--runs must be >= 1"):
-        bench_ddp.run("mlp", 2, "loopback", ["fp16"], runs=0)
 
 
 def test_the_command_finds_a_model_in_the_current_directory(
@@ -241,12 +243,10 @@ def test_bench_fsdp_measures_fsdp2s_own_beside_gradcomps_reduce_scatter() -> Non
     """``gradcomp bench fsdp``: FSDP2's reduce-scatter is the anchor; at 2 ranks it sends half of the
     tiny model's gradients (676 floats, no padding at 2 ranks), bf16 half of that; gradcomp's
     uncompressed reduce-scatter sends the same, its 4-bit codes (measured) less."""
-    from gradcomp.experiments.bench.fsdp import FSDP
-
-    model = bench_ddp.user_model("tests.bench_models:tiny", "16", batch_size=4)
-    specs = ["none", "quantize:bits=4,ef=true"]
-    rows = bench_ddp.run(model, 2, "loopback", specs, torch_hooks=["torch:bf16"], steps=2, rounds=1, warmup=2,
-                         timeout=300, mode=FSDP)  # fmt: skip
+    model = user_model("tests.bench_models:tiny", "16", batch_size=4)
+    specs = ("none", "quantize:bits=4,ef=true")
+    rows = run(BenchSettings(model, 2, "loopback", specs, ("torch:bf16",), steps=2, rounds=1, warmup=2, timeout=300,
+                             mode=FSDP))  # fmt: skip
     assert [r.variant for r in rows] == [NOOP, "torch:reduce_scatter", "torch:bf16", *specs]
     assert all(r.status == "ok" for r in rows), [r.status for r in rows]
     wire = {r.variant: r.wire_mb_per_step for r in rows}
@@ -257,6 +257,6 @@ def test_bench_fsdp_measures_fsdp2s_own_beside_gradcomps_reduce_scatter() -> Non
     phases = {r.variant: r.phases_ms for r in rows}
     assert phases["torch:reduce_scatter"] is None and phases["quantize:bits=4,ef=true"] is not None
     with pytest.raises(ValueError, match="unknown FSDP2 reduction"):
-        bench_ddp.run(model, 2, "loopback", specs, torch_hooks=["torch:fp16x"], mode=FSDP)
+        BenchSettings(model, 2, "loopback", specs, ("torch:fp16x",), mode=FSDP)
     with pytest.raises(ValueError, match="needs each tensor's shape"):
-        bench_ddp.run(model, 2, "loopback", ["powersgd:rank=2"], torch_hooks=[], mode=FSDP)
+        BenchSettings(model, 2, "loopback", ("powersgd:rank=2",), (), mode=FSDP)

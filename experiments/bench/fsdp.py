@@ -17,14 +17,8 @@ from __future__ import annotations
 
 import argparse
 
-from gradcomp.experiments.bench.ddp import Mode, add_parser
-
-DEFAULT_HOOKS = (
-    "none;fp16;bf16;quantize:bits=4,ef=true;quantize:bits=8,ef=true;sign:ef=true;topk:ratio=0.01,ef=true;"
-    "randomk:ratio=0.01,scale=false,ef=true"
-)
-"""What ``gradcomp bench fsdp`` measures when ``--hooks`` is not given."""
-FSDP = Mode("fsdp", "torch:reduce_scatter", ("torch:bf16",), DEFAULT_HOOKS)
+from gradcomp.experiments.bench.command import add_parser
+from gradcomp.experiments.bench.modes import FSDP
 
 
 def add_command(commands: argparse._SubParsersAction) -> None:

@@ -32,7 +32,11 @@ from gradcomp.cost.compute import measure as measure_compute
 from gradcomp.cost.kernels import KernelTable
 from gradcomp.cost.profile import Profile
 from gradcomp.cost.step import Method, Workload, method_of, predict
-from gradcomp.experiments.bench import ddp
+from gradcomp.experiments.bench import runner
+from gradcomp.experiments.bench.command import split_hooks
+from gradcomp.experiments.bench.modes import DDP, NOOP
+from gradcomp.experiments.bench.settings import BenchSettings
+from gradcomp.experiments.bench.workloads import PRESETS, Preset
 from gradcomp.experiments.tasks import build_task
 from gradcomp.hooks.auto import is_auto_spec
 from gradcomp.hooks.torch_hooks import TorchHookSpec, is_torch_spec
@@ -70,7 +74,7 @@ def method_for(variant: str) -> Method:
     return TorchHookSpec.parse(variant).cost_method() if is_torch_spec(variant) else method_of(variant)
 
 
-def workload_of(preset: ddp.Preset, seed: int = 0) -> Workload:
+def workload_of(preset: Preset, seed: int = 0) -> Workload:
     """The preset's compute, timed in this process on one thread (as a benchmark rank)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -125,12 +129,12 @@ def run(
     seed: int = 0,
 ) -> list[Row]:
     """Measure and predict every hook on every (model, network, world size)."""
-    unknown = sorted(set(models) - set(ddp.PRESETS))
+    unknown = sorted(set(models) - set(PRESETS))
     if unknown:
-        raise ValueError(f"unknown model preset(s) {unknown}; valid: {', '.join(ddp.PRESETS)}")
+        raise ValueError(f"unknown model preset(s) {unknown}; valid: {', '.join(PRESETS)}")
     for variant in [*specs, *torch_hooks]:
         method_for(variant)  # a bad spec fails before anything runs
-    workloads = {name: workload_of(ddp.PRESETS[name], seed) for name in models}
+    workloads = {name: workload_of(PRESETS[name], seed) for name in models}
     rows = []
     for network in networks:
         for p in ranks:
@@ -138,9 +142,10 @@ def run(
             kernels = KernelTable(profile.kernels)
             cluster = profile.cluster(p)
             for name in models:
-                measured = ddp.run(name, p, network, specs, torch_hooks=torch_hooks, steps=steps, warmup=warmup,
-                                   rounds=rounds, seed=seed)  # fmt: skip
-                floor = next(r.ms_per_step for r in measured if r.variant == ddp.NOOP)
+                settings = BenchSettings(name, p, network, tuple(specs), tuple(torch_hooks), steps=steps,
+                                         warmup=warmup, rounds=rounds, seed=seed)  # fmt: skip
+                measured = runner.run(settings)
+                floor = next(r.ms_per_step for r in measured if r.variant == NOOP)
                 workload = scaled(workloads[name], (floor or 0.0) / 1e3)
                 for row in measured:
                     step = predict(workload, method_for(row.variant), cluster, kernels)
@@ -156,7 +161,7 @@ def format_table(rows: Sequence[Row]) -> str:
 
     tables = []
     for network, ranks in dict.fromkeys((r.network, r.ranks) for r in rows):
-        mine = [r for r in rows if (r.network, r.ranks) == (network, ranks) and r.variant != ddp.NOOP]
+        mine = [r for r in rows if (r.network, r.ranks) == (network, ranks) and r.variant != NOOP]
         models = list(dict.fromkeys(r.model for r in mine))
         header = ("hook", *(f"{m} {what}" for m in models for what in ("measured", "predicted", "error")))
         lines = []
@@ -179,7 +184,7 @@ def _cells(row: Row) -> list[str]:
 
 def summary(rows: Sequence[Row]) -> str:
     """How many predictions are within :data:`TOLERANCE`, and the median absolute error."""
-    errors = [abs(r.error) for r in rows if r.variant != ddp.NOOP and r.error is not None]
+    errors = [abs(r.error) for r in rows if r.variant != NOOP and r.error is not None]
     if not errors:
         return "no hook was measured"
     within = sum(e <= TOLERANCE for e in errors)
@@ -199,7 +204,7 @@ def add_command(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", default="mlp,cnn,transformer", help="comma-separated presets (default all)")
     parser.add_argument("--ranks", default="2", help="comma-separated world sizes (default 2)")
     parser.add_argument("--net", default="loopback", help=NET_HELP)
-    parser.add_argument("--hooks", default=ddp.DEFAULT_HOOKS, help="gradcomp hook specs, as for bench ddp")
+    parser.add_argument("--hooks", default=DDP.hooks, help="gradcomp hook specs, as for bench ddp")
     parser.add_argument("--torch-hooks", default="torch:fp16", help="torch's hooks besides torch:allreduce")
     parser.add_argument("--profiles", metavar="DIR", help="reuse (or save) calibration profiles in DIR")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (default 30)")
@@ -224,8 +229,8 @@ def _command(args: argparse.Namespace) -> int:
     if not ranks or min(ranks) < 2:
         raise ValueError(f"--ranks must be >= 2, got {args.ranks!r}")
     models = [m.strip() for m in args.model.split(",") if m.strip()]
-    torch_hooks = [] if args.torch_hooks.strip() == "none" else ddp.split_hooks(args.torch_hooks)
-    rows = run(models, ranks, networks, ddp.split_hooks(args.hooks), torch_hooks, profiles=args.profiles,
+    torch_hooks = [] if args.torch_hooks.strip() == "none" else split_hooks(args.torch_hooks)
+    rows = run(models, ranks, networks, split_hooks(args.hooks), torch_hooks, profiles=args.profiles,
                steps=args.steps, warmup=args.warmup, rounds=args.rounds, seed=args.seed)  # fmt: skip
     host = machine()
     sys.stdout.write(

@@ -86,7 +86,8 @@ def layers(numel: int) -> list[tuple[int, ...]]:
 
 
 def _workload(args: argparse.Namespace) -> tuple[Workload, str]:
-    from gradcomp.experiments.bench import ddp, predict
+    from gradcomp.experiments.bench import predict
+    from gradcomp.experiments.bench.workloads import PRESETS
 
     compute_s = None if args.compute_ms is None else args.compute_ms / 1e3
     if compute_s is not None and compute_s < 0:
@@ -100,15 +101,15 @@ def _workload(args: argparse.Namespace) -> tuple[Workload, str]:
         if compute_s is None:
             raise ValueError("--params needs --compute-ms (the model's forward + backward + optimizer per step)")
         return Workload.uniform(layers(numel), compute_s), f"{numel:,} parameters ({args.compute_ms:g} ms of compute)"
-    if args.model in ddp.PRESETS:
-        preset = ddp.PRESETS[args.model]
+    if args.model in PRESETS:
+        preset = PRESETS[args.model]
         measured = predict.workload_of(preset)
         if compute_s is None:
             return measured, f"{preset.about} (compute timed here: {measured.compute_s * 1e3:.1f} ms per step)"
         return predict.scaled(measured, compute_s), f"{preset.about} ({args.compute_ms:g} ms of compute)"
     module_name, colon, function = args.model.partition(":")
     if not colon:
-        raise ValueError(f"--model takes a preset ({', '.join(ddp.PRESETS)}) or pkg.module:factory, got {args.model!r}")
+        raise ValueError(f"--model takes a preset ({', '.join(PRESETS)}) or pkg.module:factory, got {args.model!r}")
     if compute_s is None:
         raise ValueError(f"--model {args.model} needs --compute-ms (its step's compute is not known here)")
     if os.getcwd() not in sys.path:
@@ -195,7 +196,7 @@ def _scaling_table(curves: dict[str, list[tuple[int, plan.Option]]]) -> str:
 
 def _command(args: argparse.Namespace) -> int:
     chosen = setting(args)
-    from gradcomp.experiments.bench.ddp import split_hooks
+    from gradcomp.experiments.bench.command import split_hooks
 
     candidates = split_hooks(args.candidates)
     named = [] if args.torch_hooks.strip() == "none" else split_hooks(args.torch_hooks)

@@ -1,0 +1,127 @@
+"""How ``gradcomp bench ddp`` and ``gradcomp bench fsdp`` spread the model over the ranks: DDP's
+replicas (:data:`DDP`) or FSDP2's shards (:data:`FSDP`), two small classes behind one interface
+(:class:`Mode`). A mode says what its table is anchored on, what it measures by default, how it
+reads a spec, and how it builds and hooks one variant's model; the rest of the benchmark is the
+same for both."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from gradcomp import hooks
+from gradcomp.experiments.training import parallel
+from gradcomp.hooks import torch_hooks
+from gradcomp.hooks.torch_hooks import TorchHookSpec, TorchHookState, is_torch_spec
+
+NOOP = "noop"
+"""The variant without communication: the compute floor, measured in every run."""
+TORCH_ALLREDUCE = "torch:allreduce"
+"""DDP's built-in C++ all-reduce: the anchor of ``gradcomp bench ddp``."""
+State = hooks.HookState | hooks.AutoState | TorchHookState | hooks.TorchFSDPState
+"""What hooking a variant returns: it records what every step sent and where its time went."""
+
+
+class Mode(Protocol):
+    """How the benchmark spreads the model over the ranks, and what it measures by default."""
+
+    @property
+    def name(self) -> str:
+        """The command (``gradcomp bench <name>``), and ``parallel`` in its JSON report."""
+
+    @property
+    def anchor(self) -> str:
+        """torch's own way of averaging, against which every speedup is taken."""
+
+    @property
+    def torch_hooks(self) -> tuple[str, ...]:
+        """torch's other ways measured by default (``--torch-hooks``)."""
+
+    @property
+    def hooks(self) -> str:
+        """gradcomp's specs measured by default (``--hooks``), in the command line's list syntax."""
+
+    def canonical(self, spec: str) -> str:
+        """A variant's canonical text: ``noop``, a ``torch:`` spec, or a gradcomp spec (a bad one fails)."""
+
+    def torch_canonical(self, spec: str) -> str:
+        """One of torch's own (it must start with ``torch:``), in its canonical text (a bad one fails)."""
+
+    def make(self, build: Callable[[], nn.Module], variant: str, seed: int) -> tuple[nn.Module, State]:
+        """A fresh model for ``variant``, spread and hooked (the same initial weights for every variant)."""
+
+    def isolated(self, variant: str) -> bool:
+        """Whether ``variant`` runs in ranks of its own (one that may hang or abort its ranks)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicas:
+    """DDP's replicas (``gradcomp bench ddp``): DDP communication hooks, gradcomp's or torch's."""
+
+    name: str = "ddp"
+    anchor: str = TORCH_ALLREDUCE
+    torch_hooks: tuple[str, ...] = ("torch:allreduce_hook", "torch:fp16", "torch:powersgd:rank=4")
+    """torch's own hooks measured beside the two anchors (noop and torch's all-reduce) by default."""
+    hooks: str = (
+        "allreduce;fp16;bf16;randomk:ratio=0.01,scale=false,ef=true;powersgd:rank=1;powersgd:rank=4,ef=true;"
+        "sign:ef=true;topk:ratio=0.01,ef=true;quantize:bits=4"
+    )
+    """What ``gradcomp bench ddp`` measures when ``--hooks`` is not given."""
+
+    def canonical(self, spec: str) -> str:
+        return str(hooks.parse(spec))
+
+    def torch_canonical(self, spec: str) -> str:
+        return str(TorchHookSpec.parse(spec))
+
+    def make(self, build: Callable[[], nn.Module], variant: str, seed: int) -> tuple[nn.Module, State]:
+        torch.manual_seed(seed)
+        model = DistributedDataParallel(build())  # DDP broadcasts rank 0's weights anyway
+        if is_torch_spec(variant):
+            return model, torch_hooks.register(model, variant, seed=seed)
+        return model, hooks.register(model, variant, seed=seed)
+
+    def isolated(self, variant: str) -> bool:
+        """torch's PowerSGD: on gloo it would hang whenever the model has more than one bucket (it
+        issues its second all-reduce from the first one's callback); gradcomp's wrapper refuses that
+        case, and in ranks of its own the refusal becomes its row's status, not the others' end."""
+        return is_torch_spec(variant) and TorchHookSpec.parse(variant).name == "powersgd"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shards:
+    """FSDP2's shards (``gradcomp bench fsdp``): gradcomp's reduce-scatter, or FSDP2's own reduction."""
+
+    name: str = "fsdp"
+    anchor: str = "torch:reduce_scatter"
+    torch_hooks: tuple[str, ...] = ("torch:bf16",)
+    """FSDP2's other reductions measured beside the two anchors by default."""
+    hooks: str = (
+        "none;fp16;bf16;quantize:bits=4,ef=true;quantize:bits=8,ef=true;sign:ef=true;topk:ratio=0.01,ef=true;"
+        "randomk:ratio=0.01,scale=false,ef=true"
+    )
+    """What ``gradcomp bench fsdp`` measures when ``--hooks`` is not given."""
+
+    def canonical(self, spec: str) -> str:
+        return str(hooks.parse_sharded(spec))
+
+    def torch_canonical(self, spec: str) -> str:
+        return str(hooks.TorchFSDPSpec.parse(spec))
+
+    def make(self, build: Callable[[], nn.Module], variant: str, seed: int) -> tuple[nn.Module, State]:
+        torch.manual_seed(seed)
+        spec = hooks.parse_sharded(variant, seed=seed)
+        sharded = parallel.make("fsdp", build(), torch.device("cpu"), spec)
+        return sharded.forward, hooks.register(sharded.forward, spec)
+
+    def isolated(self, variant: str) -> bool:
+        return False
+
+
+DDP: Mode = Replicas()
+FSDP: Mode = Shards()

@@ -1,0 +1,92 @@
+"""What every rank of ``gradcomp bench ddp`` (or ``fsdp``) runs (:func:`measure`): one copy of the model
+per variant, trained in rounds, each step timed; a step's time is its slowest rank's."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from gradcomp.experiments.bench import records
+from gradcomp.experiments.bench.modes import State
+from gradcomp.experiments.bench.settings import BenchSettings
+from gradcomp.experiments.bench.workloads import UserModel
+from gradcomp.experiments.tasks import build_task
+
+Batch = tuple[Tensor, Tensor | None]
+"""Inputs and targets (None for a user's model: it trains against the mean square of its output)."""
+Setups = dict[str, tuple[nn.Module, State]]
+"""Per variant, its model (spread over the ranks) and what its hook records."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """One variant's figures, as every rank returns them."""
+
+    step_s: list[float]
+    """Each timed step's time in seconds, the slowest rank's."""
+    wire_bytes: float
+    """Bytes one rank sent per step (:func:`records.wire`)."""
+    phases_ms: dict[str, float] | None
+    """gradcomp's hooks: the engine's phases, medians per step in ms (:func:`records.phases`)."""
+
+
+def measure(rank: int, world: int, settings: BenchSettings, variants: Sequence[str]) -> dict[str, Measured]:
+    """Inside every rank: per variant of ``variants`` (some of ``settings.variants``), every timed step's
+    time (slowest rank), wire bytes, and for gradcomp's hooks the engine's phases per step."""
+    setups, batch = _setups(rank, settings, variants)
+    optimizers = {v: torch.optim.SGD(m.parameters(), lr=1e-3) for v, (m, _) in setups.items()}
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    per_round = max(1, settings.steps // settings.rounds)
+    for round_ in range(settings.rounds + 1):  # round 0 is the warm-up
+        order = [*variants[round_ % len(variants) :], *variants[: round_ % len(variants)]]
+        for variant in order:
+            model, _ = setups[variant]
+            count = settings.warmup if round_ == 0 else per_round
+            dist.barrier()
+            for _ in range(count):
+                start = time.perf_counter()
+                _step(model, optimizers[variant], batch)
+                if round_:
+                    times[variant].append(time.perf_counter() - start)
+    slowest = _slowest(times, world)
+    return {
+        v: Measured(slowest[v], records.wire(state, len(times[v]), world), records.phases(state, len(times[v])))
+        for v, (_, state) in setups.items()
+    }
+
+
+def _setups(rank: int, settings: BenchSettings, variants: Sequence[str]) -> tuple[Setups, Batch]:
+    """Every variant's model, spread and hooked, and this rank's batch."""
+    workload, mode, seed = settings.workload, settings.mode, settings.seed
+    if isinstance(workload, UserModel):
+        return {v: mode.make(workload.build, v, seed) for v in variants}, (workload.batch(rank, seed), None)
+    task = build_task("synthetic")
+    # the models first: building one generates the task's inputs for it (images, tokens)
+    setups = {v: mode.make(functools.partial(task.build_model, workload.model), v, seed) for v in variants}
+    return setups, task.batch(rank, workload.batch_size, seed)  # each rank its own samples of the pool
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> None:
+    inputs, targets = batch
+    optimizer.zero_grad(set_to_none=False)
+    output = model(inputs)
+    if targets is None:  # a user's model: any scalar of the output will do for timing
+        first = output if isinstance(output, Tensor) else next(iter(output))
+        loss = first.float().square().mean()
+    else:
+        loss = nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    optimizer.step()
+
+
+def _slowest(times: dict[str, list[float]], world: int) -> dict[str, list[float]]:
+    """Per variant and step, the largest time over ranks (a step ends when its slowest rank ends)."""
+    everyone: list[dict[str, list[float]]] = [{} for _ in range(world)]
+    dist.all_gather_object(everyone, times)
+    return {v: [max(rank[v][i] for rank in everyone) for i in range(len(times[v]))] for v in times}

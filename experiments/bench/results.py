@@ -1,0 +1,49 @@
+"""What ``gradcomp bench ddp`` (or ``fsdp``) gives per variant and network, a :class:`Row`, and how
+the rows of independent runs merge into one (:func:`combine`: medians over the runs that completed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+from gradcomp.experiments.bench.records import PHASES
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One variant on one network."""
+
+    variant: str
+    network: str
+    ms_per_step: float | None
+    wire_mb_per_step: float | None
+    status: str = "ok"
+    step_ms: list[float] = dataclasses.field(default_factory=list)
+    phases_ms: dict[str, float] | None = None
+    """gradcomp hooks: medians per step of the engine's ``compress``, ``decompress``,
+    ``communicate`` and ``tail`` (:func:`gradcomp.engine.stats.per_step`), in ms."""
+    run_ms: list[float | None] = dataclasses.field(default_factory=list)
+    """Each independent run's median (None where the variant failed in that run)."""
+
+
+def combine(runs: list[Row]) -> Row:
+    """One variant's rows from independent runs as one: medians over the runs that completed."""
+    if len(runs) == 1:
+        return runs[0]
+    done = [r for r in runs if r.ms_per_step is not None]
+    run_ms = [r.ms_per_step for r in runs]
+    if not done:
+        return dataclasses.replace(runs[0], run_ms=run_ms)
+    phases = None
+    if all(r.phases_ms is not None for r in done):
+        phases = {name: statistics.median(r.phases_ms[name] for r in done if r.phases_ms) for name in PHASES}
+    return Row(
+        done[0].variant,
+        done[0].network,
+        statistics.median(r.ms_per_step for r in done if r.ms_per_step is not None),
+        statistics.median(r.wire_mb_per_step for r in done if r.wire_mb_per_step is not None),
+        "ok" if len(done) == len(runs) else f"ok in {len(done)} of {len(runs)} runs; {runs[0].status}",
+        [t for r in done for t in r.step_ms],
+        phases,
+        run_ms,
+    )

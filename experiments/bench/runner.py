@@ -1,0 +1,58 @@
+"""Runs one measurement of ``gradcomp bench ddp`` (or ``fsdp``) on ranks started here (:func:`run`):
+every run on fresh ranks, the variants that may hang or abort in ranks of their own with a deadline
+(a failure becomes their row's status), then the runs merged into one row per variant."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+from gradcomp.experiments.bench.ranks import Measured, measure
+from gradcomp.experiments.bench.results import Row, combine
+from gradcomp.experiments.bench.settings import BenchSettings
+from gradcomp.launch import RankError, spawn
+
+
+def run(settings: BenchSettings) -> list[Row]:
+    """A :class:`Row` per variant of ``settings`` (:attr:`BenchSettings.variants`, in that order). With
+    ``settings.runs`` > 1 the whole measurement is repeated on fresh ranks, and each figure is the
+    median over the runs (:attr:`Row.run_ms` keeps every run's)."""
+    variants = settings.variants
+    measured = [_run_once(settings, variants) for _ in range(settings.runs)]
+    return [combine([rows[v] for rows in measured]) for v in variants]
+
+
+def _run_once(settings: BenchSettings, variants: Sequence[str]) -> dict[str, Row]:
+    isolated = [v for v in variants if settings.mode.isolated(v)]
+    shared = [v for v in variants if v not in isolated]
+    started = time.monotonic()
+    measured = spawn(settings.ranks, measure, (settings, shared), timeout=settings.timeout, threads=settings.threads,
+                     network=settings.network)[0]  # fmt: skip
+    rows = {v: _row(v, settings.network, measured[v]) for v in shared}
+    # In ranks of their own, with a deadline of a few times the average variant's time: on gloo
+    # with several buckets torch's PowerSGD is refused (it would hang: its callbacks issue collectives).
+    deadline = 20 + 3 * (time.monotonic() - started) / len(shared)
+    for variant in isolated:
+        try:
+            alone = spawn(settings.ranks, measure, (settings, [variant]), timeout=deadline, threads=settings.threads,
+                          network=settings.network, group_timeout=deadline)[0]  # fmt: skip
+            rows[variant] = _row(variant, settings.network, alone[variant])
+        except RankError as error:
+            rows[variant] = Row(variant, settings.network, None, None, failure(error, deadline), run_ms=[None])
+    return rows
+
+
+def _row(variant: str, network: str, figures: Measured) -> Row:
+    step_ms = [t * 1e3 for t in figures.step_s]
+    median = statistics.median(step_ms)
+    return Row(variant, network, median, figures.wire_bytes / 1e6, "ok", step_ms, figures.phases_ms, [median])
+
+
+def failure(error: RankError, deadline: float) -> str:
+    """``hung`` or ``aborted``, with the exception line of the first failing rank's traceback."""
+    if "did not finish" in str(error):
+        return f"hung (killed after {deadline:.0f} s)"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line.split(":")[0]]
+    return f"aborted: {(errors or lines or ['unknown'])[-1][:160]}"
