@@ -38,7 +38,6 @@ state (error-feedback residuals) for the buckets it ever averaged.
 import dataclasses
 import datetime
 import logging
-import math
 import statistics
 import time
 from typing import Any
@@ -58,6 +57,7 @@ from gradcomp.cost.profile import Timings
 from gradcomp.cost.step import Workload, method_of
 from gradcomp.engine import Engine
 from gradcomp.engine.stats import per_step, write_trace
+from gradcomp.flat import numel, views
 from gradcomp.hooks.auto_spec import DEFAULT_CANDIDATES, NAME, AutoSpec, is_auto_spec
 from gradcomp.hooks.ddp import check_saved, deliver, shapes_of
 
@@ -151,7 +151,7 @@ class AutoState:
             candidate = self.choice.get(keys[first], 0)
             if end < len(keys) and self.choice.get(keys[end], 0) == candidate:
                 continue
-            size = sum(math.prod(s) for s in shapes[first:end])
+            size = numel(shapes[first:end])
             engine = self.engines[candidate]
             engine.step = self.step  # every engine's records count this hook's steps
             handles.append(engine.reduce(buffer[start : start + size], keys[first:end], shapes[first:end],
@@ -358,13 +358,10 @@ class AutoState:
     def _flush(self, buffer: Tensor, keys: list[int], shapes: list[torch.Size]) -> None:
         """Add pending residuals into this bucket's gradients (times the world size: the engine
         divides by it), so the bucket's new method sends what the old one had not."""
-        start = 0
-        for key, shape in zip(keys, shapes, strict=True):
-            size = math.prod(shape)
+        for key, part in zip(keys, views(buffer, shapes), strict=True):
             residual = self.pending.pop(key, None)
             if residual is not None:
-                buffer[start : start + size].add_(residual.reshape(-1), alpha=self.world)
-            start += size
+                part.add_(residual.view_as(part), alpha=self.world)
 
 
 def register(model: torch.nn.parallel.DistributedDataParallel, spec: str | AutoSpec, **options: Any) -> AutoState:

@@ -45,6 +45,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from gradcomp.compressors import parse_spec
 from gradcomp.cost.step import Method
+from gradcomp.engine.spec import HookSpec
 from gradcomp.hooks.ddp import check_saved
 from gradcomp.options import format_value, options_from, split_spec
 
@@ -132,7 +133,7 @@ class TorchHookSpec:
             compressor = parse_spec(
                 ("powersgd", {"rank": options.rank, "warm_start": options.warm_start, "ef": options.ef})
             )
-        return Method(str(self), compressor)
+        return Method(str(self), HookSpec(compressor))
 
 
 def is_torch_spec(text: object) -> bool:

@@ -128,9 +128,11 @@ class Compressor(ABC):
     """True when compression relies on the tensors' shapes (PowerSGD's low rank of each matrix): a
     flat shard of sharded data parallelism has none, and sharded training refuses such compressors."""
     ratio_based: ClassVar[bool] = False
-    """True for sparsifiers that keep a fraction ``ratio`` of the elements (topk, randomk): their
-    ``ratio`` attribute is the fraction in force, which a warm-up schedule lowers step by step
-    (``HookSpec.warmup``); it starts at the config's."""
+    """True for sparsifiers that keep a fraction ``ratio`` of the elements (topk, randomk): the
+    fraction in force starts at the config's, and a warm-up schedule lowers it step by step
+    (``HookSpec.warmup``) through :meth:`set_ratio`."""
+    ratio: float = 1.0
+    """The fraction of the elements a payload keeps, for ratio-based sparsifiers: the one in force."""
     dense_from: ClassVar[float] = 1.0
     """For ratio-based sparsifiers, the keep-ratio from which their payload carries at least the
     uncompressed gradient's bytes (topk: 0.5, values and 4-byte indices): warm-up steps scheduled at
@@ -204,6 +206,13 @@ class Compressor(ABC):
         the division into its own first pass overrides this (error feedback), with bitwise
         the same payload and state, for one memory pass fewer."""
         return self.compress(tensor.div_(divisor), key, shapes)
+
+    def set_ratio(self, ratio: float) -> None:
+        """Keep ``ratio`` of the elements from the next compression on: ratio-based sparsifiers
+        (:attr:`ratio_based`) only, whose warm-up (``HookSpec.warmup``) sets it at every step."""
+        if not self.ratio_based:
+            raise TypeError(f"{self.name} keeps no ratio of the elements: only topk and randomk take one")
+        self.ratio = ratio
 
     def dense_share(self, tensor: Tensor, divisor: float, key: Key = None) -> None:
         """What this rank adds to an uncompressed sum (a warm-up step: ``HookSpec.warmup``), in

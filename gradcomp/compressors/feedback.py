@@ -181,6 +181,9 @@ class ErrorFeedback(Compressor):
     def has_feedback(self) -> bool:
         return True
 
+    def set_ratio(self, ratio: float) -> None:
+        self.inner.set_ratio(ratio)
+
     def residual(self, key: Key, like: Tensor) -> Tensor:
         """The residual of ``key`` (zeros the first time), checked against the new gradient."""
         return self._state(self.residuals, key, like, "residual")

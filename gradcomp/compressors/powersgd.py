@@ -23,6 +23,7 @@ from gradcomp.compressors.base import (
 )
 from gradcomp.compressors.randomness import Generators
 from gradcomp.compressors.registry import register
+from gradcomp.flat import views
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +142,7 @@ class PowerSGD(Compressor):
     def next_round(self, payload: Payload, ctx: PowerSGDContext) -> tuple[Payload, PowerSGDContext]:
         p_sum, raw_sum = payload
         compressed = _compressed(ctx.segments)
-        ctx.ps = [torch.linalg.qr(p).Q for p in _split(p_sum, [(s.rows, s.rank) for s in compressed])]
+        ctx.ps = [torch.linalg.qr(p).Q for p in views(p_sum, [(s.rows, s.rank) for s in compressed])]
         ctx.raw_sum = raw_sum
         pairs = list(zip(compressed, ctx.ps, strict=True))
         device = ctx.flat.device
@@ -158,7 +159,7 @@ class PowerSGD(Compressor):
         """The aggregate from the summed Qs; remembers them for the next step's warm start."""
         if ctx.raw_sum is None:
             raise RuntimeError("powersgd: decompress called before next_round (it needs two rounds)")
-        qs = _split(payload[0], [(s.cols, s.rank) for s in _compressed(ctx.segments)])
+        qs = views(payload[0], [(s.cols, s.rank) for s in _compressed(ctx.segments)])
         if self.config.warm_start and all(all_finite(q) for q in qs):  # a NaN step must not poison the memory
             self.memory[ctx.key] = [q.clone() for q in qs]
         return self._reconstruct(payload[0], ctx.raw_sum, ctx, out)
@@ -182,7 +183,7 @@ class PowerSGD(Compressor):
         flat = tensor.view(-1)
         if flat.data_ptr() == ctx.flat.data_ptr():  # contribution() must still find what was sent
             ctx.raw_local = self._local_raw(ctx)
-        qs = _split(payload[0], [(s.cols, s.rank) for s in _compressed(ctx.segments)])
+        qs = views(payload[0], [(s.cols, s.rank) for s in _compressed(ctx.segments)])
         compressed = iter(zip(ctx.ps, qs, strict=True))
         for s in ctx.segments:
             if s.rank:
@@ -196,7 +197,7 @@ class PowerSGD(Compressor):
         """P Q^T per matrix, and the raw pieces, from the (summed or local) Q factors ``q_flat``."""
         result = flat_out(out, ctx.meta, raw.device)
         raw_at = 0
-        qs = _split(q_flat, [(s.cols, s.rank) for s in _compressed(ctx.segments)])
+        qs = views(q_flat, [(s.cols, s.rank) for s in _compressed(ctx.segments)])
         wide = self._overflows(q_flat)
         compressed = iter(zip(ctx.ps, qs, strict=True))
         for s in ctx.segments:
@@ -277,10 +278,3 @@ def _cat(tensors: list[Tensor], dtype: torch.dtype, device: torch.device) -> Ten
         return torch.empty(0, dtype=dtype, device=device)
     return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
 
-
-def _split(flat: Tensor, shapes: list[tuple[int, int]]) -> list[Tensor]:
-    views, start = [], 0
-    for rows, cols in shapes:
-        views.append(flat[start : start + rows * cols].view(rows, cols))
-        start += rows * cols
-    return views

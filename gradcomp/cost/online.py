@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 
@@ -37,6 +36,7 @@ from gradcomp.cost.profile import Timings, fit_links
 from gradcomp.cost.step import Method, Workload, ascending, predict
 from gradcomp.engine import Engine
 from gradcomp.engine.spec import HookSpec
+from gradcomp.flat import views
 
 PROBE_BYTES = (4 << 10, 64 << 10, 1 << 20)
 """All-reduce and all-gather sizes that fit the link, beside the largest bucket's (2 to 16 MiB)."""
@@ -154,10 +154,7 @@ def kernel_costs(
             if compressor.elementwise:
                 samples += kernels.time_tensor(compressor, flat, ("online", identity), repeats=1)
                 continue
-            start = 0
-            for key, shape in zip(identity, shapes[identity], strict=True):
-                part = flat[start : start + math.prod(shape)].view(shape)
-                start += math.prod(shape)
+            for key, part in zip(identity, views(flat, shapes[identity]), strict=True):
                 samples += kernels.time_tensor(compressor, part, ("online", key), repeats=1, peers=(world,))
         kernel = kernels.fit(samples)
         if engine_seconds is None:

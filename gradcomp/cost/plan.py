@@ -60,10 +60,14 @@ def routes(method: Method, cluster: Cluster, torch_hook: bool = False) -> list[t
     if torch_hook:  # torch's hooks run on DDP's (the backend's) all-reduce
         return [("native", True, method)]
     if REGISTRY[method.compressor.name].aggregation is Aggregation.GATHER:
-        return [
-            ("all_gather", True, dataclasses.replace(method, two_phase=False)),
-            ("two_phase", True, dataclasses.replace(method, two_phase=True)),
-        ]
+        found = []
+        for route, aggregation in (("all_gather", "gather"), ("two_phase", "two_phase")):
+            try:
+                spec = dataclasses.replace(method.spec, aggregation=aggregation)
+            except ValueError:  # a route the spec refuses (EF21 takes each aggregate once: not two-phase)
+                continue
+            found.append((route, True, dataclasses.replace(method, spec=spec)))
+        return found
     found = []
     for algo in ALL_REDUCE:
         if algo == "hierarchical" and (cluster.local_size == 1 or cluster.nodes == 1):

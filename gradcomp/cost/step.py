@@ -26,11 +26,10 @@ from typing import Any
 
 import torch
 
-from gradcomp.compressors import REGISTRY, Aggregation, Spec, make_compressor, parse_spec
+from gradcomp.compressors import REGISTRY, Spec, make_compressor, parse_spec
 from gradcomp.cost.cluster import Cluster
 from gradcomp.cost.kernels import KernelCost
-from gradcomp.engine.pipeline import TWO_PHASE_FROM
-from gradcomp.engine.spec import HookSpec, HookSpecLike
+from gradcomp.engine.spec import HookSpec, HookSpecLike, Route
 
 FIRST_BUCKET_BYTES, BUCKET_BYTES = 1 << 20, 25 << 20
 """DDP's bucket caps (``dist._DEFAULT_FIRST_BUCKET_BYTES`` and ``bucket_cap_mb=25``)."""
@@ -117,18 +116,28 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """How a hook moves a bucket: its compressor (None: nothing is sent), the all-reduce algorithm for
-    ``sum`` payloads, and whether ``gather`` payloads travel two-phase (None: the engine's ``auto``)."""
+    """A hook as the cost model prices it: its spec (what the engine runs, and the route its payloads
+    take: ``HookSpec.route``, the one rule both share), a label for tables, and the all-reduce
+    algorithm its ``sum`` payloads are priced on: the spec's, or in the planner one that no hook runs
+    (hierarchical, in-network reduction). :func:`method_of` makes one from a spec."""
 
     label: str
-    compressor: Spec | None
+    spec: HookSpec
     algo: str = "native"
-    two_phase: bool | None = None
+
+    @property
+    def compressor(self) -> Spec | None:
+        """The compressor spec (None: nothing is sent)."""
+        return self.spec.compressor
 
     @property
     def kernel_spec(self) -> str | None:
         """The compressor spec whose kernels this method runs (None: no kernel)."""
         return None if self.compressor is None else str(self.compressor)
+
+    def route(self, world: int) -> Route:
+        """How the payloads travel among ``world`` ranks: as the engine sends them."""
+        return self.spec.route(world)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,8 +202,8 @@ def bucket_cost(
     spec = method.compressor
     cls = REGISTRY[spec.name]
     kernel = kernels(str(spec))
-    gather = cls.aggregation is Aggregation.GATHER
-    two_phase = gather and (method.two_phase if method.two_phase is not None else p >= TWO_PHASE_FROM)
+    route = method.route(p)
+    gather, two_phase = route in (Route.GATHER, Route.TWO_PHASE), route is Route.TWO_PHASE
     sizes = [math.prod(s) for s in shapes]
     if cls.elementwise:  # the bucket compresses whole
         squeeze, unsqueeze = kernel.compress(sum(sizes)), kernel.decompress(sum(sizes))
@@ -291,8 +300,8 @@ def _later_rounds(kernel: KernelCost, sizes: list[int], rounds: int) -> float:
     return sum(kernel.next_round(n) for n in sizes) if rounds > 1 else 0.0
 
 
-def method_of(spec: HookSpecLike) -> Method:
-    """The :class:`Method` of a gradcomp hook spec (``allreduce``, ``noop``, any compressor's)."""
+def method_of(spec: HookSpecLike, label: str | None = None) -> Method:
+    """The :class:`Method` of a gradcomp hook spec (``allreduce``, ``noop``, any compressor's),
+    labelled with its canonical text unless ``label`` names it."""
     parsed = HookSpec.parse(spec)
-    two_phase = {"auto": None, "gather": False, "two_phase": True}[parsed.aggregation]
-    return Method(str(parsed), parsed.compressor, parsed.algo, two_phase)
+    return Method(str(parsed) if label is None else label, parsed, parsed.algo)

@@ -18,6 +18,7 @@ run names, TensorBoard's HParams and the ranks' agreement check at the first ste
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,6 +34,23 @@ AGGREGATIONS = ("auto", "gather", "two_phase")
 ALLREDUCE, NOOP = "allreduce", "noop"
 """Hook names beside the compressors: the uncompressed gradient (compressor ``none``), and nothing at all."""
 ENGINE_OPTIONS = ("algo", "aggregation", "seed", "warmup")
+TWO_PHASE_FROM = 8
+"""``aggregation="auto"`` all-gathers below this many ranks: there all-gather sends at most
+(p - 1) = 7 compressed tensors per rank against two-phase's 2 (p - 1) / p ~ 2, and skips the second
+compression error; from 8 ranks on, bytes dominate."""
+
+
+class Route(str, enum.Enum):
+    """How a spec's payloads travel (:meth:`HookSpec.route`): the engine runs it, the cost model prices it."""
+
+    NONE = "none"
+    """Nothing travels (``noop``)."""
+    SUM = "sum"
+    """Payloads all-reduced (``sum`` compressors, ``allreduce``), with the spec's ``algo``."""
+    GATHER = "gather"
+    """Every rank's payloads all-gathered, each rank summing them in rank order."""
+    TWO_PHASE = "two_phase"
+    """A compressed reduce-scatter, then an all-gather of the compressed shards."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +121,19 @@ class HookSpec:
     @property
     def noop(self) -> bool:
         return self.compressor is None
+
+    def route(self, world: int) -> Route:
+        """How the payloads travel among ``world`` ranks: the one rule the engine and the cost model
+        share. ``gather`` compressors go two-phase when asked, or with ``aggregation=auto`` from
+        :data:`TWO_PHASE_FROM` ranks on, except under EF21 (its estimates take each aggregate once)."""
+        if self.compressor is None:
+            return Route.NONE
+        if REGISTRY[self.compressor.name].aggregation is Aggregation.SUM:
+            return Route.SUM
+        ef21 = self.compressor.feedback.variant == "ef21"
+        if self.aggregation == "two_phase" or (self.aggregation == "auto" and world >= TWO_PHASE_FROM and not ef21):
+            return Route.TWO_PHASE
+        return Route.GATHER
 
     def __str__(self) -> str:
         """The canonical text: the compressor spec with every option of its config (``allreduce`` for

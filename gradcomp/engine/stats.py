@@ -52,9 +52,12 @@ class BucketRecord:
             with torch.profiler.record_function(f"gradcomp.{name}"):
                 yield
         finally:
-            end = time.perf_counter()
-            setattr(self, f"{name}_s", getattr(self, f"{name}_s") + end - start)
-            self.spans.append((name, start, end))
+            self.add_span(name, start, time.perf_counter())
+
+    def add_span(self, name: str, start: float, end: float) -> None:
+        """Count a phase that ran from ``start`` to ``end`` (a collective timed from the thread it lands on)."""
+        setattr(self, f"{name}_s", getattr(self, f"{name}_s") + end - start)
+        self.spans.append((name, start, end))
 
     def add_traffic(self, traffic: Traffic | None, native: float = 0.0) -> None:
         """Count a collective's traffic; None where the backend moved the bytes unobserved, and

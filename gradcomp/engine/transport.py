@@ -111,11 +111,7 @@ class GroupExchange:
             handle = collectives.all_to_allv(tensor, splits, incoming, group=self.group)
             self.meter(handle.traffic)
             received = handle.wait()
-        pieces, offset = [], 0
-        for size in incoming:
-            pieces.append(received[offset : offset + size])
-            offset += size
-        return pieces
+        return list(received.split(list(incoming)))
 
     def reduce_scatter(self, tensor: Tensor) -> Tensor:
         out = torch.empty(tensor.numel() // self.world, dtype=tensor.dtype, device=tensor.device)

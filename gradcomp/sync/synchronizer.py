@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import datetime
 import logging
-import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -40,6 +39,7 @@ from gradcomp.collectives.executor import Handle
 from gradcomp.engine import Engine, HookSpec, HookSpecLike
 from gradcomp.engine.pipeline import check_same_spec
 from gradcomp.engine.stats import BucketRecord, per_step, write_trace
+from gradcomp.flat import views
 from gradcomp.sync import fragments
 from gradcomp.sync.spec import SyncSpec, SyncSpecLike
 
@@ -254,10 +254,8 @@ class Synchronizer:
         flat = torch.cat([t.reshape(-1) for t in tensors])
         self._state_engine.reduce(flat, None, None).wait()
         records.append(self._state_engine.records[-1])
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+        for t, average in zip(tensors, views(flat, [t.shape for t in tensors]), strict=True):
+            t.copy_(average)
 
     # -- statistics ---------------------------------------------------------------------------
 
@@ -373,12 +371,7 @@ class Synchronizer:
         return flight.average
 
     def _views(self, flat: Tensor, members: list[int]) -> list[Tensor]:
-        views, offset = [], 0
-        for i in members:
-            shape = self.parameters[i].shape
-            views.append(flat[offset : offset + math.prod(shape)].view(shape))
-            offset += math.prod(shape)
-        return views
+        return views(flat, [self.parameters[i].shape for i in members])
 
 
 class _Kind(Synchronizer):
