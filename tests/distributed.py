@@ -10,6 +10,7 @@ Inside the ranks, :func:`identical_on_all_ranks` and :func:`torch_all_reduce` ar
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.launch import spawn
+from tests.rank_pool import run_in_pool
 
 # No group of ranks may take longer than this (pytest's own limit per test, pyproject.toml).
 MAX_TIMEOUT = 300.0
@@ -41,12 +43,19 @@ def spawn_ranks(
     timeout: float,
     group_timeout: float = 60.0,
     network: str = "loopback",
+    fresh: bool = False,
 ) -> list[Any]:
     """Every rank's result of ``target(rank, world, *args)``, in rank order, within ``timeout`` seconds.
 
+    On loopback the ranks come from the session's pool of ``world`` ranks (``tests/rank_pool.py``:
+    started once, checked after every target); ``fresh`` starts ranks of their own instead, for a
+    target that breaks its group on purpose (a frozen or dead peer), as does setting the environment
+    variable ``GRADCOMP_FRESH_RANKS=1`` for the whole run.
     Raises :class:`gradcomp.launch.RankError` if a rank raises, dies or misses the deadline.
     """
     assert 0 < timeout <= MAX_TIMEOUT, f"a group of ranks needs a deadline of at most {MAX_TIMEOUT:.0f} s"
+    if network == "loopback" and not fresh and not os.environ.get("GRADCOMP_FRESH_RANKS"):
+        return run_in_pool(world, target, args, timeout, group_timeout)
     return spawn(world, target, args, timeout=timeout, group_timeout=group_timeout, network=network)
 
 
