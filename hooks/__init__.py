@@ -16,7 +16,6 @@ spelt ``torch:fp16`` and the like: :mod:`gradcomp.hooks.torch_hooks`. :func:`par
 them. FSDP2's compressed reduce-scatter: :mod:`gradcomp.hooks.fsdp2` (``docs/fsdp.md``). See ``docs/hooks.md``.
 """
 
-import dataclasses
 import typing
 from typing import Any
 
@@ -63,9 +62,7 @@ def parse(spec: "str | AnySpec", seed: int | None = None) -> AnySpec:
     if is_torch_spec(spec):
         return TorchHookSpec.parse(spec)
     if is_auto_spec(spec):
-        parsed = AutoSpec.parse(spec)
-        sets_seed = "seed=" in spec.replace(" ", "")
-        return parsed if seed is None or sets_seed else dataclasses.replace(parsed, seed=seed)
+        return AutoSpec.parse(spec) if seed is None else AutoSpec.parse(spec, seed=seed)
     return HookSpec.parse(spec) if seed is None else HookSpec.parse(spec, seed=seed)
 
 

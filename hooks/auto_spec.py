@@ -47,9 +47,13 @@ class AutoSpec:
             raise ValueError(f"need stray > 0 and 0 <= margin < 1, got {self.stray} and {self.margin}")
 
     @classmethod
-    def parse(cls, text: str) -> AutoSpec:
+    def parse(cls, text: str, **defaults: Any) -> AutoSpec:
         """``auto`` or ``auto:candidates=a|b|c,recheck=500,...``: a candidate's own options (after a
-        comma, as in ``topk:ratio=0.01,ef=true``) stay with it; ``auto``'s options start anew."""
+        comma, as in ``topk:ratio=0.01,ef=true``) stay with it; ``auto``'s options start anew.
+        ``defaults`` (``seed``, ...) apply where the text does not set them."""
+        unknown = sorted(set(defaults) - set(OPTIONS))
+        if unknown:
+            raise TypeError(f"unknown auto option(s) {unknown}; valid: {', '.join(OPTIONS)}")
         name, _, rest = text.strip().partition(":")
         if name != NAME:
             raise ValueError(f"an auto spec starts with {NAME!r}, got {text!r}")
@@ -70,7 +74,7 @@ class AutoSpec:
                 fields[key] = tuple(str(HookSpec.parse(c)) for c in value.split("|") if c.strip())
             else:
                 fields[key] = convert(key, value, type(getattr(cls, key)))
-        return cls(**fields)
+        return cls(**{**defaults, **fields})
 
     def __str__(self) -> str:
         """The canonical text: ``auto``, then every option that differs from its default."""

@@ -36,6 +36,12 @@ def test_specs_parse_with_the_candidates_own_options() -> None:
     assert is_auto_spec("auto:margin=0.1") and not is_auto_spec("automatic") and not is_auto_spec("torch:fp16")
     assert isinstance(hooks.parse("auto", seed=3), AutoSpec) and hooks.parse("auto", seed=3).seed == 3  # type: ignore[union-attr]
     assert hooks.parse("auto:seed=1", seed=3).seed == 1  # type: ignore[union-attr]
+    # the default applies where auto's own options do not set a seed: a candidate's seed is its own
+    candidates = AutoSpec.parse("auto:candidates=fp16:seed=7|sign:ef=true", seed=3)
+    assert candidates.seed == 3 and candidates.candidates[0] == "fp16:seed=7"
+    assert hooks.parse("auto:candidates=fp16:seed=7|sign:ef=true", seed=3) == candidates
+    with pytest.raises(TypeError, match="unknown auto option"):
+        AutoSpec.parse("auto", ratio=0.1)
 
 
 @pytest.mark.parametrize(

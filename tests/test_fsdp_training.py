@@ -120,5 +120,5 @@ def test_bad_sharded_specs_are_refused_before_any_rank_starts(hook: str, message
 
 
 def test_a_sharded_runs_hook_is_kept_in_its_canonical_text() -> None:
-    assert TrainConfig(**SETTINGS).hook == "none"  # the default, allreduce, is the uncompressed reduce-scatter
-    assert TrainConfig(**SETTINGS, hook="quantize:bits=4,ef=true,local_size=1").hook.endswith("local_size=1")
+    assert TrainConfig(**SETTINGS).effective.hook == "none"  # the default, allreduce: the uncompressed reduce-scatter
+    assert TrainConfig(**SETTINGS, hook="quantize:bits=4,ef=true,local_size=1").effective.hook.endswith("local_size=1")

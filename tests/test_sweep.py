@@ -71,7 +71,8 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = root / "out"
     # by the hook's name (runs record the canonical text of the spec: HookSpec)
     runs = {
-        run.label + "/" + run.config.hook.split(":")[0]: run for run in plan.load(str(root / "sweep.toml"), str(out))
+        run.label + "/" + run.config.effective.hook.split(":")[0]: run
+        for run in plan.load(str(root / "sweep.toml"), str(out))
     }
     finished, failed = runs["good/quantize"], runs["good/allreduce"]
     # as an interrupted sweep leaves them: one run finished, one failed (with events of its attempt)
@@ -259,7 +260,7 @@ def test_the_quick_sweep_compares_six_methods_with_torch_hooks_on_two_networks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runs = _shipped("quick", tmp_path, monkeypatch)
-    hooks = list(dict.fromkeys(run.config.hook for run in runs))
+    hooks = list(dict.fromkeys(run.config.effective.hook for run in runs))
     given = ["fp16", "topk:ratio=0.01,ef=true", "powersgd:rank=4,ef=true", "quantize:bits=4"]
     assert hooks == ["torch:allreduce", "torch:fp16", *(str(HookSpec.parse(hook)) for hook in given)]
     assert {(run.config.task, run.config.ranks) for run in runs} == {("digits:hidden=1024-1024", 2)}
@@ -271,7 +272,7 @@ def test_the_study_compares_the_methods_of_the_issue_against_torch_on_three_netw
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runs = _shipped("study", tmp_path, monkeypatch)
-    hooks = set(dict.fromkeys(run.config.hook for run in runs))
+    hooks = set(dict.fromkeys(run.config.effective.hook for run in runs))
     torch_hooks = {"torch:allreduce", "torch:fp16", "torch:powersgd:rank=4"}
     given = ["fp16", "powersgd:rank=1,ef=true", "powersgd:rank=4,ef=true", "topk:ratio=0.01,ef=true", "sign:ef=true",
              "quantize:bits=4", "randomk:ratio=0.01,scale=false,ef=true"]  # fmt: skip
@@ -289,12 +290,11 @@ def test_the_fidelity_sweep_trains_every_method_with_momentum_on_both_study_task
     runs = _shipped("fidelity", tmp_path, monkeypatch)
     assert {run.label for run in runs} == {"digits-mlp1024", "signal-mlp2048"} and len(runs) == 2 * 11 * 3
     for run in runs:
-        moved = "momentum=0.9" in run.config.hook
-        assert run.config.momentum == (0.0 if moved else 0.9), run.name
+        effective = run.config.effective
+        moved = "momentum=0.9" in effective.hook
+        assert run.config.momentum == 0.9 and effective.momentum == (0.0 if moved else 0.9), run.name
         assert run.config.schedule == "cosine" and run.config.network == "loopback"
-    warmups = {
-        (run.label, HookSpec.parse(run.config.hook).warmup) for run in runs if run.config.hook != "torch:allreduce"
-    }
+    warmups = {(run.label, spec.warmup) for run in runs if isinstance(spec := run.config.hook_spec, HookSpec)}
     assert warmups == {("digits-mlp1024", 0), ("digits-mlp1024", 50), ("signal-mlp2048", 0), ("signal-mlp2048", 75)}
 
 
@@ -320,7 +320,7 @@ def test_the_full_study_covers_tasks_methods_seeds_and_networks(
 ) -> None:
     runs = _shipped("full", tmp_path, monkeypatch)
     assert {run.label for run in runs} == {"digits-mlp", "digits-cnn", "signal-cnn", "charlm"}
-    assert len({run.config.hook for run in runs}) >= 6
+    assert len({run.config.effective.hook for run in runs}) >= 6
     assert len({run.config.seed for run in runs}) >= 3 and len({run.config.network for run in runs}) >= 2
     assert len(runs) == len({run.name for run in runs})
     by_label = {run.label: run.config for run in runs}

@@ -88,7 +88,7 @@ def test_a_synchronized_run_takes_a_gradcomp_spec_and_replicas() -> None:
         TrainConfig(**{**base, "parallel": "fsdp", "hook": "none"})
     with pytest.raises(ValueError, match=r"sync 'fedavg': unknown synchronization 'fedavg'; valid: localsgd, diloco"):
         TrainConfig(**{**base, "sync": "fedavg"})
-    assert TrainConfig(**{**base, "sync": "diloco:every=6,outer_lr=0.7"}).sync == "diloco:every=6"
+    assert TrainConfig(**{**base, "sync": "diloco:every=6,outer_lr=0.7"}).effective.sync == "diloco:every=6"
 
 
 def test_methods_are_named_by_their_sync_and_hook() -> None:

@@ -59,7 +59,7 @@ def test_bad_specs_are_refused_naming_the_problem(text: str, message: str) -> No
 
 def test_training_configs_take_torch_specs_in_their_canonical_text() -> None:
     config = TrainConfig(steps=1, hook="torch:powersgd:rank=4,start=2")
-    assert config.hook == "torch:powersgd:rank=4"
+    assert config.effective.hook == "torch:powersgd:rank=4"
     assert config.hook_spec == TorchHookSpec("powersgd", PowerSGDOptions(rank=4))
     with pytest.raises(ValueError, match="hook 'torch:powersgd:rank=-1'"):
         TrainConfig(steps=1, hook="torch:powersgd:rank=-1")

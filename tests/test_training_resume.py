@@ -93,7 +93,8 @@ def test_a_dgc_run_resumed_inside_its_warm_up_ends_bitwise(tmp_path: os.PathLike
     through does (velocities, residuals, the engine's step count and the ratio schedule all resume)."""
     settings = {**SETTINGS, "hook": "topk:ratio=0.05,ef=true,momentum=true,warmup=20", "clip": 1.0}
     straight = TrainConfig(**settings, out=os.path.join(tmp_path, "straight"))
-    assert straight.hook.endswith("ef=true,momentum=0.9,clip=1.0,warmup=20") and straight.momentum == 0.0
+    effective = straight.effective
+    assert effective.hook.endswith("ef=true,momentum=0.9,clip=1.0,warmup=20") and effective.momentum == 0.0
     launch(straight)
     config = TrainConfig(**settings, out=os.path.join(tmp_path, "resumed"), resume="auto")
     assert launch(dataclasses.replace(config, stop_at=STOP))["status"] == "stopped"

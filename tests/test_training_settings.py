@@ -3,11 +3,13 @@ which refuses a bad hook before any rank starts."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from gradcomp.engine.spec import HookSpec
 from gradcomp.experiments.training.config import TrainConfig
 from gradcomp.experiments.training.run import main
 
@@ -39,6 +41,7 @@ from gradcomp.experiments.training.run import main
         ),
         ({"steps": 10, "momentum": 0.9, "hook": "topk:momentum=true"}, "needs ef=true"),
         ({"steps": 10, "clip": 1.0, "hook": "topk:ef=true,clip=2"}, "clip twice"),
+        ({"steps": 10, "clip": 1.0, "hook": "topk:ef=true,clip=0"}, "clip twice"),  # said off
     ],
 )
 def test_bad_settings_are_refused(settings: dict[str, Any], message: str) -> None:
@@ -68,19 +71,25 @@ def test_help_is_plain_text_with_the_real_defaults(capsys: pytest.CaptureFixture
 
 def test_the_runs_momentum_moves_into_a_hook_that_asks_for_it() -> None:
     """momentum=true: DGC's momentum correction takes the run's momentum; the optimizer goes without."""
-    config = TrainConfig(steps=10, momentum=0.9, hook="topk:ratio=0.01,ef=true,momentum=true")
-    assert (config.optimizer, config.momentum) == ("sgd", 0.0)
-    assert config.hook == "topk:ratio=0.01,method=exact,tolerance=0.2,ef=true,momentum=0.9"
-    nesterov = TrainConfig(steps=10, optimizer="nesterov", hook="sign:ef=true,momentum=true")
-    assert nesterov.hook == "sign:chunk=1024,ef=true,momentum=0.9,nesterov=true"
-    assert TrainConfig(**{**config.to_dict()}) == config  # the canonical config reads back the same
+    said = {"steps": 10, "momentum": 0.9, "hook": "topk:ratio=0.01,ef=true,momentum=true"}
+    config = TrainConfig(**said)
+    assert dataclasses.asdict(config) == {**dataclasses.asdict(TrainConfig(steps=1)), **said}  # kept as said
+    effective = config.effective
+    assert (effective.optimizer, effective.momentum) == ("sgd", 0.0)
+    assert effective.hook == "topk:ratio=0.01,method=exact,tolerance=0.2,ef=true,momentum=0.9"
+    assert config.to_dict() == dataclasses.asdict(effective)  # what run.json and checkpoints record
+    assert config.hook_spec == HookSpec.parse(effective.hook)
+    nesterov = TrainConfig(steps=10, optimizer="nesterov", hook="sign:ef=true,momentum=true").effective
+    assert nesterov.hook == "sign:chunk=1024,ef=true,momentum=0.9,nesterov=true" and nesterov.optimizer == "sgd"
+    assert TrainConfig(**config.to_dict()) == effective == effective.effective  # reads back the same
 
 
 def test_the_runs_clipping_moves_into_a_hook_with_error_feedback() -> None:
     """With error feedback each rank clips its share before compression (the hook's clip); other
     hooks leave the averaged gradients to the run's clipping."""
     local = TrainConfig(steps=10, clip=2.0, hook="quantize:bits=2,ef=true")
-    assert local.hook.endswith("ef=true,clip=2.0") and not local.clips_averaged
+    assert local.effective.hook.endswith("ef=true,clip=2.0") and not local.clips_averaged
+    assert local.hook == "quantize:bits=2,ef=true"  # what was said stays
     averaged = TrainConfig(steps=10, clip=2.0, hook="fp16")
-    assert averaged.hook == "fp16" and averaged.clips_averaged
+    assert averaged.effective.hook == "fp16" and averaged.clips_averaged
     assert not TrainConfig(steps=10, hook="quantize:bits=2,ef=true").clips_averaged

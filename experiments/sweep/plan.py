@@ -173,8 +173,9 @@ def _expand_entry(
         probe = from_mapping({**settings, "out": "."}, where)  # checks every value
         run_label = label or _default_label(probe)
         parts = [run_label, *(f"{k}={_slug(str(chosen[k]))}" for k in order if k not in AXES)]
-        parts += [_slug(probe.sync)] if probe.sync != NO_SYNC else []
-        parts += [_slug(probe.hook), f"p{probe.ranks}", _slug(probe.network), f"seed{probe.seed}"]
+        effective = probe.effective  # the canonical texts
+        parts += [_slug(effective.sync)] if effective.sync != NO_SYNC else []
+        parts += [_slug(effective.hook), f"p{probe.ranks}", _slug(probe.network), f"seed{probe.seed}"]
         name = "_".join(parts)
         config = dataclasses.replace(probe, out=os.path.join(out, name), resume="auto")
         runs.append(Run(name, config, run_label))

@@ -1,13 +1,17 @@
 """The settings of one training run: a frozen dataclass, checked when it is made.
 
 The same fields are the options of ``experiments/train.py`` (``--batch-size`` for ``batch_size``),
-the keys of a sweep config's ``[sweep]`` table, and the ``config`` of a run's ``run.json``.
+the keys of a sweep config's ``[sweep]`` table, and the ``config`` of a run's ``run.json``. A config
+keeps what was said; what the run uses and records is derived from it, :attr:`TrainConfig.effective`:
+the hook spec parsed once into its type, with the run's momentum and clipping moved into it through
+``dataclasses.replace`` (never by editing the spec's text), and the hook and sync in canonical text.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import typing
@@ -15,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gradcomp import hooks
+from gradcomp.compressors.registry import NO_FEEDBACK
 from gradcomp.experiments.tasks import parse_task
 from gradcomp.experiments.training.optim import OPTIMIZERS, SCHEDULES
 from gradcomp.experiments.training.parallel import PARALLELS
@@ -105,6 +110,7 @@ class TrainConfig:
     """Seconds any one collective may take before the run fails (a dead peer)."""
 
     def __post_init__(self) -> None:
+        """Checks what was said, never rewrites it: the settings the run uses are :attr:`effective`."""
         family, _ = parse_task(self.task)
         if self.model is not None and self.model not in family.models:
             raise ValueError(f"task {family.name!r} has no model {self.model!r}; valid: {', '.join(family.models)}")
@@ -134,10 +140,8 @@ class TrainConfig:
         _choice("parallel", self.parallel, PARALLELS)
         if self.batch_size % self.ranks:
             raise ValueError(f"batch_size {self.batch_size} does not split evenly over {self.ranks} ranks")
-        try:  # frozen: set once, canonical
-            self._move_into_hook()
-            hook = self._parse_hook()
-            object.__setattr__(self, "hook", str(hook))
+        try:
+            hook = self._hook
         except ValueError as error:
             raise ValueError(f"hook {self.hook!r}: {error}") from None
         if self.sync != NO_SYNC:
@@ -145,39 +149,76 @@ class TrainConfig:
         if not self.network.strip():
             raise ValueError("network must be a profile such as loopback or 1gbit")
 
-    def _move_into_hook(self) -> None:
-        """Hand the run's momentum to a hook that asks for it (``momentum=true``) and its clipping
-        to a hook with error feedback, where DGC applies them: before compression, on each rank."""
+    @functools.cached_property
+    def effective(self) -> TrainConfig:
+        """This config as the run uses and records it (run.json, checkpoints, TensorBoard's HParams, a
+        sweep's run names): :attr:`hook` and :attr:`sync` in their canonical texts, with the run's
+        momentum (a hook with ``momentum=true``) and clipping (a hook with error feedback) moved into the
+        hook, and the optimizer then without momentum (sgd, 0). Derived from what was said, which stays
+        as it was; the effective config of an effective config is the same."""
+        moved: dict[str, Any] = {"optimizer": "sgd", "momentum": 0.0} if self._takes_run_momentum else {}
+        sync = NO_SYNC if self.sync_spec is None else str(self.sync_spec)
+        return dataclasses.replace(self, hook=str(self._hook), sync=sync, **moved)
+
+    @property
+    def hook_spec(self) -> hooks.AnySpec | hooks.AnyShardedSpec:
+        """The hook the run registers (:attr:`effective`'s), its generators seeded by :attr:`seed` unless
+        the spec sets a seed (torch's PowerSGD is seeded by :attr:`seed` when registered)."""
+        return self._derive_hook(seed=self.seed)
+
+    @functools.cached_property
+    def _hook(self) -> hooks.AnySpec | hooks.AnyShardedSpec:
+        """The hook the run registers, unseeded: its ``str()`` is the effective :attr:`hook`."""
+        return self._derive_hook(seed=None)
+
+    @functools.cached_property
+    def _said_hook(self) -> tuple[str, dict[str, str]] | None:
+        """The hook's name and options as written; None for torch's and auto hooks (nothing moves into them)."""
         if hooks.is_torch_spec(self.hook) or hooks.is_auto_spec(self.hook):
-            return
-        name, options = split_spec(self.hook)
-        if str(options.get("momentum", "")).lower() == "true":
-            if self.parallel != "ddp" or self.sync != NO_SYNC:
-                raise ValueError("momentum=true moves SGD's momentum into a DDP hook; not with fsdp or sync")
-            if self.optimizer not in ("sgd", "nesterov"):
-                raise ValueError(f"momentum=true moves SGD's momentum into the hook; the optimizer is {self.optimizer}")
-            momentum = self.momentum or (0.9 if self.optimizer == "nesterov" else 0.0)
-            if not momentum:
-                raise ValueError("momentum=true takes the run's momentum, which is 0: set momentum")
-            options["momentum"] = format_value(momentum)
-            if self.optimizer == "nesterov":
-                options["nesterov"] = "true"
-            object.__setattr__(self, "optimizer", "sgd")
-            object.__setattr__(self, "momentum", 0.0)
-        elif float(convert("momentum", options.get("momentum", 0.0), float)) and (
-            self.momentum or self.optimizer == "nesterov"
-        ):
+            return None
+        return split_spec(self.hook)
+
+    @property
+    def _takes_run_momentum(self) -> bool:
+        """Whether the hook asks for the run's momentum (``momentum=true``: DGC's momentum correction)."""
+        return self._said_hook is not None and self._said_hook[1].get("momentum", "").lower() == RUN_MOMENTUM
+
+    def _derive_hook(self, seed: int | None) -> hooks.AnySpec | hooks.AnyShardedSpec:
+        """:attr:`hook` parsed once (``seed`` applies where the spec sets none), then, through
+        ``dataclasses.replace``, the run's momentum handed to a hook that asks for it and its clipping
+        to a hook with error feedback, where DGC applies them: before compression, on each rank."""
+        if self._said_hook is None:  # torch's or auto
+            return hooks.parse_sharded(self.hook, seed) if self.parallel == "fsdp" else hooks.parse(self.hook, seed)
+        name, options = self._said_hook
+        values: dict[str, Any] = dict(options)
+        if self._takes_run_momentum:
+            values["momentum"] = self._momentum_for_hook()  # what momentum=true stands for
+        parser = hooks.ShardSpec if self.parallel == "fsdp" else hooks.HookSpec
+        spec = parser.parse((name, values), **({} if seed is None else {"seed": seed}))
+        feedback = NO_FEEDBACK if spec.compressor is None else spec.compressor.feedback
+        if feedback.momentum and not self._takes_run_momentum and (self.momentum or self.optimizer == "nesterov"):
             raise ValueError(
                 "momentum twice: the hook's correction and the optimizer's; "
                 "write momentum=true in the hook to move the run's momentum there"
             )
-        ef = str(options.get("ef", "false")).lower()
-        if self.clip and ef not in ("false", "0", "no", "off") and self.sync == NO_SYNC:
-            if "clip" in options and float(convert("clip", options["clip"], float)) != self.clip:
-                raise ValueError(f"clip twice: the run's {self.clip} and the hook's {options['clip']}")
-            options["clip"] = format_value(self.clip)
-        text = ",".join(f"{key}={value}" for key, value in options.items())
-        object.__setattr__(self, "hook", f"{name}:{text}" if text else name)
+        moved: dict[str, Any] = {"nesterov": True} if self._takes_run_momentum and self.optimizer == "nesterov" else {}
+        if self.clip and feedback.variant is not None and self.sync == NO_SYNC:
+            if "clip" in options and feedback.clip != self.clip:  # said, even if 0 (off)
+                raise ValueError(f"clip twice: the run's {self.clip} and the hook's {feedback.clip}")
+            moved["clip"] = self.clip
+        return _with_feedback(spec, **moved) if moved else spec
+
+    def _momentum_for_hook(self) -> float:
+        """The run's momentum, for a hook that asks for it (``momentum=true``); the optimizer then runs
+        without (:attr:`effective`)."""
+        if self.parallel != "ddp" or self.sync != NO_SYNC:
+            raise ValueError("momentum=true moves SGD's momentum into a DDP hook; not with fsdp or sync")
+        if self.optimizer not in ("sgd", "nesterov"):
+            raise ValueError(f"momentum=true moves SGD's momentum into the hook; the optimizer is {self.optimizer}")
+        momentum = self.momentum or (0.9 if self.optimizer == "nesterov" else 0.0)
+        if not momentum:
+            raise ValueError("momentum=true takes the run's momentum, which is 0: set momentum")
+        return momentum
 
     @property
     def clips_averaged(self) -> bool:
@@ -186,37 +227,28 @@ class TrainConfig:
             return False
         if self.sync != NO_SYNC:
             return True  # each replica's own gradients: the outer ones are not clipped
-        compressor = getattr(self._parse_hook(), "compressor", None)  # torch's and auto hooks have none
+        compressor = getattr(self._hook, "compressor", None)  # torch's and auto hooks have none
         return not (compressor is not None and compressor.ef)
 
-    def _check_sync(self, hook: hooks.AnySpec | hooks.AnyShardedSpec) -> None:
-        try:
-            object.__setattr__(self, "sync", str(SyncSpec.parse(self.sync)))
-        except ValueError as error:
-            raise ValueError(f"sync {self.sync!r}: {error}; or none (the hook averages every step)") from None
-        if self.parallel != "ddp":
-            raise ValueError(f"sync {self.sync} trains a replica per rank: parallel must be ddp, not {self.parallel}")
-        if not isinstance(hook, hooks.HookSpec) or hook.noop:
-            raise ValueError(
-                f"with sync {self.sync}, the hook is the gradcomp spec the outer gradients travel by (allreduce, "
-                f"quantize:bits=4,ef=true, ...); {self.hook} averages every step"
-            )
-
-    @property
+    @functools.cached_property
     def sync_spec(self) -> SyncSpec | None:
         """The sync spec, or None when the hook averages every step."""
-        return None if self.sync == NO_SYNC else SyncSpec.parse(self.sync)
+        if self.sync == NO_SYNC:
+            return None
+        try:
+            return SyncSpec.parse(self.sync)
+        except ValueError as error:
+            raise ValueError(f"sync {self.sync!r}: {error}; or none (the hook averages every step)") from None
 
-    @property
-    def hook_spec(self) -> hooks.AnySpec | hooks.AnyShardedSpec:
-        """The hook spec, its generators seeded by :attr:`seed` unless the spec sets a seed (torch's
-        PowerSGD is seeded by :attr:`seed` when registered)."""
-        return self._parse_hook(seed=self.seed)
-
-    def _parse_hook(self, seed: int | None = None) -> hooks.AnySpec | hooks.AnyShardedSpec:
-        if self.parallel == "fsdp":
-            return hooks.parse_sharded(self.hook, seed=seed)
-        return hooks.parse(self.hook, seed=seed)
+    def _check_sync(self, hook: hooks.AnySpec | hooks.AnyShardedSpec) -> None:
+        sync = self.sync_spec
+        if self.parallel != "ddp":
+            raise ValueError(f"sync {sync} trains a replica per rank: parallel must be ddp, not {self.parallel}")
+        if not isinstance(hook, hooks.HookSpec) or hook.noop:
+            raise ValueError(
+                f"with sync {sync}, the hook is the gradcomp spec the outer gradients travel by (allreduce, "
+                f"quantize:bits=4,ef=true, ...); {hook} averages every step"
+            )
 
     @property
     def checkpoint_path(self) -> str:
@@ -229,11 +261,28 @@ class TrainConfig:
         return max(1, math.ceil(self.epochs * steps_per_epoch))
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The :attr:`effective` settings as plain values: what run.json and checkpoints record."""
+        return dataclasses.asdict(self.effective)
 
 
 NO_SYNC = "none"
 """The ``sync`` of a run whose hook averages every step."""
+
+RUN_MOMENTUM = "true"
+"""The hook's ``momentum`` that stands for the run's (``topk:ratio=0.01,ef=true,momentum=true``)."""
+
+
+def _with_feedback(spec: hooks.HookSpec | hooks.ShardSpec, **changes: Any) -> hooks.HookSpec | hooks.ShardSpec:
+    """``spec`` with its error feedback's options changed (the run's momentum or clipping moved in)."""
+    if isinstance(spec, hooks.ShardSpec):
+        return dataclasses.replace(spec, hook=_hook_with_feedback(spec.hook, **changes))
+    return _hook_with_feedback(spec, **changes)
+
+
+def _hook_with_feedback(spec: hooks.HookSpec, **changes: Any) -> hooks.HookSpec:
+    assert spec.compressor is not None  # only a compressor has error feedback
+    feedback = dataclasses.replace(spec.compressor.feedback, **changes)
+    return dataclasses.replace(spec, compressor=dataclasses.replace(spec.compressor, feedback=feedback))
 
 
 def method(config: Mapping[str, Any]) -> str:

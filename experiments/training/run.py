@@ -63,9 +63,8 @@ def train(rank: int, world: int, config: TrainConfig) -> dict[str, Any] | None:
     saved = checkpoint.load(resume, config, world, device) if resume else None
     spec = config.hook_spec
     spread = parallel.make(config.parallel, model, device, spec, config.sync_spec)
-    optimizer = make_optimizer(
-        config.optimizer, spread.forward.parameters(), config.lr, config.momentum, config.weight_decay
-    )
+    used = config.effective  # the optimizer without the momentum a hook took over (momentum=true)
+    optimizer = make_optimizer(used.optimizer, spread.forward.parameters(), used.lr, used.momentum, used.weight_decay)
     state: AnyHookState = spread.register(spec, config.seed, optimizer)
     schedule = make_schedule(optimizer, config.schedule, total, config.warmup_steps)
     torch.manual_seed(config.seed + 7919 * (rank + 1))  # each rank's own stream (dropout and the like)
