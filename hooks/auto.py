@@ -57,7 +57,7 @@ from gradcomp.cost.online import Bucket
 from gradcomp.cost.profile import Timings
 from gradcomp.cost.step import Workload, method_of
 from gradcomp.engine import Engine
-from gradcomp.engine.stats import per_step, write_trace
+from gradcomp.engine.stats import StepStats, per_step, write_trace
 from gradcomp.hooks.auto_spec import DEFAULT_CANDIDATES, NAME, AutoSpec, is_auto_spec
 from gradcomp.hooks.ddp import check_saved, deliver, shapes_of
 
@@ -168,12 +168,12 @@ class AutoState:
 
     # -- statistics and checkpoints --------------------------------------------------------------
 
-    def steps(self) -> list[dict[str, Any]]:
+    def steps(self) -> list[StepStats]:
         """Per step, as a gradcomp hook's (:meth:`gradcomp.hooks.HookState.steps`), whichever
         candidates averaged its buckets."""
         return self.steps_since(0)
 
-    def steps_since(self, first: int) -> list[dict[str, Any]]:
+    def steps_since(self, first: int) -> list[StepStats]:
         fresh = [r for e in self.engines for r in e.records if r.step >= first]
         return per_step(sorted(fresh, key=lambda r: (r.step, r.queued)))
 

@@ -14,7 +14,7 @@ from gradcomp.collectives.executor import Handle
 from gradcomp.engine import Engine
 from gradcomp.engine.sharded import ShardedEngine, ShardSpec
 from gradcomp.engine.spec import HookSpec, HookSpecLike
-from gradcomp.engine.stats import steps_since, write_trace
+from gradcomp.engine.stats import StepStats, steps_since, write_trace
 from gradcomp.hooks.auto_spec import is_auto_spec
 
 Hook = Callable[["HookState", GradBucket], torch.futures.Future[Tensor]]
@@ -41,14 +41,15 @@ class HookState:
     def keys(self, parameters: list[Tensor]) -> list[int]:
         return [self._indices.setdefault(id(p), len(self._indices)) for p in parameters]
 
-    def steps(self) -> list[dict[str, Any]]:
-        """Per step: buckets, input and payload bytes, compression ratio, bytes sent and received
-        (None with the native all-reduce), seconds in compress / communicate / decompress, and the
-        tail (``tail_s``: from the last bucket's hand-over to the end of the step's communication).
-        Read it after a step's backward (DDP has waited for every bucket by then)."""
+    def steps(self) -> list[StepStats]:
+        """Per step, a :class:`~gradcomp.engine.stats.StepStats`: buckets, input and payload bytes,
+        compression ratio, bytes sent and received (None with the native all-reduce), seconds in
+        compress / communicate / decompress, and the tail (``tail_s``: from the last bucket's
+        hand-over to the end of the step's communication). Read it after a step's backward (DDP has
+        waited for every bucket by then)."""
         return self.steps_since(0)
 
-    def steps_since(self, first: int) -> list[dict[str, Any]]:
+    def steps_since(self, first: int) -> list[StepStats]:
         """:meth:`steps` from step ``first`` on, reading only the newest records (cheap at every step)."""
         return [] if self.engine is None else steps_since(self.engine.records, first)
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gradcomp.engine.stats import BucketRecord, CallSteps, steps_since, write_trace
+from gradcomp.engine.stats import BucketRecord, CallSteps, StepStats, steps_since, write_trace
 from gradcomp.hooks.ddp import check_saved
 from gradcomp.hooks.fsdp2 import shard_group, sharded_modules
 from gradcomp.hooks.torch_hooks import PREFIX, is_torch_spec
@@ -78,12 +78,12 @@ class TorchFSDPState:
         self.records: collections.deque[BucketRecord] = collections.deque(maxlen=RECORDS)
         self.calls = CallSteps()
 
-    def steps(self) -> list[dict[str, Any]]:
+    def steps(self) -> list[StepStats]:
         """Per step, as a gradcomp hook's (``gradcomp.hooks.HookState.steps``); only ``communicate_s``
         is timed (the whole reduce-scatter)."""
         return self.steps_since(0)
 
-    def steps_since(self, first: int) -> list[dict[str, Any]]:
+    def steps_since(self, first: int) -> list[StepStats]:
         return steps_since(self.records, first)
 
     def write_trace(self, path: str) -> None:

@@ -43,8 +43,10 @@ from torch import Tensor
 from torch.distributed import GradBucket
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+from gradcomp.collectives.cost_model import ring_traffic
 from gradcomp.compressors import parse_spec
 from gradcomp.cost.step import Method
+from gradcomp.engine.stats import StepStats, newest
 from gradcomp.hooks.ddp import check_saved
 from gradcomp.options import format_value, options_from, split_spec
 
@@ -162,7 +164,7 @@ class TorchHookState:
         self.backend = dist.get_backend(self.group)
         self.error: BaseException | None = None
         """The error that stopped training (the refused PowerSGD case), raised in place of DDP's text."""
-        self.records: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECORDS)
+        self.records: collections.deque[StepStats] = collections.deque(maxlen=RECORDS)
         self._steps = 0
         self._bucket_bytes = [0, 0]  # input, payload of the step in progress
         self.powersgd: Any = None
@@ -178,14 +180,15 @@ class TorchHookState:
                 random_seed=seed,
             )
 
-    def steps_since(self, first: int) -> list[dict[str, Any]]:
+    def steps_since(self, first: int) -> list[StepStats]:
         """:meth:`steps` from step ``first`` on."""
-        return [record for record in self.records if record["step"] >= first]
+        return newest(self.records, first)
 
-    def steps(self) -> list[dict[str, Any]]:
-        """Per step: ``step``, ``buckets``, ``input_bytes``, ``payload_bytes``, ``sent_bytes`` (None),
-        and the phases' seconds of a gradcomp hook (``compress_s``, ``communicate_s``, ``decompress_s``,
-        ``tail_s``), None here: torch's hooks do not time them."""
+    def steps(self) -> list[StepStats]:
+        """Per step, a :class:`~gradcomp.engine.stats.StepStats` as a gradcomp hook's: ``input_bytes``,
+        ``payload_bytes`` and ``sent_estimate`` (a ring all-reduce of the payload); ``buckets``,
+        ``sent_bytes`` and the phases' seconds (``compress_s``, ``communicate_s``, ``decompress_s``,
+        ``tail_s``) are None here: torch's hooks neither count nor time them."""
         return self.steps_since(0)
 
     def state_dict(self) -> dict[str, Any]:
@@ -283,11 +286,11 @@ class TorchHookState:
 
     def _end_step(self) -> None:
         input_bytes, payload_bytes = self._bucket_bytes
-        self.records.append({
-            "step": self._steps, "buckets": None, "input_bytes": input_bytes, "payload_bytes": payload_bytes,
-            "sent_bytes": None, "received_bytes": None, "compress_s": None, "communicate_s": None,
-            "decompress_s": None, "tail_s": None,
-        })  # fmt: skip
+        self.records.append(StepStats(
+            self._steps, buckets=None, input_bytes=input_bytes, payload_bytes=payload_bytes, sent_bytes=None,
+            received_bytes=None, sent_estimate=payload_bytes * ring_traffic(self.world), compress_s=None,
+            communicate_s=None, decompress_s=None, tail_s=None,
+        ))  # fmt: skip
         self._bucket_bytes = [0, 0]
         self._steps += 1
 

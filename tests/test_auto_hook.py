@@ -119,8 +119,8 @@ def _auto_ranks(rank: int, world: int) -> dict[str, Any]:
     failures.expect(any(b != "allreduce" for b in chosen), f"dear link: {state.decisions[0]}")
     failures.expect(parameters_identical_on_all_ranks(list(ddp.parameters())), "replicas differ")
     steps = state.steps()
-    failures.expect([s["step"] for s in steps] == [0, 1, 2, 3], f"steps {[s['step'] for s in steps]}")
-    failures.expect(steps[-1]["payload_bytes"] < steps[0]["payload_bytes"], "compression did not shrink the payload")
+    failures.expect([s.step for s in steps] == [0, 1, 2, 3], f"steps {[s.step for s in steps]}")
+    failures.expect(steps[-1].payload_bytes < steps[0].payload_bytes, "compression did not shrink the payload")
     # a checkpoint after the decision: a fresh model and hook continue bitwise
     buffer = io.BytesIO()
     torch.save({"hook": state.state_dict(), "model": ddp.module.state_dict(), "opt": optimizer.state_dict()}, buffer)

@@ -54,7 +54,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradcomp import hooks
 from gradcomp.bench.report import markdown_table
-from gradcomp.engine.stats import wire_bytes
 from gradcomp.experiments.tasks import build_task
 from gradcomp.experiments.training import parallel
 from gradcomp.hooks import torch_hooks
@@ -204,7 +203,7 @@ class Row:
     step_ms: list[float] = dataclasses.field(default_factory=list)
     phases_ms: dict[str, float] | None = None
     """gradcomp hooks: medians per step of the engine's ``compress``, ``decompress``,
-    ``communicate`` and ``tail`` (:func:`gradcomp.engine.stats.per_step`), in ms."""
+    ``communicate`` and ``tail`` (:meth:`gradcomp.engine.stats.StepStats.phases`), in ms."""
     run_ms: list[float | None] = dataclasses.field(default_factory=list)
     """Each independent run's median (None where the variant failed in that run)."""
 
@@ -267,7 +266,7 @@ def measure(
         timed, state = len(times[variant]), setups[variant][1]
         report[variant] = {
             "step_s": slowest[variant],
-            "wire_bytes": _wire(state, timed, world),
+            "wire_bytes": _wire(state, timed),
             "phases_ms": _phases(state, timed) if isinstance(state, (hooks.HookState, hooks.AutoState)) else None,
         }
     return report
@@ -279,10 +278,15 @@ PHASES = ("compress", "decompress", "communicate", "tail")
 
 def _phases(state: hooks.HookState | hooks.AutoState, timed: int) -> dict[str, float] | None:
     """Medians over the last ``timed`` steps of each phase's ms per step (None for noop)."""
-    recorded = state.steps()[-timed:] if timed else []
+    recorded = [s.phases() for s in state.steps()[-timed:]] if timed else []
     if not recorded:
         return None
-    return {name: statistics.median(s[f"{name}_s"] for s in recorded) * 1e3 for name in PHASES}
+    return {name: statistics.median(_timed(p[name]) for p in recorded) * 1e3 for name in PHASES}
+
+
+def _timed(seconds: float | None) -> float:
+    assert seconds is not None, "gradcomp's hooks time every phase"
+    return seconds
 
 
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[Tensor, Tensor | None]) -> None:
@@ -305,10 +309,10 @@ def _slowest(times: dict[str, list[float]], world: int) -> dict[str, list[float]
     return {v: [max(rank[v][i] for rank in everyone) for i in range(len(times[v]))] for v in times}
 
 
-def _wire(state: State, timed: int, world: int) -> float:
+def _wire(state: State, timed: int) -> float:
     """Bytes one rank sends per step, over the last ``timed`` steps (see the module's docstring)."""
     recorded = state.steps()[-timed:] if timed else []
-    return statistics.fmean(wire_bytes(s, world) for s in recorded) if recorded else 0.0
+    return statistics.fmean(s.wire_bytes for s in recorded) if recorded else 0.0
 
 
 def run(

@@ -85,7 +85,7 @@ def train(rank: int, world: int, config: TrainConfig) -> dict[str, Any] | None:
     if rank == 0:
         runinfo.write(config.out, {**record, "status": "running"})
         writer = TensorBoardWriter(config.out, float(progress["origin"]), start if resume else None)
-    meter = WireMeter(state, world, int(progress["wire_bytes"]), bool(progress["wire_estimated"]))
+    meter = WireMeter(state, int(progress["wire_bytes"]), bool(progress["wire_estimated"]))
 
     def save(step: int, elapsed: float) -> None:
         hook_state = state.state_dict()  # first: a synchronizer completes what is in flight, which the meter counts
