@@ -39,6 +39,7 @@ import dataclasses
 import datetime
 import logging
 import math
+import os
 import statistics
 import time
 from typing import Any
@@ -59,7 +60,8 @@ from gradcomp.cost.step import Workload, method_of
 from gradcomp.engine import Engine
 from gradcomp.engine.stats import StepStats, per_step, write_trace
 from gradcomp.hooks.auto_spec import DEFAULT_CANDIDATES, NAME, AutoSpec, is_auto_spec
-from gradcomp.hooks.ddp import check_saved, deliver, shapes_of
+from gradcomp.hooks.ddp import ParameterKeys, check_saved, deliver, shapes_of
+from gradcomp.state import TrainingHookState
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +73,10 @@ RETRIES = 3
 __all__ = ["DEFAULT_CANDIDATES", "AutoSpec", "AutoState", "is_auto_spec", "register"]
 
 
-class AutoState:
-    """The ``auto`` hook's state: the candidates' engines, the decision per bucket, what it measured."""
+class AutoState(TrainingHookState):
+    """The ``auto`` hook's state: the candidates' engines, the decision per bucket, what it measured;
+    statistics (per step as a gradcomp hook's, whichever candidates averaged its buckets), traces,
+    checkpoints and the error as every hook's state (:class:`~gradcomp.state.TrainingHookState`)."""
 
     def __init__(
         self,
@@ -108,15 +112,12 @@ class AutoState:
         self.measured_at: int | None = None
         self._measure_next = False
         self._unfitted = 0  # measurements in a row whose link timings could not be fitted
-        self._indices: dict[int, int] = {}
+        self.keys = ParameterKeys()
         self._shapes: dict[Bucket, list[torch.Size]] = {}
         self._timelines: list[online.Timeline] = []
         self._copies: dict[Bucket, Tensor] = {}
 
     # -- what DDP and the model call -------------------------------------------------------------
-
-    def keys(self, parameters: list[Tensor]) -> list[int]:
-        return [self._indices.setdefault(id(p), len(self._indices)) for p in parameters]
 
     def forward_started(self, *_: Any) -> None:
         """The DDP module's forward pre-hook: a step (or a micro-batch) starts."""
@@ -168,16 +169,11 @@ class AutoState:
 
     # -- statistics and checkpoints --------------------------------------------------------------
 
-    def steps(self) -> list[StepStats]:
-        """Per step, as a gradcomp hook's (:meth:`gradcomp.hooks.HookState.steps`), whichever
-        candidates averaged its buckets."""
-        return self.steps_since(0)
-
     def steps_since(self, first: int) -> list[StepStats]:
         fresh = [r for e in self.engines for r in e.records if r.step >= first]
         return per_step(sorted(fresh, key=lambda r: (r.step, r.queued)))
 
-    def write_trace(self, path: str) -> None:
+    def write_trace(self, path: str | os.PathLike[str]) -> None:
         records = sorted((r for e in self.engines for r in e.records), key=lambda r: (r.step, r.queued))
         write_trace(records, path, dist.get_rank())
 

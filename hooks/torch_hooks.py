@@ -33,6 +33,7 @@ cannot follow a layout change at all (its factors are of the whole bucket as one
 import collections
 import dataclasses
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -46,9 +47,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from gradcomp.collectives.cost_model import ring_traffic
 from gradcomp.compressors import parse_spec
 from gradcomp.cost.step import Method
-from gradcomp.engine.stats import StepStats, newest
+from gradcomp.engine.stats import StepStats, newest, write_trace
 from gradcomp.hooks.ddp import check_saved
 from gradcomp.options import format_value, options_from, split_spec
+from gradcomp.state import TrainingHookState
 
 PREFIX = "torch:"
 NAMES = ("allreduce", "allreduce_hook", "fp16", "bf16", "powersgd")
@@ -142,14 +144,17 @@ def is_torch_spec(text: object) -> bool:
     return isinstance(text, str) and text.strip().startswith(PREFIX)
 
 
-class TorchHookState:
-    """One of torch's hooks on a DDP model, and what it sent (:meth:`steps`).
+class TorchHookState(TrainingHookState):
+    """One of torch's hooks on a DDP model, and what it sent (:meth:`steps`), as every hook's state
+    (:class:`~gradcomp.state.TrainingHookState`).
 
     Per step, ``input_bytes`` is the gradient handed to the hook and ``payload_bytes`` what the hook
     hands to the backend's all-reduce: the buffer for the all-reduces, half of it for the casts, and for
     PowerSGD its own count of the elements it sends (factors and the tensors it leaves uncompressed;
-    the whole buffer before ``start``). ``sent_bytes`` is None: the backend's ring moves
-    ``2 (p - 1) / p`` of the payload, as for gradcomp's native all-reduce.
+    the whole buffer before ``start``). ``sent_bytes`` is None, and ``sent_estimate`` what the
+    backend's ring moves, ``2 (p - 1) / p`` of the payload, as for gradcomp's native all-reduce.
+    ``buckets`` and the phases' seconds (``compress_s``, ``communicate_s``, ``decompress_s``,
+    ``tail_s``) are None: torch's hooks neither count nor time them.
     """
 
     def __init__(self, spec: TorchHookSpec, model: torch.nn.parallel.DistributedDataParallel, seed: int) -> None:
@@ -181,15 +186,11 @@ class TorchHookState:
             )
 
     def steps_since(self, first: int) -> list[StepStats]:
-        """:meth:`steps` from step ``first`` on."""
         return newest(self.records, first)
 
-    def steps(self) -> list[StepStats]:
-        """Per step, a :class:`~gradcomp.engine.stats.StepStats` as a gradcomp hook's: ``input_bytes``,
-        ``payload_bytes`` and ``sent_estimate`` (a ring all-reduce of the payload); ``buckets``,
-        ``sent_bytes`` and the phases' seconds (``compress_s``, ``communicate_s``, ``decompress_s``,
-        ``tail_s``) are None here: torch's hooks neither count nor time them."""
-        return self.steps_since(0)
+    def write_trace(self, path: str | os.PathLike[str]) -> None:
+        """A trace without events: torch's hooks time nothing (a profiler's trace shows their collectives)."""
+        write_trace([], path, dist.get_rank())
 
     def state_dict(self) -> dict[str, Any]:
         """The spec, world size and PowerSGD's state (iteration, residuals, factors, its generator), as

@@ -54,7 +54,8 @@ def test_buckets_sum_into_one_record_per_step_in_step_order() -> None:
     zero, one = per_step(records)
     assert zero.step == 0 and one.step == 1
     assert one == StepStats(1, buckets=2, input_bytes=60, payload_bytes=15, sent_bytes=18, received_bytes=19,
-                            sent_estimate=18.0, compress_s=0.75, communicate_s=3.0, decompress_s=0.75, tail_s=0.0)
+                            sent_estimate=18.0, compress_s=0.75, communicate_s=3.0, decompress_s=0.75,
+                            tail_s=0.0)  # fmt: skip
     assert one.compression_ratio == 4.0 and one.phases() == {"compress": 0.75, "communicate": 3.0,
                                                              "decompress": 0.75, "tail": 0.0}  # fmt: skip
     assert newest([zero, one], 1) == [one] and newest([zero, one], 0) == [zero, one]

@@ -57,8 +57,9 @@ from gradcomp.bench.report import markdown_table
 from gradcomp.experiments.tasks import build_task
 from gradcomp.experiments.training import parallel
 from gradcomp.hooks import torch_hooks
-from gradcomp.hooks.torch_hooks import PREFIX, TorchHookSpec, TorchHookState, is_torch_spec
+from gradcomp.hooks.torch_hooks import PREFIX, TorchHookSpec, is_torch_spec
 from gradcomp.launch import RankError, spawn
+from gradcomp.state import TrainingHookState
 
 NOOP, TORCH_ALLREDUCE = "noop", "torch:allreduce"
 DEFAULT_HOOKS = (
@@ -68,7 +69,6 @@ DEFAULT_HOOKS = (
 """What ``gradcomp bench ddp`` measures when ``--hooks`` is not given."""
 DEFAULT_TORCH_HOOKS = ("torch:allreduce_hook", "torch:fp16", "torch:powersgd:rank=4")
 """torch's own hooks measured beside the two anchors (noop and torch's all-reduce) by default."""
-State = hooks.HookState | hooks.AutoState | TorchHookState | hooks.TorchFSDPState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +96,7 @@ class Mode:
             return str(hooks.TorchFSDPSpec.parse(spec))
         return str(TorchHookSpec.parse(spec))
 
-    def make(self, build: Callable[[], nn.Module], variant: str, seed: int) -> tuple[nn.Module, State]:
+    def make(self, build: Callable[[], nn.Module], variant: str, seed: int) -> tuple[nn.Module, TrainingHookState]:
         """A fresh model for ``variant``, spread and hooked (the same initial weights for every variant)."""
         torch.manual_seed(seed)
         if self.name == "fsdp":
@@ -276,7 +276,7 @@ PHASES = ("compress", "decompress", "communicate", "tail")
 """The engine's phases that ``gradcomp bench ddp`` reports per step, in its second table."""
 
 
-def _phases(state: hooks.HookState | hooks.AutoState, timed: int) -> dict[str, float] | None:
+def _phases(state: TrainingHookState, timed: int) -> dict[str, float] | None:
     """Medians over the last ``timed`` steps of each phase's ms per step (None for noop)."""
     recorded = [s.phases() for s in state.steps()[-timed:]] if timed else []
     if not recorded:
@@ -309,7 +309,7 @@ def _slowest(times: dict[str, list[float]], world: int) -> dict[str, list[float]
     return {v: [max(rank[v][i] for rank in everyone) for i in range(len(times[v]))] for v in times}
 
 
-def _wire(state: State, timed: int) -> float:
+def _wire(state: TrainingHookState, timed: int) -> float:
     """Bytes one rank sends per step, over the last ``timed`` steps (see the module's docstring)."""
     recorded = state.steps()[-timed:] if timed else []
     return statistics.fmean(s.wire_bytes for s in recorded) if recorded else 0.0

@@ -33,9 +33,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from gradcomp.experiments.training import curves
-from gradcomp.hooks import AutoState, HookState, TorchFSDPState
-from gradcomp.hooks.torch_hooks import TorchHookState
-from gradcomp.sync import Synchronizer
+from gradcomp.state import TrainingHookState
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +52,7 @@ class WireMeter:
     torch's do not).
     """
 
-    def __init__(self, state: AnyHookState, total: int = 0, estimated: bool = False) -> None:
+    def __init__(self, state: TrainingHookState, total: int = 0, estimated: bool = False) -> None:
         self.state = state
         self.total, self.estimated = total, estimated
         self.input_bytes = self.payload_bytes = 0  # this invocation's, for the mean compression ratio
@@ -68,9 +66,7 @@ class WireMeter:
         """Take in the steps finished since the last call (after a backward, every bucket is in)."""
         steps = self.state.steps_since(self._next)
         if steps and steps[0].step != self._next:
-            logger.warning(
-                "hook statistics of steps %d-%d were lost (read them more often)", self._next, steps[0].step
-            )
+            logger.warning("hook statistics of steps %d-%d were lost (read them more often)", self._next, steps[0].step)
         for s in steps:
             sent = round(s.wire_bytes)
             self.estimated |= s.sent_bytes is None
@@ -123,9 +119,6 @@ HOOK_TIMES = ("compress", "communicate", "decompress", "exposed")
 """The phases (:meth:`StepStats.phases <gradcomp.engine.stats.StepStats.phases>`) whose times a run
 reports: the hook's own (per step, on the hook's thread, overlapping backward), and infrequent
 synchronization's ``exposed``: the time the training thread waited for it."""
-AnyHookState = HookState | AutoState | TorchHookState | TorchFSDPState | Synchronizer
-"""A gradcomp hook's state, one of torch's hooks' (``torch:...``, DDP's or FSDP2's), or the synchronizer
-of local SGD or DiLoCo."""
 
 
 class Writer(Protocol):

@@ -39,10 +39,11 @@ from gradcomp.experiments.tasks import build_task
 from gradcomp.experiments.training import checkpoint, parallel, runinfo
 from gradcomp.experiments.training.config import PATH_FIELDS, TrainConfig, add_arguments, from_args
 from gradcomp.experiments.training.loop import Loop
-from gradcomp.experiments.training.metrics import AnyHookState, NullWriter, TensorBoardWriter, WireMeter, Writer
+from gradcomp.experiments.training.metrics import NullWriter, TensorBoardWriter, WireMeter, Writer
 from gradcomp.experiments.training.optim import make_optimizer, make_schedule
 from gradcomp.launch import RankError, spawn
 from gradcomp.netem import NetemError
+from gradcomp.state import TrainingHookState
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def train(rank: int, world: int, config: TrainConfig) -> dict[str, Any] | None:
     optimizer = make_optimizer(
         config.optimizer, spread.forward.parameters(), config.lr, config.momentum, config.weight_decay
     )
-    state: AnyHookState = spread.register(spec, config.seed, optimizer)
+    state: TrainingHookState = spread.register(spec, config.seed, optimizer)
     schedule = make_schedule(optimizer, config.schedule, total, config.warmup_steps)
     torch.manual_seed(config.seed + 7919 * (rank + 1))  # each rank's own stream (dropout and the like)
     progress = {"elapsed_s": 0.0, "wire_bytes": 0, "wire_estimated": False, "origin": time.time()}

@@ -27,6 +27,7 @@ import dataclasses
 import datetime
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -40,6 +41,7 @@ from gradcomp.collectives.executor import Handle
 from gradcomp.engine import Engine, HookSpec, HookSpecLike
 from gradcomp.engine.pipeline import check_same_spec
 from gradcomp.engine.stats import BucketRecord, StepStats, newest, per_step, write_trace
+from gradcomp.state import TrainingHookState
 from gradcomp.sync import fragments
 from gradcomp.sync.spec import SyncSpec, SyncSpecLike
 
@@ -78,8 +80,9 @@ class _InFlight:
     """The engine's call number in this process (its records' step), None when restored."""
 
 
-class Synchronizer:
-    """Local SGD or DiLoCo over a group: every rank holds a full replica of ``model``.
+class Synchronizer(TrainingHookState):
+    """Local SGD or DiLoCo over a group: every rank holds a full replica of ``model``. Statistics,
+    traces, checkpoints and the error as a hook's state (:class:`~gradcomp.state.TrainingHookState`).
 
     Args:
         model: this rank's replica (not wrapped in DDP: nothing communicates per step). Its trainable
@@ -293,7 +296,7 @@ class Synchronizer:
         """:meth:`steps` from step ``first`` on."""
         return newest(self._stats, first)
 
-    def write_trace(self, path: str) -> None:
+    def write_trace(self, path: str | os.PathLike[str]) -> None:
         """A Chrome / Perfetto JSON trace of every recorded synchronization (one bucket per fragment:
         when it started, its wait on the executor, and its compress / communicate / decompress phases)."""
         write_trace(self.engine.records, path, dist.get_rank(self.engine.group))
