@@ -264,7 +264,7 @@ def test_statistics_and_trace(spec: str, ratio: float | None, tmp_path: Path) ->
             events = json.load(file)["traceEvents"]
         names = {e["name"] for e in events}
         assert {"queued", "compress", "communicate", "decompress"} <= names
-        assert sum(e["name"].startswith("ready") for e in events) == sum(s["buckets"] for s in steps)
+        assert sum(e["name"].startswith("ready") for e in events) == sum(s.buckets for s in steps)
 
 
 LOSSY_BOUNDS = {  # worst error of the averaged gradient, relative to each parameter's largest |g|
