@@ -22,9 +22,10 @@ How it decides (every rank applies the same decision: rank 0 takes it and broadc
    measures and decides again (the compute stays as first measured).
 
 Each decision, with its reason and predictions, is in :attr:`AutoState.decisions` (and in
-TensorBoard for training runs). Switching a bucket away from an error-feedback compressor flushes
-its residuals: what it had not sent yet is added to the bucket's next gradient (in units of the
-gradient, so the new method sends it), so nothing is lost. Candidates are gradcomp hook specs,
+TensorBoard for training runs). Switching a bucket away from a compressor takes what it had not sent
+yet (``Compressor.take_residual``: error feedback's residual) into the bucket's next gradient (in units
+of the gradient, so the new method sends it), so nothing is lost; EF21's estimates and momentum
+correction's velocities are dropped, not sent (they hold no unsent gradient). Candidates are gradcomp hook specs,
 separated by ``|``; the uncompressed ``allreduce`` is always among them (the first). Options:
 ``candidates``, ``measure_at``, ``recheck``, ``check_every``, ``stray``, ``margin``, ``seed``.
 
@@ -342,11 +343,11 @@ class AutoState(TrainingHookState):
         return executor().submit(send, wait=True).wait()
 
     def _install(self, choice: dict[int, int]) -> None:
-        """Take the new decision; a tensor leaving an error-feedback compressor flushes its residual."""
+        """Take the new decision; a tensor leaving a compressor takes what it had not sent yet
+        (error feedback's residual: ``Compressor.take_residual``) into its next gradient."""
         for key, new in choice.items():
             old = self.choice.get(key, 0)
-            residuals = getattr(self.engines[old].compressor, "residuals", None)
-            residual = residuals.pop(key, None) if residuals is not None and old != new else None
+            residual = self.engines[old].compressor.take_residual(key) if old != new else None
             if residual is not None:
                 self.pending[key] = residual
         self.choice = choice
