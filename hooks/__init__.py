@@ -13,7 +13,9 @@ benchmarks; training with it does not average anything), with the engine's optio
 ``aggregation``, ``seed``). ``HookSpec.parse`` checks one without a process group. ``auto`` chooses
 among candidates with the cost model (:mod:`gradcomp.hooks.auto`). torch's own hooks, as baselines
 spelt ``torch:fp16`` and the like: :mod:`gradcomp.hooks.torch_hooks`. :func:`parse` reads any of
-them. FSDP2's compressed reduce-scatter: :mod:`gradcomp.hooks.fsdp2` (``docs/fsdp.md``). See ``docs/hooks.md``.
+them. FSDP2's compressed reduce-scatter: :mod:`gradcomp.hooks.fsdp2` (``docs/fsdp.md``). Every state
+they return is a :class:`~gradcomp.state.TrainingHookState` (statistics, traces, checkpoints, the
+error). See ``docs/hooks.md``.
 """
 
 import typing
@@ -28,6 +30,7 @@ from gradcomp.hooks.auto import AutoSpec, AutoState, is_auto_spec
 from gradcomp.hooks.ddp import HookState, make
 from gradcomp.hooks.torch_fsdp import TorchFSDPSpec, TorchFSDPState
 from gradcomp.hooks.torch_hooks import TorchHookSpec, is_torch_spec
+from gradcomp.state import TrainingHookState
 
 __all__ = [
     "AnyShardedSpec",
@@ -39,6 +42,7 @@ __all__ = [
     "ShardSpec",
     "TorchFSDPSpec",
     "TorchFSDPState",
+    "TrainingHookState",
     "fsdp",
     "make",
     "parse",

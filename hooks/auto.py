@@ -22,9 +22,10 @@ How it decides (every rank applies the same decision: rank 0 takes it and broadc
    measures and decides again (the compute stays as first measured).
 
 Each decision, with its reason and predictions, is in :attr:`AutoState.decisions` (and in
-TensorBoard for training runs). Switching a bucket away from an error-feedback compressor flushes
-its residuals: what it had not sent yet is added to the bucket's next gradient (in units of the
-gradient, so the new method sends it), so nothing is lost. Candidates are gradcomp hook specs,
+TensorBoard for training runs). Switching a bucket away from a compressor takes what it had not sent
+yet (``Compressor.take_residual``: error feedback's residual) into the bucket's next gradient (in units
+of the gradient, so the new method sends it), so nothing is lost; EF21's estimates and momentum
+correction's velocities are dropped, not sent (they hold no unsent gradient). Candidates are gradcomp hook specs,
 separated by ``|``; the uncompressed ``allreduce`` is always among them (the first). Options:
 ``candidates``, ``measure_at``, ``recheck``, ``check_every``, ``stray``, ``margin``, ``seed``.
 
@@ -38,6 +39,7 @@ state (error-feedback residuals) for the buckets it ever averaged.
 import dataclasses
 import datetime
 import logging
+import os
 import statistics
 import time
 from typing import Any
@@ -56,10 +58,11 @@ from gradcomp.cost.online import Bucket
 from gradcomp.cost.profile import Timings
 from gradcomp.cost.step import Workload, method_of
 from gradcomp.engine import Engine
-from gradcomp.engine.stats import per_step, write_trace
+from gradcomp.engine.stats import StepStats, per_step, write_trace
 from gradcomp.flat import numel, views
 from gradcomp.hooks.auto_spec import DEFAULT_CANDIDATES, NAME, AutoSpec, is_auto_spec
-from gradcomp.hooks.ddp import check_saved, deliver, shapes_of
+from gradcomp.hooks.ddp import ParameterKeys, check_saved, deliver, shapes_of
+from gradcomp.state import TrainingHookState
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +74,10 @@ RETRIES = 3
 __all__ = ["DEFAULT_CANDIDATES", "AutoSpec", "AutoState", "is_auto_spec", "register"]
 
 
-class AutoState:
-    """The ``auto`` hook's state: the candidates' engines, the decision per bucket, what it measured."""
+class AutoState(TrainingHookState):
+    """The ``auto`` hook's state: the candidates' engines, the decision per bucket, what it measured;
+    statistics (per step as a gradcomp hook's, whichever candidates averaged its buckets), traces,
+    checkpoints and the error as every hook's state (:class:`~gradcomp.state.TrainingHookState`)."""
 
     def __init__(
         self,
@@ -108,15 +113,12 @@ class AutoState:
         self.measured_at: int | None = None
         self._measure_next = False
         self._unfitted = 0  # measurements in a row whose link timings could not be fitted
-        self._indices: dict[int, int] = {}
+        self.keys = ParameterKeys()
         self._shapes: dict[Bucket, list[torch.Size]] = {}
         self._timelines: list[online.Timeline] = []
         self._copies: dict[Bucket, Tensor] = {}
 
     # -- what DDP and the model call -------------------------------------------------------------
-
-    def keys(self, parameters: list[Tensor]) -> list[int]:
-        return [self._indices.setdefault(id(p), len(self._indices)) for p in parameters]
 
     def forward_started(self, *_: Any) -> None:
         """The DDP module's forward pre-hook: a step (or a micro-batch) starts."""
@@ -168,16 +170,11 @@ class AutoState:
 
     # -- statistics and checkpoints --------------------------------------------------------------
 
-    def steps(self) -> list[dict[str, Any]]:
-        """Per step, as a gradcomp hook's (:meth:`gradcomp.hooks.HookState.steps`), whichever
-        candidates averaged its buckets."""
-        return self.steps_since(0)
-
-    def steps_since(self, first: int) -> list[dict[str, Any]]:
+    def steps_since(self, first: int) -> list[StepStats]:
         fresh = [r for e in self.engines for r in e.records if r.step >= first]
         return per_step(sorted(fresh, key=lambda r: (r.step, r.queued)))
 
-    def write_trace(self, path: str) -> None:
+    def write_trace(self, path: str | os.PathLike[str]) -> None:
         records = sorted((r for e in self.engines for r in e.records), key=lambda r: (r.step, r.queued))
         write_trace(records, path, dist.get_rank())
 
@@ -346,11 +343,11 @@ class AutoState:
         return executor().submit(send, wait=True).wait()
 
     def _install(self, choice: dict[int, int]) -> None:
-        """Take the new decision; a tensor leaving an error-feedback compressor flushes its residual."""
+        """Take the new decision; a tensor leaving a compressor takes what it had not sent yet
+        (error feedback's residual: ``Compressor.take_residual``) into its next gradient."""
         for key, new in choice.items():
             old = self.choice.get(key, 0)
-            residuals = getattr(self.engines[old].compressor, "residuals", None)
-            residual = residuals.pop(key, None) if residuals is not None and old != new else None
+            residual = self.engines[old].compressor.take_residual(key) if old != new else None
             if residual is not None:
                 self.pending[key] = residual
         self.choice = choice

@@ -2,8 +2,9 @@
 
 # No ``from __future__ import annotations`` here: DDP checks a hook's annotations at run time.
 import datetime
+import os
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,45 +15,48 @@ from gradcomp.collectives.executor import Handle
 from gradcomp.engine import Engine
 from gradcomp.engine.sharded import ShardedEngine, ShardSpec
 from gradcomp.engine.spec import HookSpec, HookSpecLike
-from gradcomp.engine.stats import steps_since, write_trace
+from gradcomp.engine.stats import StepStats, steps_since, write_trace
 from gradcomp.hooks.auto_spec import is_auto_spec
+from gradcomp.state import TrainingHookState
 
 Hook = Callable[["HookState", GradBucket], torch.futures.Future[Tensor]]
 
 
-class HookState:
-    """What a gradcomp hook keeps between steps: its spec, the engine, and a stable key per parameter
-    (FSDP2's hook, :mod:`gradcomp.hooks.fsdp2`, keeps the same with a sharded spec and engine).
+class ParameterKeys:
+    """A stable key per parameter: its index, numbered in the order the parameters are first seen.
 
-    A parameter's key is its index, numbered in the order DDP first hands parameters to the hook.
-    DDP's first iteration always sees the same order, so keys are the same in every run (a
-    checkpoint's state finds its tensors again), and since the engine keeps state per parameter,
-    DDP's bucket rebuild after the first iteration changes nothing (rule "state per tensor").
+    DDP's first iteration always hands parameters to the hook in the same order, so keys are the same
+    in every run (a checkpoint's state finds its tensors again), and since the engine keeps state per
+    parameter, DDP's bucket rebuild after the first iteration changes nothing (rule "state per tensor").
+    """
+
+    def __init__(self) -> None:
+        self._indices: dict[int, int] = {}
+
+    def __call__(self, parameters: list[Tensor]) -> list[int]:
+        """The keys of ``parameters``, in their order (new ones numbered on)."""
+        return [self._indices.setdefault(id(p), len(self._indices)) for p in parameters]
+
+
+class HookState(TrainingHookState):
+    """What a gradcomp hook keeps between steps: its spec, the engine, and a stable key per parameter
+    (:class:`ParameterKeys`; FSDP2's hook, :mod:`gradcomp.hooks.fsdp2`, keeps the same with a sharded
+    spec and engine, keyed by module). Statistics, traces, checkpoints and the error as every hook's
+    state (:class:`~gradcomp.state.TrainingHookState`): per step (:meth:`steps`), buckets, input and
+    payload bytes, compression ratio, bytes sent and received (None with the native all-reduce),
+    seconds in compress / communicate / decompress, and the tail (``tail_s``: from the last bucket's
+    hand-over to the end of the step's communication).
     """
 
     def __init__(self, spec: HookSpec | ShardSpec, engine: Engine | ShardedEngine | None, world: int) -> None:
         self.spec, self.engine, self.world = spec, engine, world
         self.error: BaseException | None = None
-        """The first exception that failed a bucket (later ones are its consequences), as gradcomp
-        raised it (DDP's ``backward`` gets a RuntimeError with its text): a
-        :class:`gradcomp.errors.PeerError` names the peer."""
-        self._indices: dict[int, int] = {}
+        self.keys = ParameterKeys()
 
-    def keys(self, parameters: list[Tensor]) -> list[int]:
-        return [self._indices.setdefault(id(p), len(self._indices)) for p in parameters]
-
-    def steps(self) -> list[dict[str, Any]]:
-        """Per step: buckets, input and payload bytes, compression ratio, bytes sent and received
-        (None with the native all-reduce), seconds in compress / communicate / decompress, and the
-        tail (``tail_s``: from the last bucket's hand-over to the end of the step's communication).
-        Read it after a step's backward (DDP has waited for every bucket by then)."""
-        return self.steps_since(0)
-
-    def steps_since(self, first: int) -> list[dict[str, Any]]:
-        """:meth:`steps` from step ``first`` on, reading only the newest records (cheap at every step)."""
+    def steps_since(self, first: int) -> list[StepStats]:
         return [] if self.engine is None else steps_since(self.engine.records, first)
 
-    def write_trace(self, path: str) -> None:
+    def write_trace(self, path: str | os.PathLike[str]) -> None:
         """A Chrome / Perfetto JSON trace of every recorded bucket: ready, queued, and each phase."""
         if self.engine is not None:
             write_trace(self.engine.records, path, dist.get_rank())
@@ -109,11 +113,7 @@ def shapes_of(parameters: list[Tensor]) -> list[torch.Size]:
     return [torch.view_as_real(p).shape if p.is_complex() else p.shape for p in parameters]
 
 
-class _Failing(Protocol):
-    error: BaseException | None
-
-
-def deliver(state: _Failing, handle: Handle[Tensor]) -> torch.futures.Future[Tensor]:
+def deliver(state: TrainingHookState, handle: Handle[Tensor]) -> torch.futures.Future[Tensor]:
     """The future DDP waits on for ``handle``'s bucket: its result, or its error raised in DDP's wait
     (the first error is kept in ``state.error``: later buckets fail because of it)."""
     done: torch.futures.Future[Tensor | BaseException] = torch.futures.Future()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import time
 from typing import Any
 
@@ -24,10 +25,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gradcomp.engine.stats import BucketRecord, CallSteps, steps_since, write_trace
+from gradcomp.engine.stats import BucketRecord, CallSteps, StepStats, steps_since, write_trace
 from gradcomp.hooks.ddp import check_saved
 from gradcomp.hooks.fsdp2 import shard_group, sharded_modules
 from gradcomp.hooks.torch_hooks import PREFIX, is_torch_spec
+from gradcomp.state import TrainingHookState
 
 try:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -69,8 +71,9 @@ class TorchFSDPSpec:
         return None if self.reduce_dtype is None else MixedPrecisionPolicy(reduce_dtype=self.reduce_dtype)
 
 
-class TorchFSDPState:
-    """FSDP2's own reduce-scatter on a sharded model, and what it sent (:meth:`steps`)."""
+class TorchFSDPState(TrainingHookState):
+    """FSDP2's own reduce-scatter on a sharded model, and what it sent (:meth:`steps`, as a gradcomp
+    hook's; only ``communicate_s`` is timed: the whole reduce-scatter)."""
 
     def __init__(self, spec: TorchFSDPSpec, world: int) -> None:
         self.spec, self.world = spec, world
@@ -78,15 +81,10 @@ class TorchFSDPState:
         self.records: collections.deque[BucketRecord] = collections.deque(maxlen=RECORDS)
         self.calls = CallSteps()
 
-    def steps(self) -> list[dict[str, Any]]:
-        """Per step, as a gradcomp hook's (``gradcomp.hooks.HookState.steps``); only ``communicate_s``
-        is timed (the whole reduce-scatter)."""
-        return self.steps_since(0)
-
-    def steps_since(self, first: int) -> list[dict[str, Any]]:
+    def steps_since(self, first: int) -> list[StepStats]:
         return steps_since(self.records, first)
 
-    def write_trace(self, path: str) -> None:
+    def write_trace(self, path: str | os.PathLike[str]) -> None:
         write_trace(self.records, path, dist.get_rank())
 
     def state_dict(self) -> dict[str, Any]:

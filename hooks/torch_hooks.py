@@ -33,6 +33,7 @@ cannot follow a layout change at all (its factors are of the whole bucket as one
 import collections
 import dataclasses
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -43,11 +44,14 @@ from torch import Tensor
 from torch.distributed import GradBucket
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+from gradcomp.collectives.cost_model import ring_traffic
 from gradcomp.compressors import parse_spec
 from gradcomp.cost.step import Method
 from gradcomp.engine.spec import HookSpec
+from gradcomp.engine.stats import StepStats, newest, write_trace
 from gradcomp.hooks.ddp import check_saved
 from gradcomp.options import format_value, options_from, split_spec
+from gradcomp.state import TrainingHookState
 
 PREFIX = "torch:"
 NAMES = ("allreduce", "allreduce_hook", "fp16", "bf16", "powersgd")
@@ -141,14 +145,17 @@ def is_torch_spec(text: object) -> bool:
     return isinstance(text, str) and text.strip().startswith(PREFIX)
 
 
-class TorchHookState:
-    """One of torch's hooks on a DDP model, and what it sent (:meth:`steps`).
+class TorchHookState(TrainingHookState):
+    """One of torch's hooks on a DDP model, and what it sent (:meth:`steps`), as every hook's state
+    (:class:`~gradcomp.state.TrainingHookState`).
 
     Per step, ``input_bytes`` is the gradient handed to the hook and ``payload_bytes`` what the hook
     hands to the backend's all-reduce: the buffer for the all-reduces, half of it for the casts, and for
     PowerSGD its own count of the elements it sends (factors and the tensors it leaves uncompressed;
-    the whole buffer before ``start``). ``sent_bytes`` is None: the backend's ring moves
-    ``2 (p - 1) / p`` of the payload, as for gradcomp's native all-reduce.
+    the whole buffer before ``start``). ``sent_bytes`` is None, and ``sent_estimate`` what the
+    backend's ring moves, ``2 (p - 1) / p`` of the payload, as for gradcomp's native all-reduce.
+    ``buckets`` and the phases' seconds (``compress_s``, ``communicate_s``, ``decompress_s``,
+    ``tail_s``) are None: torch's hooks neither count nor time them.
     """
 
     def __init__(self, spec: TorchHookSpec, model: torch.nn.parallel.DistributedDataParallel, seed: int) -> None:
@@ -163,7 +170,7 @@ class TorchHookState:
         self.backend = dist.get_backend(self.group)
         self.error: BaseException | None = None
         """The error that stopped training (the refused PowerSGD case), raised in place of DDP's text."""
-        self.records: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECORDS)
+        self.records: collections.deque[StepStats] = collections.deque(maxlen=RECORDS)
         self._steps = 0
         self._bucket_bytes = [0, 0]  # input, payload of the step in progress
         self.powersgd: Any = None
@@ -179,15 +186,12 @@ class TorchHookState:
                 random_seed=seed,
             )
 
-    def steps_since(self, first: int) -> list[dict[str, Any]]:
-        """:meth:`steps` from step ``first`` on."""
-        return [record for record in self.records if record["step"] >= first]
+    def steps_since(self, first: int) -> list[StepStats]:
+        return newest(self.records, first)
 
-    def steps(self) -> list[dict[str, Any]]:
-        """Per step: ``step``, ``buckets``, ``input_bytes``, ``payload_bytes``, ``sent_bytes`` (None),
-        and the phases' seconds of a gradcomp hook (``compress_s``, ``communicate_s``, ``decompress_s``,
-        ``tail_s``), None here: torch's hooks do not time them."""
-        return self.steps_since(0)
+    def write_trace(self, path: str | os.PathLike[str]) -> None:
+        """A trace without events: torch's hooks time nothing (a profiler's trace shows their collectives)."""
+        write_trace([], path, dist.get_rank())
 
     def state_dict(self) -> dict[str, Any]:
         """The spec, world size and PowerSGD's state (iteration, residuals, factors, its generator), as
@@ -284,11 +288,11 @@ class TorchHookState:
 
     def _end_step(self) -> None:
         input_bytes, payload_bytes = self._bucket_bytes
-        self.records.append({
-            "step": self._steps, "buckets": None, "input_bytes": input_bytes, "payload_bytes": payload_bytes,
-            "sent_bytes": None, "received_bytes": None, "compress_s": None, "communicate_s": None,
-            "decompress_s": None, "tail_s": None,
-        })  # fmt: skip
+        self.records.append(StepStats(
+            self._steps, buckets=None, input_bytes=input_bytes, payload_bytes=payload_bytes, sent_bytes=None,
+            received_bytes=None, sent_estimate=payload_bytes * ring_traffic(self.world), compress_s=None,
+            communicate_s=None, decompress_s=None, tail_s=None,
+        ))  # fmt: skip
         self._bucket_bytes = [0, 0]
         self._steps += 1
 

@@ -125,8 +125,8 @@ def _auto_ranks(rank: int, world: int) -> dict[str, Any]:
     failures.expect(any(b != "allreduce" for b in chosen), f"dear link: {state.decisions[0]}")
     failures.expect(parameters_identical_on_all_ranks(list(ddp.parameters())), "replicas differ")
     steps = state.steps()
-    failures.expect([s["step"] for s in steps] == [0, 1, 2, 3], f"steps {[s['step'] for s in steps]}")
-    failures.expect(steps[-1]["payload_bytes"] < steps[0]["payload_bytes"], "compression did not shrink the payload")
+    failures.expect([s.step for s in steps] == [0, 1, 2, 3], f"steps {[s.step for s in steps]}")
+    failures.expect(steps[-1].payload_bytes < steps[0].payload_bytes, "compression did not shrink the payload")
     # a checkpoint after the decision: a fresh model and hook continue bitwise
     buffer = io.BytesIO()
     torch.save({"hook": state.state_dict(), "model": ddp.module.state_dict(), "opt": optimizer.state_dict()}, buffer)
@@ -156,7 +156,29 @@ def _auto_ranks(rank: int, world: int) -> dict[str, Any]:
     state._flush(flat, list(identity), [before[k].shape for k in identity])
     expected = torch.cat([before[k].reshape(-1) * world for k in identity])
     failures.expect(torch.equal(flat, expected) and not state.pending, "the flush is not the residual times p")
-    return {"failures": failures, "decisions": [d["buckets"] for d in state.decisions]}
+    decisions = [d["buckets"] for d in state.decisions]
+    _leaving_ef21(failures, batches)
+    return {"failures": failures, "decisions": decisions}
+
+
+def _leaving_ef21(failures: Failures, batches: list[Any]) -> None:
+    """Switching away from an EF21 candidate: its estimates h and G are dropped, not flushed (h is
+    no unsent gradient: added to the next one, it would send this rank's share about twice)."""
+    ddp, state = wrap(toy_model(), "auto:candidates=topk:ratio=0.1,ef=ef21,measure_at=2", link=DEAR_LINK)
+    assert isinstance(state, AutoState)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    sgd_steps(ddp, optimizer, batches[:4])
+    identity = [key for key, c in state.choice.items() if c == 1]
+    failures.expect(bool(identity), f"dear link, EF21: {state.decisions}")
+    ef21 = state.engines[1].compressor
+    held = all(key in ef21.residuals and key in ef21.estimates for key in identity)  # type: ignore[attr-defined]
+    failures.expect(held, "EF21 holds no estimates for its tensors")
+    state._install(dict.fromkeys(state.choice, 0))
+    failures.expect(not state.pending, f"EF21's estimates were taken for unsent gradient: {sorted(state.pending)}")
+    dropped = not any(k in ef21.residuals or k in ef21.estimates for k in identity)  # type: ignore[attr-defined]
+    failures.expect(dropped, "EF21's estimates stayed with it")
+    sgd_steps(ddp, optimizer, batches[4:5])
+    failures.expect(parameters_identical_on_all_ranks(list(ddp.parameters())), "replicas differ after leaving EF21")
 
 
 def test_real_ranks_decide_alike_and_switch_and_resume_exactly() -> None:

@@ -72,6 +72,36 @@ def test_identity_with_feedback_keeps_a_zero_residual() -> None:
         assert torch.equal(ef.residuals["w"], torch.zeros_like(g))
 
 
+@pytest.mark.parametrize("spec", ["topk:ratio=0.1", "quantize:bits=2,rounding=nearest", "topk:ratio=0.1,momentum=0.9"])
+def test_taking_the_residual_hands_over_exactly_what_was_not_sent(spec: str) -> None:
+    """take_residual gives the residual itself (sent plus taken is the sum of the gradients) and
+    forgets the key: it comes back as a fresh key, other keys untouched."""
+    ef = make_compressor(f"{spec},ef=true")
+    grads = gradients(4)
+    sent = torch.zeros_like(grads[0])
+    for g in grads:
+        contexts, finals = compress_all([ef], [g], key="w")
+        sent += ef.contribution(finals[0], contexts[0])
+        compress_all([ef], [g], key="other")
+    residual, other = ef.residuals["w"].clone(), ef.residuals["other"].clone()
+    taken = ef.take_residual("w")
+    assert taken is not None and torch.equal(taken, residual)
+    if "momentum" not in spec:  # momentum correction sends more than the gradients: their momentum
+        assert torch.allclose(sent + taken, torch.stack(grads).sum(0), atol=1e-4)
+    assert "w" not in ef.residuals and "w" not in ef.velocities and ef.take_residual("w") is None
+    assert torch.equal(ef.residuals["other"], other)
+    fresh = make_compressor(f"{spec},ef=true")
+    compress_all([ef], [grads[0]], key="w")
+    compress_all([fresh], [grads[0]], key="w")
+    assert torch.equal(ef.residuals["w"], fresh.residuals["w"])
+
+
+def test_a_compressor_without_feedback_owes_nothing() -> None:
+    compressor = make_compressor("topk:ratio=0.1")
+    compress_all([compressor], [gradients(1)[0]], key="w")
+    assert compressor.take_residual("w") is None
+
+
 def test_keys_are_independent_and_checked() -> None:
     ef = make_compressor("topk:ratio=0.1,ef=true")
     a, b = gradients(1, (100,))[0], gradients(1, (100,), seed=1)[0]

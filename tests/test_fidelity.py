@@ -201,6 +201,23 @@ def test_ef21_estimate_follows_a_constant_gradient() -> None:
     torch.testing.assert_close(result, torch.stack(grads).mean(0), rtol=1e-5, atol=1e-6)
 
 
+def test_ef21_hands_over_nothing_and_forgets_both_estimates() -> None:
+    """EF21's h estimates this rank's share (G their sum): no unsent gradient. take_residual returns
+    None (the old way, h added to the next gradient, would send the share about twice) and drops h
+    and G of the key on every rank, so the key restarts as a fresh one and G stays the sum of the h."""
+    compressors = [make_compressor("topk:ratio=0.2,ef=ef21", rank=r) for r in range(RANKS)]
+    for step in range(3):
+        averaged(compressors, gradients(step), "w")
+        averaged(compressors, gradients(step + 10), "other")
+    kept = [c.estimates["other"].clone() for c in compressors]  # type: ignore[attr-defined]
+    assert all(c.take_residual("w") is None for c in compressors)
+    for c, other in zip(compressors, kept, strict=True):
+        assert "w" not in c.residuals and "w" not in c.estimates  # type: ignore[attr-defined]
+        assert torch.equal(c.estimates["other"], other)  # type: ignore[attr-defined]
+    fresh = [make_compressor("topk:ratio=0.2,ef=ef21", rank=r) for r in range(RANKS)]
+    assert torch.equal(averaged(compressors, gradients(5), "w"), averaged(fresh, gradients(5), "w"))
+
+
 # -- state --------------------------------------------------------------------------------------
 
 

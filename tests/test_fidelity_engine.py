@@ -54,10 +54,10 @@ def ratio_schedule(rank: int, world: int) -> dict[str, Any]:
     assert warmed is not None and plain is not None
     return {
         "failures": Failures(),
-        "payload": [s["payload_bytes"] for s in state.steps()],
+        "payload": [s.payload_bytes for s in state.steps()],
         "sizes": sizes,
-        "sent after warm-up": [s["sent_bytes"] for s in warmed.steps()][-1],
-        "sent without": [s["sent_bytes"] for s in plain.steps()][-1],
+        "sent after warm-up": [s.sent_bytes for s in warmed.steps()][-1],
+        "sent without": [s.sent_bytes for s in plain.steps()][-1],
     }
 
 

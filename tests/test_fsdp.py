@@ -134,7 +134,7 @@ def against_fsdp(rank: int, world: int) -> Failures:
     mine, state = run("none", rank)
     failures.expect(equal(mine, default), "none: not FSDP2's gradients bitwise")
     steps = state.steps()
-    failures.expect(len(steps) == STEPS and steps[-1]["buckets"] == 4, f"none: recorded steps {steps}")
+    failures.expect(len(steps) == STEPS and steps[-1].buckets == 4, f"none: recorded steps {steps}")
     mine, _ = run("none:algo=ring", rank)  # gradcomp's ring adds in its own order
     failures.expect(close(mine, default, rtol=1e-6, atol=1e-7), "none:algo=ring: not the average")
     mine, _ = run("none", rank, bf16)
@@ -157,7 +157,7 @@ def against_fsdp(rank: int, world: int) -> Failures:
     step = state.steps()[-1]
     # 8-bit codes and a scale per chunk (most of it, for shards this small); every byte counted
     failures.expect(
-        step["compression_ratio"] > 2 and step["sent_bytes"] == step["sent_estimate"] > step["payload_bytes"],
+        step.compression_ratio > 2 and step.sent_bytes == step.sent_estimate > step.payload_bytes,
         f"quantize:bits=8: step record {step}",
     )
 

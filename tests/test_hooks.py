@@ -150,10 +150,10 @@ def resume(rank: int, world: int, spec: str) -> Failures:
     # 0, and step 0 of the uninterrupted run spent one round of 8-byte frames per bucket learning
     # the padded all-gather's capacities: the resumed run's first step sends exactly that less, and
     # its later steps exactly what the uninterrupted run's last steps sent.
-    sent, first = [s["sent_bytes"] for s in state.steps()], straight.steps()[0]
-    expected = [s["sent_bytes"] for s in straight.steps()][6:]
-    if first["sent_bytes"] is not None:  # a gathered payload (the native all-reduce's is not observable)
-        expected[0] = first["sent_bytes"] - 8 * (world - 1) * first["buckets"]
+    sent, first = [s.sent_bytes for s in state.steps()], straight.steps()[0]
+    expected = [s.sent_bytes for s in straight.steps()][6:]
+    if first.sent_bytes is not None and first.buckets is not None:  # a gathered payload (the native
+        expected[0] = first.sent_bytes - 8 * (world - 1) * first.buckets  # all-reduce's is not observable)
     if "warmup=" in spec:  # the first resumed step, inside the warm-up, all-gathers exact sizes (no
         sent, expected = sent[1:], expected[1:]  # capacity) over DDP's first bucketing: other buckets
     failures.expect(sent == expected, f"the resumed steps sent {sent}, expected {expected}")
@@ -249,21 +249,22 @@ def test_statistics_and_trace(spec: str, ratio: float | None, tmp_path: Path) ->
     results = spawn_ranks(2, measure, (spec, trace), timeout=240)
     for rank, result in enumerate(results):
         steps = result["steps"]
-        assert [s["step"] for s in steps] == [0, 1, 2]
+        assert [s.step for s in steps] == [0, 1, 2]
         for s in steps:
-            assert s["input_bytes"] == result["params"]  # every gradient byte, once per step
-            assert s["buckets"] >= (1 if s["step"] == 0 else 2)  # DDP rebuilds its buckets after step 0
+            assert s.input_bytes == result["params"]  # every gradient byte, once per step
+            assert s.buckets >= (1 if s.step == 0 else 2)  # DDP rebuilds its buckets after step 0
             if ratio is not None:
-                assert s["compression_ratio"] == pytest.approx(ratio)
+                assert s.compression_ratio == pytest.approx(ratio)
             else:
-                assert s["compression_ratio"] > 4
-            assert s["sent_bytes"] > 0 and s["received_bytes"] > 0  # gradcomp's ring: observable
-            assert s["compress_s"] > 0 and s["communicate_s"] > 0 and s["decompress_s"] > 0
+                assert s.compression_ratio > 4
+            assert s.sent_bytes > 0 and s.received_bytes > 0  # gradcomp's ring: observable
+            assert s.wire_bytes == s.sent_bytes
+            assert s.compress_s > 0 and s.communicate_s > 0 and s.decompress_s > 0
         with open(f"{trace}.{rank}") as file:
             events = json.load(file)["traceEvents"]
         names = {e["name"] for e in events}
         assert {"queued", "compress", "communicate", "decompress"} <= names
-        assert sum(e["name"].startswith("ready") for e in events) == sum(s["buckets"] for s in steps)
+        assert sum(e["name"].startswith("ready") for e in events) == sum(s.buckets for s in steps)
 
 
 LOSSY_BOUNDS = {  # worst error of the averaged gradient, relative to each parameter's largest |g|
@@ -322,7 +323,7 @@ def two_phase_against_exact(rank: int, world: int) -> dict[str, Any]:
         )
         assert state is not None
         result[aggregation] = worst_relative_error(grads, exact)
-        result[f"{aggregation} sent"] = state.steps()[0]["sent_bytes"]
+        result[f"{aggregation} sent"] = state.steps()[0].sent_bytes
     trained, _ = train(rank, "topk:ratio=0.2,ef=true", 20, aggregation="two_phase")
     result["failures"] = Failures()
     result["failures"].expect(parameters_identical_on_all_ranks(trained), f"two_phase training: {SAME_MODEL}")

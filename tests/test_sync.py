@@ -166,10 +166,10 @@ def references(rank: int, world: int) -> Failures:
 
     # statistics: bytes only at synchronizations, exactly the fragment's payload
     steps = sync.steps()
-    failures.expect([s["synchronized"] for s in steps] == [0, 0, 1, 0, 0, 1], f"synchronized {steps}")
+    failures.expect([s.synchronized for s in steps] == [0, 0, 1, 0, 0, 1], f"synchronized {steps}")
     size = sum(p.numel() * 4 for p in model.parameters())
-    failures.expect([s["input_bytes"] for s in steps] == [0, 0, size, 0, 0, size], "input bytes")
-    failures.expect(all(s["exposed_s"] >= 0 for s in steps), "exposed time")
+    failures.expect([s.input_bytes for s in steps] == [0, 0, size, 0, 0, size], "input bytes")
+    failures.expect(all(s.exposed_s >= 0 for s in steps), "exposed time")
     trace = Path(f"/tmp/gradcomp-sync-trace-{os.getpid()}.json")
     sync.write_trace(str(trace))
     events = json.loads(trace.read_text())["traceEvents"]
@@ -206,10 +206,10 @@ def streaming(rank: int, world: int) -> Failures:
     with sync.global_model() as synchronized:
         failures.expect(parameters_identical_on_all_ranks(list(synchronized.parameters())), "global models differ")
     failures.expect(not parameters_identical_on_all_ranks(parameters), "the replica is not its own again")
-    landed = [s["synchronized"] for s in sync.steps()]
+    landed = [s.synchronized for s in sync.steps()]
     # starts at steps 2, 4, 6, 8, ... land two steps later; the flush adds the one of step 20
     failures.expect(landed == [0, 0, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 2], f"landed {landed}")
-    ratios = [s["compression_ratio"] for s in sync.steps() if s["synchronized"]]
+    ratios = [s.compression_ratio for s in sync.steps() if s.synchronized]
     failures.expect(all(r > 6 for r in ratios), f"4-bit payloads: compression ratios {ratios}")
 
     model = toy_model()
@@ -287,7 +287,7 @@ def non_finite(rank: int, world: int) -> Failures:
         with torch.no_grad():
             next(model.parameters())[0, 0] = float("nan")
     local_training(sync, model, optimizer, toy_batches(rank, 1))
-    failures.expect(sync.steps()[-1]["skipped"] == 1, "the step was not skipped")
+    failures.expect(sync.steps()[-1].skipped == 1, "the step was not skipped")
     failures.expect(all(torch.equal(a, b) for a, b in zip(before, sync.globals, strict=True)), "globals moved")
     kept = all(
         torch.equal(sync.outer[0].state[g]["momentum_buffer"], m) for g, m in zip(sync.globals, momentum, strict=True)

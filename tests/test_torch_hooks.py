@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 from typing import Any
 
 import pytest
@@ -110,10 +111,12 @@ def _records_and_gradients(rank: int, world: int) -> Failures:
     same = all(torch.equal(a, b) for a, b in zip(_train(ours, batches), _train(direct, batches), strict=True))
     failures.expect(same, "torch:fp16's gradients differ from fp16_compress_hook's")
     steps = state.steps()
-    failures.expect([s["step"] for s in steps] == list(range(STEPS)), f"fp16 steps {[s['step'] for s in steps]}")
-    failures.expect(all(s["input_bytes"] == 4 * numel and s["payload_bytes"] == 2 * numel for s in steps),
+    failures.expect([s.step for s in steps] == list(range(STEPS)), f"fp16 steps {[s.step for s in steps]}")
+    failures.expect(all(s.input_bytes == 4 * numel and s.payload_bytes == 2 * numel for s in steps),
                     f"fp16 bytes {steps[0]}")  # fmt: skip
-    failures.expect(all(s["sent_bytes"] is None and s["compress_s"] is None for s in steps), "fp16 claims a time")
+    failures.expect(all(s.sent_bytes is None and s.compress_s is None for s in steps), "fp16 claims a time")
+    failures.expect(all(math.isclose(s.wire_bytes, s.payload_bytes * 2 * (world - 1) / world) for s in steps),
+                    f"fp16 is not counted as a ring all-reduce of its payload: {steps[0]}")  # fmt: skip
 
     # torch:allreduce registers no hook: DDP's own path; a step is a forward outside no_sync
     builtin = _one_bucket()
@@ -127,13 +130,13 @@ def _records_and_gradients(rank: int, world: int) -> Failures:
     builtin(batches[0][0])
     steps = state.steps()
     failures.expect(len(steps) == STEPS, f"torch:allreduce counted {len(steps)} steps, not {STEPS}")
-    failures.expect(all(s["payload_bytes"] == s["input_bytes"] == 4 * numel for s in steps), f"bytes {steps[0]}")
+    failures.expect(all(s.payload_bytes == s.input_bytes == 4 * numel for s in steps), f"bytes {steps[0]}")
 
     # torch:powersgd: the whole gradient before `start`, then factors and vectors, as counted from the shapes
     model = _one_bucket()
     state = torch_hooks.register(model, "torch:powersgd:rank=2,start=3", seed=1)
     _train(model, batches)
-    payload = [s["payload_bytes"] // 4 for s in state.steps()]
+    payload = [s.payload_bytes // 4 for s in state.steps()]
     expected = [numel] * 3 + [_powersgd_elements(model.module, 2)] * (STEPS - 3)
     failures.expect(payload == expected, f"powersgd payload {payload}, expected {expected}")
     return failures

@@ -17,13 +17,13 @@ from torch.nn.parallel import DistributedDataParallel
 from gradcomp import hooks
 from gradcomp.experiments.training import parallel
 from gradcomp.hooks import torch_hooks
-from gradcomp.hooks.torch_hooks import TorchHookSpec, TorchHookState, is_torch_spec
+from gradcomp.hooks.torch_hooks import TorchHookSpec, is_torch_spec
+from gradcomp.state import TrainingHookState
 
 NOOP = "noop"
 """The variant without communication: the compute floor, measured in every run."""
 TORCH_ALLREDUCE = "torch:allreduce"
 """DDP's built-in C++ all-reduce: the anchor of ``gradcomp bench ddp``."""
-State = hooks.HookState | hooks.AutoState | TorchHookState | hooks.TorchFSDPState
 """What hooking a variant returns: it records what every step sent and where its time went."""
 
 
@@ -52,7 +52,7 @@ class Mode(Protocol):
     def torch_canonical(self, spec: str) -> str:
         """One of torch's own (it must start with ``torch:``), in its canonical text (a bad one fails)."""
 
-    def make(self, build: Callable[[], nn.Module], variant: str, seed: int) -> tuple[nn.Module, State]:
+    def make(self, build: Callable[[], nn.Module], variant: str, seed: int) -> tuple[nn.Module, TrainingHookState]:
         """A fresh model for ``variant``, spread and hooked (the same initial weights for every variant)."""
 
     def isolated(self, variant: str) -> bool:
@@ -79,7 +79,7 @@ class Replicas:
     def torch_canonical(self, spec: str) -> str:
         return str(TorchHookSpec.parse(spec))
 
-    def make(self, build: Callable[[], nn.Module], variant: str, seed: int) -> tuple[nn.Module, State]:
+    def make(self, build: Callable[[], nn.Module], variant: str, seed: int) -> tuple[nn.Module, TrainingHookState]:
         torch.manual_seed(seed)
         model = DistributedDataParallel(build())  # DDP broadcasts rank 0's weights anyway
         if is_torch_spec(variant):
@@ -113,7 +113,7 @@ class Shards:
     def torch_canonical(self, spec: str) -> str:
         return str(hooks.TorchFSDPSpec.parse(spec))
 
-    def make(self, build: Callable[[], nn.Module], variant: str, seed: int) -> tuple[nn.Module, State]:
+    def make(self, build: Callable[[], nn.Module], variant: str, seed: int) -> tuple[nn.Module, TrainingHookState]:
         torch.manual_seed(seed)
         spec = hooks.parse_sharded(variant, seed=seed)
         sharded = parallel.make("fsdp", build(), torch.device("cpu"), spec)

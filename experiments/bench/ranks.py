@@ -13,14 +13,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradcomp.experiments.bench import records
-from gradcomp.experiments.bench.modes import State
 from gradcomp.experiments.bench.settings import BenchSettings
 from gradcomp.experiments.bench.workloads import UserModel
 from gradcomp.experiments.tasks import build_task
+from gradcomp.state import TrainingHookState
 
 Batch = tuple[Tensor, Tensor | None]
 """Inputs and targets (None for a user's model: it trains against the mean square of its output)."""
-Setups = dict[str, tuple[nn.Module, State]]
+Setups = dict[str, tuple[nn.Module, TrainingHookState]]
 """Per variant, its model (spread over the ranks) and what its hook records."""
 
 
@@ -56,7 +56,7 @@ def measure(rank: int, world: int, settings: BenchSettings, variants: Sequence[s
                     times[variant].append(time.perf_counter() - start)
     slowest = _slowest(times, world)
     return {
-        v: Measured(slowest[v], records.wire(state, len(times[v]), world), records.phases(state, len(times[v])))
+        v: Measured(slowest[v], records.wire(state, len(times[v])), records.phases(state, len(times[v])))
         for v, (_, state) in setups.items()
     }
 

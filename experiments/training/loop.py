@@ -220,5 +220,5 @@ class Loop:
             metrics[f"{part}_ms"] = 1e3 * total / steps if steps else None
         hooked = self.meter.steps
         for key, spent in self.meter.hook_seconds.items():  # on the hook's thread, overlapping backward
-            metrics[f"{key[:-2]}_ms"] = 1e3 * spent / hooked if spent is not None and hooked else None
+            metrics[f"{key}_ms"] = 1e3 * spent / hooked if spent is not None and hooked else None
         return metrics

@@ -32,11 +32,8 @@ import math
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from gradcomp.engine.stats import wire_bytes
 from gradcomp.experiments.training import curves
-from gradcomp.hooks import AutoState, HookState, TorchFSDPState
-from gradcomp.hooks.torch_hooks import TorchHookState
-from gradcomp.sync import Synchronizer
+from gradcomp.state import TrainingHookState
 
 logger = logging.getLogger(__name__)
 
@@ -45,16 +42,18 @@ class WireMeter:
     """Bytes on the wire and time in the hook, per step, from the hook's statistics (its per-step
     records, read incrementally: only the steps since the last call).
 
-    Wire bytes are what this rank's collectives sent. The backend's native all-reduce does not report
+    Wire bytes are what this rank's collectives sent (:attr:`StepStats.wire_bytes
+    <gradcomp.engine.stats.StepStats.wire_bytes>`). The backend's native all-reduce does not report
     its traffic (``sent_bytes`` is None there: ``allreduce``, casts and PowerSGD with ``algo=native``,
-    and torch's hooks); such steps count a ring all-reduce's ``2 (p - 1) / p`` times the payload, what
-    gloo's and NCCL's rings send, and :attr:`estimated` says so. ``noop`` sends nothing. Hook times
+    and torch's hooks); such steps count what its algorithm sends by its own count (``sent_estimate``:
+    a ring all-reduce's ``2 (p - 1) / p`` times the payload, what gloo's and NCCL's rings send), and
+    :attr:`estimated` says so. ``noop`` sends nothing. Hook times
     (compress, communicate, decompress) are summed where the hook measures them (gradcomp's hooks;
     torch's do not).
     """
 
-    def __init__(self, state: AnyHookState, world: int, total: int = 0, estimated: bool = False) -> None:
-        self.state, self.world = state, world
+    def __init__(self, state: TrainingHookState, total: int = 0, estimated: bool = False) -> None:
+        self.state = state
         self.total, self.estimated = total, estimated
         self.input_bytes = self.payload_bytes = 0  # this invocation's, for the mean compression ratio
         self.hook_seconds: dict[str, float | None] = dict.fromkeys(HOOK_TIMES)  # this invocation's; None: unmeasured
@@ -66,25 +65,25 @@ class WireMeter:
     def collect(self) -> None:
         """Take in the steps finished since the last call (after a backward, every bucket is in)."""
         steps = self.state.steps_since(self._next)
-        if steps and steps[0]["step"] != self._next:
-            logger.warning(
-                "hook statistics of steps %d-%d were lost (read them more often)", self._next, steps[0]["step"]
-            )
+        if steps and steps[0].step != self._next:
+            logger.warning("hook statistics of steps %d-%d were lost (read them more often)", self._next, steps[0].step)
         for s in steps:
-            sent = round(wire_bytes(s, self.world))
-            self.estimated |= s["sent_bytes"] is None
+            sent = round(s.wire_bytes)
+            self.estimated |= s.sent_bytes is None
             self.total += sent
-            self.input_bytes += s["input_bytes"]
-            self.payload_bytes += s["payload_bytes"]
+            self.input_bytes += s.input_bytes
+            self.payload_bytes += s.payload_bytes
             self.steps += 1
-            counts = (("steps", 1), ("sent", sent), ("input", s["input_bytes"]), ("payload", s["payload_bytes"]))
+            counts = (("steps", 1), ("sent", sent), ("input", s.input_bytes), ("payload", s.payload_bytes))
             for key, value in counts:
                 self._window[key] = self._window.get(key, 0) + value
+            phases = s.phases()
             for key in HOOK_TIMES:
-                if s.get(key) is not None:
-                    self.hook_seconds[key] = (self.hook_seconds[key] or 0.0) + s[key]
-                    self._window[key] = self._window.get(key, 0) + s[key]
-            self._next = s["step"] + 1
+                seconds = phases.get(key)
+                if seconds is not None:
+                    self.hook_seconds[key] = (self.hook_seconds[key] or 0.0) + seconds
+                    self._window[key] = self._window.get(key, 0) + seconds
+            self._next = s.step + 1
 
     def drain(self) -> dict[str, float]:
         """Scalars for the steps collected since the last drain (per-step means)."""
@@ -96,7 +95,7 @@ class WireMeter:
             "comm/wire_bytes": self.total,
             "comm/sent_bytes_per_step": w["sent"] / n,
             "comm/payload_bytes_per_step": w["payload"] / n,
-            **{f"time/{key[:-2]}_ms": 1e3 * w[key] / n for key in HOOK_TIMES if key in w},
+            **{f"time/{key}_ms": 1e3 * w[key] / n for key in HOOK_TIMES if key in w},
         }
         if w["payload"]:
             scalars["comm/compression_ratio"] = w["input"] / w["payload"]
@@ -116,12 +115,10 @@ class WireMeter:
         return self.input_bytes / self.payload_bytes if self.payload_bytes else None
 
 
-HOOK_TIMES = ("compress_s", "communicate_s", "decompress_s", "exposed_s")
-"""The hook's own times that a run reports (per step, on the hook's thread, overlapping backward), and
-infrequent synchronization's ``exposed_s``: the time the training thread waited for it."""
-AnyHookState = HookState | AutoState | TorchHookState | TorchFSDPState | Synchronizer
-"""A gradcomp hook's state, one of torch's hooks' (``torch:...``, DDP's or FSDP2's), or the synchronizer
-of local SGD or DiLoCo."""
+HOOK_TIMES = ("compress", "communicate", "decompress", "exposed")
+"""The phases (:meth:`StepStats.phases <gradcomp.engine.stats.StepStats.phases>`) whose times a run
+reports: the hook's own (per step, on the hook's thread, overlapping backward), and infrequent
+synchronization's ``exposed``: the time the training thread waited for it."""
 
 
 class Writer(Protocol):

@@ -27,6 +27,7 @@ from gradcomp import hooks
 from gradcomp.experiments.tasks.base import Batch, batches
 from gradcomp.hooks import torch_hooks
 from gradcomp.hooks.torch_hooks import TorchHookSpec
+from gradcomp.state import TrainingHookState
 from gradcomp.sync import Synchronizer, SyncSpec
 
 PARALLELS = ("ddp", "fsdp")
@@ -55,7 +56,7 @@ class Replicated(Spread):
         self.module = model
         self.forward = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
 
-    def register(self, spec: Any, seed: int, optimizer: torch.optim.Optimizer) -> Any:
+    def register(self, spec: Any, seed: int, optimizer: torch.optim.Optimizer) -> TrainingHookState:
         if isinstance(spec, TorchHookSpec):
             return torch_hooks.register(self.forward, spec, seed=seed)
         return hooks.register(self.forward, spec)
@@ -92,7 +93,7 @@ class Sharded(Spread):
         fully_shard(model, **options)
         self.module = self.forward = model
 
-    def register(self, spec: Any, seed: int, optimizer: torch.optim.Optimizer) -> Any:
+    def register(self, spec: Any, seed: int, optimizer: torch.optim.Optimizer) -> TrainingHookState:
         return hooks.register(self.module, spec)
 
     @contextlib.contextmanager

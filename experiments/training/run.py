@@ -39,10 +39,11 @@ from gradcomp.experiments.tasks import build_task
 from gradcomp.experiments.training import checkpoint, parallel, runinfo
 from gradcomp.experiments.training.config import PATH_FIELDS, TrainConfig, add_arguments, from_args
 from gradcomp.experiments.training.loop import Loop
-from gradcomp.experiments.training.metrics import AnyHookState, NullWriter, TensorBoardWriter, WireMeter, Writer
+from gradcomp.experiments.training.metrics import NullWriter, TensorBoardWriter, WireMeter, Writer
 from gradcomp.experiments.training.optim import make_optimizer, make_schedule
 from gradcomp.launch import RankError, spawn
 from gradcomp.netem import NetemError
+from gradcomp.state import TrainingHookState
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def train(rank: int, world: int, config: TrainConfig) -> dict[str, Any] | None:
     spread = parallel.make(config.parallel, model, device, spec, config.sync_spec)
     used = config.effective  # the optimizer without the momentum a hook took over (momentum=true)
     optimizer = make_optimizer(used.optimizer, spread.forward.parameters(), used.lr, used.momentum, used.weight_decay)
-    state: AnyHookState = spread.register(spec, config.seed, optimizer)
+    state: TrainingHookState = spread.register(spec, config.seed, optimizer)
     schedule = make_schedule(optimizer, config.schedule, total, config.warmup_steps)
     torch.manual_seed(config.seed + 7919 * (rank + 1))  # each rank's own stream (dropout and the like)
     progress = {"elapsed_s": 0.0, "wire_bytes": 0, "wire_estimated": False, "origin": time.time()}
@@ -84,7 +85,7 @@ def train(rank: int, world: int, config: TrainConfig) -> dict[str, Any] | None:
     if rank == 0:
         runinfo.write(config.out, {**record, "status": "running"})
         writer = TensorBoardWriter(config.out, float(progress["origin"]), start if resume else None)
-    meter = WireMeter(state, world, int(progress["wire_bytes"]), bool(progress["wire_estimated"]))
+    meter = WireMeter(state, int(progress["wire_bytes"]), bool(progress["wire_estimated"]))
 
     def save(step: int, elapsed: float) -> None:
         hook_state = state.state_dict()  # first: a synchronizer completes what is in flight, which the meter counts

@@ -268,6 +268,15 @@ class Compressor(ABC):
         """
         return self.decompress(payload, ctx, out=out)
 
+    def take_residual(self, key: Key) -> Tensor | None:
+        """Hand over what this compressor has not sent yet of tensor ``key``'s gradients, and forget
+        the tensor's feedback state: for a caller that averages ``key`` another way from now on (the
+        ``auto`` hook switching a tensor's method), which adds it to the tensor's next gradient, so
+        nothing is lost. In the units of the tensors this compressor was given (the engine's: the
+        gradient over the world size). None: nothing is owed (a compressor without error feedback;
+        error feedback's variants: :meth:`gradcomp.compressors.feedback.ErrorFeedback.take_residual`)."""
+        return None
+
     def sent_indices(self, payload: Payload, ctx: Any) -> Tensor | None:
         """The flat indices (int64) of the elements ``payload`` carries, for compressors that select
         some (sparsifiers, random-k); None for the others, which carry every element in part.

@@ -224,6 +224,26 @@ class ErrorFeedback(Compressor):
             self._accumulate(tensor, divisor, key, residual, compensated)
         return self._compress_compensated(compensated, key, shapes)
 
+    def take_residual(self, key: Key) -> Tensor | None:
+        """What ``key`` has not sent yet, handed over; every state of ``key`` forgotten (a tensor that
+        comes back starts afresh, as on its first step).
+
+        - Classic: the residual, exactly (it is what compression left behind: sent later by whoever
+          takes it, as the next steps here would have sent it).
+        - EF21: None. Its state is no unsent gradient: h estimates this rank's share and G (the same
+          on every rank) the sum of the h, and the output of each step is G, whatever the gradient
+          was. A method that sends the gradient itself needs no estimate; adding h to the next
+          gradient would send this rank's share about twice. h and G are dropped together, on every
+          rank alike (the caller's decision is every rank's), so G stays the sum of the h.
+        - Momentum correction's velocity: dropped. The gradients it accumulated were sent already
+          (``c = e + u``, every step: what the compression dropped of them is in the residual); what
+          it would still add to later steps is momentum, which the new method does not apply.
+        """
+        residual = self.residuals.pop(key, None)
+        for states in (self.velocities, self.estimates, self._compensated, self._next_velocities):
+            states.pop(key, None)
+        return residual if self.feedback.variant == "classic" else None
+
     def dense_share(self, tensor: Tensor, divisor: float, key: Key = None) -> None:
         """What this rank adds to an uncompressed sum (a warm-up step), in place: its share
         ``tensor / divisor``, clipped and momentum-corrected as a compressed step would be, plus

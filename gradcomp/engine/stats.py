@@ -1,4 +1,5 @@
-"""What the engine measures per bucket, summed per step, and a Chrome/Perfetto trace of it.
+"""What the engine measures per bucket (:class:`BucketRecord`), summed per step (:class:`StepStats`),
+and a Chrome/Perfetto trace of it.
 
 Times are ``time.perf_counter`` seconds on this rank. ``payload_bytes`` is what the compressor
 produced (every round), exactly as ``Compressor.wire_bytes`` counts; ``sent_bytes`` and
@@ -16,11 +17,10 @@ import json
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 
-from gradcomp.collectives.cost_model import ring_traffic
 from gradcomp.collectives.link import Traffic
 
 
@@ -87,54 +87,126 @@ class CallSteps:
         return self.step, len(self._seen) - 1
 
 
-def steps_since(records: Sequence[BucketRecord], first: int) -> list[dict[str, Any]]:
-    """:func:`per_step` of the records of step ``first`` on, reading only the newest (cheap at every step)."""
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    """What one step cost this rank: the sum of its buckets (what every hook state's ``steps()``
+    returns, one per step). Records add up (``a + b``: counts and times summed, a figure that is
+    None on either side None) from :meth:`zero`. A field is None where its hook cannot observe it:
+    torch's own hooks time no phase and count no buckets, and the backend's native collectives do
+    not report their traffic."""
+
+    step: int
+    """The step's number: the hook's count of steps in this process, from 0 (also on a resumed run)."""
+    buckets: int | None = 0
+    """Buckets averaged in the step (DDP's buckets, FSDP2's module calls, the synchronizer's
+    fragments); None for torch's own DDP hooks, which do not count them."""
+    input_bytes: int = 0
+    """The gradient bytes handed to the hook (for FSDP2: what an uncompressed reduce-scatter sends)."""
+    payload_bytes: int = 0
+    """The payload the compressor produced (every round), exactly as ``Compressor.wire_bytes`` counts."""
+    sent_bytes: int | None = 0
+    """What this rank's collectives sent, as measured; None where the backend's native collectives
+    moved any of the step's bytes (their traffic is not observable)."""
+    received_bytes: int | None = 0
+    """What this rank's collectives received; None where :attr:`sent_bytes` is."""
+    sent_estimate: float = 0.0
+    """The bytes sent, measured, plus what the backend's collectives send by their algorithm's own
+    count (a ring's): always there (torch's own hooks: a ring all-reduce of the payload)."""
+    compress_s: float | None = 0.0
+    """Seconds compressing (on the engine's threads, overlapping backward); None: not timed (torch's hooks)."""
+    communicate_s: float | None = 0.0
+    """Seconds in the collectives (their wall time on this rank); None: not timed."""
+    decompress_s: float | None = 0.0
+    """Seconds decompressing; None: not timed."""
+    tail_s: float | None = 0.0
+    """From the step's last hand-over of a bucket (when backward produced its last gradients) to the
+    end of the last bucket's work: the communication and decompression that backward could not
+    hide, which a training step waits for; None: not timed."""
+
+    @classmethod
+    def zero(cls: type[_Stats], step: int) -> _Stats:
+        """A step in which nothing was averaged (what a step's parts add up from)."""
+        return cls(step)
+
+    def __add__(self: _Stats, other: StepStats) -> _Stats:
+        """Both summed, field by field (None where either is None; a field ``other`` lacks counts 0),
+        with this one's step and kind."""
+        summed = {
+            f.name: _plus(getattr(self, f.name), getattr(other, f.name, 0))
+            for f in dataclasses.fields(self)
+            if f.name != "step"
+        }
+        return dataclasses.replace(self, **summed)
+
+    @property
+    def compression_ratio(self) -> float:
+        """Gradient bytes over payload bytes (inf for a step without a payload)."""
+        return self.input_bytes / self.payload_bytes if self.payload_bytes else float("inf")
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes this rank sent in the step: as measured, or, where the backend's native collectives
+        moved the payload (unobservable), :attr:`sent_estimate`."""
+        return float(self.sent_bytes if self.sent_bytes is not None else self.sent_estimate)
+
+    def phases(self) -> dict[str, float | None]:
+        """Seconds per phase, by name: ``compress``, ``communicate``, ``decompress`` and ``tail``."""
+        return {"compress": self.compress_s, "communicate": self.communicate_s, "decompress": self.decompress_s,
+                "tail": self.tail_s}  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields and :attr:`compression_ratio` as a plain dict (for JSON, or a table)."""
+        return {**dataclasses.asdict(self), "compression_ratio": self.compression_ratio}
+
+
+_Stats = TypeVar("_Stats", bound=StepStats)
+
+
+def _plus(a: Any, b: Any) -> Any:
+    return None if a is None or b is None else a + b
+
+
+class _Stepped(Protocol):
+    @property
+    def step(self) -> int: ...
+
+
+_Item = TypeVar("_Item", bound=_Stepped)
+
+
+def newest(items: Sequence[_Item], first: int) -> list[_Item]:
+    """The ``items`` (records or steps, in step order) of step ``first`` on, reading only the newest
+    (cheap at every step)."""
     fresh = []
-    for record in reversed(records):
-        if record.step < first:
+    for item in reversed(items):
+        if item.step < first:
             break
-        fresh.append(record)
-    return per_step(reversed(fresh))
+        fresh.append(item)
+    return fresh[::-1]
 
 
-def per_step(records: Iterable[BucketRecord]) -> list[dict[str, Any]]:
-    """Sum bucket records into one dict per step (in step order).
+def steps_since(records: Sequence[BucketRecord], first: int) -> list[StepStats]:
+    """:func:`per_step` of the records of step ``first`` on, reading only the newest (cheap at every step)."""
+    return per_step(newest(records, first))
 
-    ``tail_s`` is the time from the step's last hand-over of a bucket (when backward produced its
-    last gradients) to the end of the last bucket's work: the communication and decompression
-    that backward could not hide, which a training step waits for.
-    """
-    steps: dict[int, dict[str, Any]] = {}
+
+def per_step(records: Iterable[BucketRecord]) -> list[StepStats]:
+    """Sum bucket records into one :class:`StepStats` per step (in step order), with the step's tail."""
+    steps: dict[int, list[BucketRecord]] = {}
     for r in records:
-        s = steps.setdefault(
-            r.step,
-            {"step": r.step, "buckets": 0, "input_bytes": 0, "payload_bytes": 0, "sent_bytes": 0,
-             "received_bytes": 0, "sent_estimate": 0.0, "compress_s": 0.0, "communicate_s": 0.0, "decompress_s": 0.0,
-             "last_queued": r.queued, "last_finished": r.finished},
-        )  # fmt: skip
-        s["buckets"] += 1
-        s["last_queued"] = max(s["last_queued"], r.queued)
-        s["last_finished"] = max(s["last_finished"], r.finished)
-        for name in ("input_bytes", "payload_bytes", "sent_estimate", "compress_s", "communicate_s", "decompress_s"):
-            s[name] += getattr(r, name)
-        for name in ("sent_bytes", "received_bytes"):
-            value = getattr(r, name)
-            s[name] = None if value is None or s[name] is None else s[name] + value
-    for s in steps.values():
-        s["tail_s"] = max(0.0, s.pop("last_finished") - s.pop("last_queued"))
-        s["compression_ratio"] = s["input_bytes"] / s["payload_bytes"] if s["payload_bytes"] else float("inf")
-    return [steps[k] for k in sorted(steps)]
+        steps.setdefault(r.step, []).append(r)
+    return [_summed(step, steps[step]) for step in sorted(steps)]
 
 
-def wire_bytes(step: dict[str, Any], world_size: int) -> float:
-    """Bytes one rank sent in a step (a :func:`per_step` dict): as measured, or, where the backend's
-    native collectives moved the payload (unobservable), the engine's ``sent_estimate``; a step
-    without one (torch's own hooks) counts what a ring all-reduce sends: 2 (p - 1) / p x payload."""
-    if step["sent_bytes"] is not None:
-        return float(step["sent_bytes"])
-    if "sent_estimate" in step:
-        return float(step["sent_estimate"])
-    return step["payload_bytes"] * ring_traffic(world_size)
+def _summed(step: int, records: list[BucketRecord]) -> StepStats:
+    parts = (
+        StepStats(step, buckets=1, input_bytes=r.input_bytes, payload_bytes=r.payload_bytes,
+                  sent_bytes=r.sent_bytes, received_bytes=r.received_bytes, sent_estimate=r.sent_estimate,
+                  compress_s=r.compress_s, communicate_s=r.communicate_s, decompress_s=r.decompress_s)
+        for r in records
+    )  # fmt: skip
+    tail = max(0.0, max(r.finished for r in records) - max(r.queued for r in records))
+    return dataclasses.replace(sum(parts, StepStats.zero(step)), tail_s=tail)
 
 
 def write_trace(records: Iterable[BucketRecord], path: str | os.PathLike[str], rank: int = 0) -> None:

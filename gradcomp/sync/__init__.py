@@ -9,12 +9,13 @@
 - :mod:`~gradcomp.sync.spec`: :class:`SyncSpec`, how often and how replicas synchronize, parsed once.
 - :mod:`~gradcomp.sync.fragments`: the parameters in fragments, and when each synchronizes.
 - :mod:`~gradcomp.sync.synchronizer`: :class:`Synchronizer` (and :class:`LocalSGD`, :class:`DiLoCo`),
-  which averages outer gradients through the engine and takes the outer step.
+  which averages outer gradients through the engine and takes the outer step, and
+  :class:`SyncStepStats`, what each inner step's synchronizations cost.
 
 Each rank holds a full replica; nothing here knows DDP. See ``docs/local-sgd.md``.
 """
 
 from gradcomp.sync.spec import KINDS, SyncSpec, SyncSpecLike
-from gradcomp.sync.synchronizer import DiLoCo, LocalSGD, Synchronizer
+from gradcomp.sync.synchronizer import DiLoCo, LocalSGD, Synchronizer, SyncStepStats
 
-__all__ = ["KINDS", "DiLoCo", "LocalSGD", "SyncSpec", "SyncSpecLike", "Synchronizer"]
+__all__ = ["KINDS", "DiLoCo", "LocalSGD", "SyncSpec", "SyncSpecLike", "SyncStepStats", "Synchronizer"]

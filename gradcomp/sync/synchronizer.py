@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import datetime
 import logging
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -38,12 +39,31 @@ from gradcomp import collectives
 from gradcomp.collectives.executor import Handle
 from gradcomp.engine import Engine, HookSpec, HookSpecLike
 from gradcomp.engine.pipeline import check_same_spec
-from gradcomp.engine.stats import BucketRecord, per_step, write_trace
+from gradcomp.engine.stats import BucketRecord, StepStats, newest, per_step, write_trace
 from gradcomp.flat import views
+from gradcomp.state import TrainingHookState
 from gradcomp.sync import fragments
 from gradcomp.sync.spec import SyncSpec, SyncSpecLike
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncStepStats(StepStats):
+    """An inner step of a synchronizer: what the synchronizations that landed in it cost, as a DDP
+    hook's step (:class:`~gradcomp.engine.stats.StepStats`, ``buckets`` counting the engine's calls),
+    and what only synchronizations have. Steps without one count zeros."""
+
+    exposed_s: float = 0.0
+    """Seconds the training thread waited for the synchronizations to land."""
+    synchronized: int = 0
+    """Fragments that landed (each applied with its outer step, or skipped)."""
+    skipped: int = 0
+    """Outer steps skipped for a non-finite average."""
+
+    def phases(self) -> dict[str, float | None]:
+        """As a hook's, and ``exposed``."""
+        return {**super().phases(), "exposed": self.exposed_s}
 
 
 @dataclasses.dataclass
@@ -60,8 +80,9 @@ class _InFlight:
     """The engine's call number in this process (its records' step), None when restored."""
 
 
-class Synchronizer:
-    """Local SGD or DiLoCo over a group: every rank holds a full replica of ``model``.
+class Synchronizer(TrainingHookState):
+    """Local SGD or DiLoCo over a group: every rank holds a full replica of ``model``. Statistics,
+    traces, checkpoints and the error as a hook's state (:class:`~gradcomp.state.TrainingHookState`).
 
     Args:
         model: this rank's replica (not wrapped in DDP: nothing communicates per step). Its trainable
@@ -138,7 +159,7 @@ class Synchronizer:
         """Inner steps so far (carried over by a checkpoint)."""
         self._in_flight: collections.deque[_InFlight] = collections.deque()
         self._calls = 0  # engine calls made by this process: the number its records carry
-        self._stats: collections.deque[dict[str, Any]] = collections.deque(maxlen=history)
+        self._stats: collections.deque[SyncStepStats] = collections.deque(maxlen=history)
         self._steps_here = 0  # step() calls in this process (statistics count from 0, also on resume)
 
     # -- the training loop's calls ---------------------------------------------------------------
@@ -259,26 +280,21 @@ class Synchronizer:
 
     # -- statistics ---------------------------------------------------------------------------
 
-    def steps(self) -> list[dict[str, Any]]:
+    def steps(self) -> list[SyncStepStats]:
         """Per inner step of this process (counted from 0): what the synchronizations applied in it
         cost, as a DDP hook's steps are reported (``input_bytes``, ``payload_bytes``, ``sent_bytes``,
         ``compress_s``, ``communicate_s``, ``decompress_s``, ...), plus ``exposed_s`` (the time the
         training thread waited for them), ``synchronized`` (fragments applied) and ``skipped`` (outer
-        steps skipped for a non-finite average). Steps without one count zeros; a checkpoint taken
-        with synchronizations in flight adds an entry of its own for their transfers
-        (:meth:`state_dict`)."""
+        steps skipped for a non-finite average): :class:`SyncStepStats`. Steps without one count
+        zeros; a checkpoint taken with synchronizations in flight adds an entry of its own for their
+        transfers (:meth:`state_dict`)."""
         return self.steps_since(0)
 
-    def steps_since(self, first: int) -> list[dict[str, Any]]:
+    def steps_since(self, first: int) -> list[SyncStepStats]:
         """:meth:`steps` from step ``first`` on."""
-        fresh = []
-        for entry in reversed(self._stats):
-            if entry["step"] < first:
-                break
-            fresh.append(entry)
-        return fresh[::-1]
+        return newest(self._stats, first)
 
-    def write_trace(self, path: str) -> None:
+    def write_trace(self, path: str | os.PathLike[str]) -> None:
         """A Chrome / Perfetto JSON trace of every recorded synchronization (one bucket per fragment:
         when it started, its wait on the executor, and its compress / communicate / decompress phases)."""
         write_trace(self.engine.records, path, dist.get_rank(self.engine.group))
@@ -286,20 +302,12 @@ class Synchronizer:
     def _record(self, records: list[BucketRecord], exposed: float, applied: int, skipped: int, new_step: bool) -> None:
         """The statistics of a step, or added to the latest step's (``new_step`` False: a flush)."""
         if new_step:
-            self._stats.append(_quiet_step(self._steps_here))
+            self._stats.append(SyncStepStats.zero(self._steps_here))
             self._steps_here += 1
         entry = self._stats[-1]
-        summed = per_step(dataclasses.replace(r, step=entry["step"]) for r in records)
-        for name, value in (summed[0] if summed else {}).items():
-            if name in ("sent_bytes", "received_bytes"):
-                entry[name] = None if value is None or entry[name] is None else entry[name] + value
-            elif name not in ("step", "compression_ratio"):
-                entry[name] += value
-        if entry["payload_bytes"]:
-            entry["compression_ratio"] = entry["input_bytes"] / entry["payload_bytes"]
-        entry["exposed_s"] += exposed
-        entry["synchronized"] += applied
-        entry["skipped"] += skipped
+        for summed in per_step(dataclasses.replace(r, step=entry.step) for r in records):  # one step, or none
+            entry += summed
+        self._stats[-1] = entry + SyncStepStats(entry.step, exposed_s=exposed, synchronized=applied, skipped=skipped)
 
     @staticmethod
     def _records_of(engine: Engine, number: int | None) -> list[BucketRecord]:
@@ -420,15 +428,3 @@ class DiLoCo(_Kind):
 def _averageable(value: Any, parameter: Tensor) -> bool:
     """An optimizer state entry that is per element of its parameter (not a step count)."""
     return isinstance(value, Tensor) and value.is_floating_point() and value.shape == parameter.shape
-
-
-def _quiet_step(step: int) -> dict[str, Any]:
-    """A step in which nothing synchronized."""
-    counts = ("buckets", "input_bytes", "payload_bytes", "sent_bytes", "received_bytes")
-    times = ("sent_estimate", "compress_s", "communicate_s", "decompress_s", "tail_s")
-    return {
-        "step": step,
-        **dict.fromkeys((*counts, "synchronized", "skipped"), 0),
-        **dict.fromkeys((*times, "exposed_s"), 0.0),
-        "compression_ratio": float("inf"),
-    }
