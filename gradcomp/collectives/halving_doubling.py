@@ -95,6 +95,10 @@ def _recursive_doubling(
         op.combine(flat, incoming[k * n : (k + 1) * n])
 
 
+_Plan = list[tuple[int, tuple[int, int], tuple[int, int]]]
+"""Per halving step: the partner, the element range kept, the range given."""
+
+
 def _halving_doubling(
     link: Link,
     flat: Tensor,
@@ -111,8 +115,21 @@ def _halving_doubling(
     ``incoming``, the doubling's straight into place), so no message waits for its receive; each
     transfer is segmented so that reductions overlap the segments still arriving.
     """
-    blocks = chunk_bounds(flat.numel(), power)
-    plans: list[tuple[int, tuple[int, int], tuple[int, int]]] = []  # (partner, kept range, given range)
+    plans = _plan(flat.numel(), power, virtual, real)
+
+    def pieces(size: int) -> list[tuple[int, int]]:
+        return segments(size, flat.element_size(), segment_bytes)
+
+    sends = _halve(link, flat, op, plans, incoming, pieces)
+    for works in sends:  # the doubling receives into the ranges the halving sent from
+        link.wait(works)
+    _double(link, flat, plans, pieces)
+
+
+def _plan(numel: int, power: int, virtual: int, real: Callable[[int], int]) -> _Plan:
+    """The halving's steps for virtual rank ``virtual`` of ``power``: whom it meets, what it keeps and gives."""
+    blocks = chunk_bounds(numel, power)
+    plans: _Plan = []
     low, high, mask = 0, power, power >> 1
     while mask:
         middle = (low + high) // 2
@@ -126,11 +143,19 @@ def _halving_doubling(
         )
         low, high = keep
         mask >>= 1
+    return plans
 
-    def pieces(size: int) -> list[tuple[int, int]]:
-        return segments(size, flat.element_size(), segment_bytes)
 
-    # Halving: receive the partner's half of what we keep, reduce it in, segment by segment.
+def _halve(
+    link: Link,
+    flat: Tensor,
+    op: ReduceOp,
+    plans: _Plan,
+    incoming: Tensor,
+    pieces: Callable[[int], list[tuple[int, int]]],
+) -> list[list[Pending]]:
+    """Halving: receive the partner's half of what we keep, reduce it in, segment by segment; the
+    sends still in flight come back (wait for them before reusing the ranges they send from)."""
     parts, offset = [], 0
     for _, (keep_start, keep_stop), _ in plans:
         parts.append(incoming[offset : offset + keep_stop - keep_start])
@@ -149,11 +174,11 @@ def _halving_doubling(
         for (a, b), works in zip(pieces(part.numel()), waiting, strict=True):
             link.wait(works)
             op.combine(kept[a:b], part[a:b])
-    for works in sends:  # the doubling receives into the ranges the halving sent from
-        link.wait(works)
-    sends.clear()
+    return sends
 
-    # Doubling: the same exchanges backwards, whole results this time, straight into place.
+
+def _double(link: Link, flat: Tensor, plans: _Plan, pieces: Callable[[int], list[tuple[int, int]]]) -> None:
+    """Doubling: the halving's exchanges backwards, whole results this time, straight into place."""
     receives = [
         [
             link.start(receive=flat[give_start + a : give_start + b], source=partner)
@@ -161,6 +186,7 @@ def _halving_doubling(
         ]
         for partner, _, (give_start, give_stop) in reversed(plans)
     ]
+    sends: list[list[Pending]] = []
     for (partner, (keep_start, keep_stop), _), waiting in zip(reversed(plans), receives, strict=True):
         kept = flat[keep_start:keep_stop]
         sends += [link.start(send=kept[a:b], to=partner) for a, b in pieces(kept.numel())]
