@@ -29,7 +29,7 @@ from gradcomp.bench.units import ACCEPTED, parse_sizes
 from gradcomp.compressors import REGISTRY
 from gradcomp.compressors.registry import WRAPPER_OPTIONS
 from gradcomp.netem import NetemError
-from gradcomp.options import format_value
+from gradcomp.options import format_value, split_list
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -156,7 +156,7 @@ def _bench_compressors(args: argparse.Namespace) -> int:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     sizes = [size.as_elements() for size in parse_sizes(args.sizes)]
-    specs = [s.strip() for s in args.specs.split(";") if s.strip()] if args.specs else list(bench.DEFAULT_SPECS)
+    specs = split_list(args.specs) if args.specs else list(bench.DEFAULT_SPECS)
     references, rows = bench.run(sizes, specs, repeats=args.repeats, seed=args.seed, device=args.device)
     host = machine()
     sys.stdout.write(

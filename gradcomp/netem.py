@@ -35,6 +35,8 @@ import subprocess
 import threading
 from types import FrameType, TracebackType
 
+from gradcomp.options import split_list
+
 logger = logging.getLogger(__name__)
 
 PREFIX = "gradcomp-"
@@ -105,6 +107,12 @@ class Profile:
         return cls(text.strip(), _rate(rate, text), _time(delay, text) if delay else 0.0)
 
 
+def _continues_profile(profile: str, piece: str) -> bool:
+    """Whether ``piece`` is a ``delay=`` or ``jitter=`` that the free-form ``profile`` lacks yet."""
+    key = piece.partition("=")[0].strip().lower() if "=" in piece else None
+    return key in ("delay", "jitter") and "=" in profile and f"{key}=" not in profile.lower()
+
+
 def parse_profiles(text: str) -> list[str]:
     """``"loopback,1gbit"`` -> both, each checked: a bad profile fails before anything runs.
 
@@ -112,19 +120,7 @@ def parse_profiles(text: str) -> list[str]:
     is two profiles (a ``delay=`` or ``jitter=`` continues the free-form profile before it). A
     semicolon always separates: ``delay=1ms;delay=2ms``.
     """
-    profiles: list[str] = []
-    for group in text.split(";"):
-        fresh = True  # a group's first piece starts a profile
-        for piece in (p.strip() for p in group.split(",")):
-            if not piece:
-                continue
-            key = piece.partition("=")[0].strip().lower() if "=" in piece else None
-            continues = not fresh and key in ("delay", "jitter") and "=" in profiles[-1]
-            if continues and f"{key}=" not in profiles[-1].lower():
-                profiles[-1] += f",{piece}"
-            else:
-                profiles.append(piece)
-            fresh = False
+    profiles = split_list(text, _continues_profile)
     if not profiles:
         raise ValueError("--net needs at least one network profile")
     for profile in profiles:

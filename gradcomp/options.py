@@ -13,7 +13,7 @@ import dataclasses
 import math
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, Union
 
 Options = TypeVar("Options")
@@ -25,6 +25,34 @@ _FALSE = {"false", "0", "no", "off"}
 def format_value(value: Any) -> str:
     """A value as a spec writes it (booleans as true/false): what :func:`convert` reads back."""
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def is_option(piece: str) -> bool:
+    """Whether ``piece`` is a spec's option (``key=value``) rather than a spec (``name`` or ``name:...``)."""
+    return "=" in piece and ":" not in piece.partition("=")[0]
+
+
+def split_list(text: str, continues: Callable[[str, str], bool] | None = None) -> list[str]:
+    """A list of specs as the command line writes it, the one rule of every list option
+    (``--hooks``, ``--torch-hooks``, ``--candidates``, ``--specs``, ``--net``): ``;`` always separates;
+    ``,`` separates too, unless the piece after it continues the item before it, which by default it
+    does when it is an option (``key=value``, no ``name:`` in front): ``"fp16,topk:ratio=0.01,ef=true;
+    powersgd"`` is three specs. ``continues(item, piece)`` replaces that test (network profiles: only
+    ``delay=`` and ``jitter=`` continue a free-form one). Inside one spec, a list of specs (``auto``'s
+    candidates) is written with ``|``, which neither level uses."""
+    follows = continues or (lambda _, piece: is_option(piece))
+    items: list[str] = []
+    for group in text.split(";"):
+        starts = True  # a group's first piece always starts an item
+        for piece in (p.strip() for p in group.split(",")):
+            if not piece:
+                continue
+            if not starts and follows(items[-1], piece):
+                items[-1] += f",{piece}"
+            else:
+                items.append(piece)
+            starts = False
+    return items
 
 
 def split_spec(text: str) -> tuple[str, dict[str, str]]:

@@ -1,5 +1,5 @@
 """p ranks as threads of one process, exchanging tensors through memory: a fake group for the
-engine's transport (``gradcomp.engine.transport.Exchange``), so that packing, transport and
+engine's transport (``gradcomp.engine.transport.Transport``), so that packing, transport and
 two-phase aggregation are tested in one process, fast, against what real collectives would deliver."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch import Tensor
 
 
 class ThreadGroup:
-    """Shared by the p threads; each thread talks through its own :class:`ThreadExchange`."""
+    """Shared by the p threads; each thread talks through its own :class:`ThreadTransport`."""
 
     def __init__(self, world: int, timeout: float = 30.0) -> None:
         self.world = world
@@ -29,7 +29,7 @@ class ThreadGroup:
         return everyone
 
 
-class ThreadExchange:
+class ThreadTransport:
     """One rank's view of a :class:`ThreadGroup`. Tensors are copied, as a receiver's buffer would be,
     and every call checks the sizes its caller claims against what the peers really sent."""
 
@@ -75,12 +75,12 @@ class ThreadExchange:
         return total
 
 
-def on_threads(world: int, body: Callable[[ThreadExchange], Any]) -> list[Any]:
+def on_threads(world: int, body: Callable[[ThreadTransport], Any]) -> list[Any]:
     """Run ``body(exchange)`` on ``world`` threads, one per rank; return the results in rank order
     (an exception in any thread is raised here)."""
     group = ThreadGroup(world)
     with ThreadPoolExecutor(world) as pool:
-        futures = [pool.submit(body, ThreadExchange(group, rank)) for rank in range(world)]
+        futures = [pool.submit(body, ThreadTransport(group, rank)) for rank in range(world)]
         wait(futures, timeout=60, return_when=FIRST_EXCEPTION)
         failed = [f for f in futures if f.done() and f.exception() is not None]
         if failed or not all(f.done() for f in futures):

@@ -171,11 +171,11 @@ def _leaving_ef21(failures: Failures, batches: list[Any]) -> None:
     identity = [key for key, c in state.choice.items() if c == 1]
     failures.expect(bool(identity), f"dear link, EF21: {state.decisions}")
     ef21 = state.engines[1].compressor
-    held = all(key in ef21.residuals and key in ef21.estimates for key in identity)  # type: ignore[attr-defined]
+    held = all(key in ef21.shares and key in ef21.estimates for key in identity)  # type: ignore[attr-defined]
     failures.expect(held, "EF21 holds no estimates for its tensors")
     state._install(dict.fromkeys(state.choice, 0))
     failures.expect(not state.pending, f"EF21's estimates were taken for unsent gradient: {sorted(state.pending)}")
-    dropped = not any(k in ef21.residuals or k in ef21.estimates for k in identity)  # type: ignore[attr-defined]
+    dropped = not any(k in ef21.shares or k in ef21.estimates for k in identity)  # type: ignore[attr-defined]
     failures.expect(dropped, "EF21's estimates stayed with it")
     sgd_steps(ddp, optimizer, batches[4:5])
     failures.expect(parameters_identical_on_all_ranks(list(ddp.parameters())), "replicas differ after leaving EF21")

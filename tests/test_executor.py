@@ -1,4 +1,4 @@
-"""The ordered executor: submission order, errors through wait(), synchronous and brief calls in place."""
+"""The ordered executor: submission order, errors through wait(), synchronous and issuing-only calls in place."""
 
 from __future__ import annotations
 
@@ -39,10 +39,10 @@ def test_an_idle_synchronous_call_runs_in_the_callers_thread() -> None:
     assert queued == "gradcomp-collectives"
 
 
-def test_a_brief_operation_runs_in_place_only_when_nothing_is_ahead_of_it() -> None:
+def test_an_issuing_only_operation_runs_in_place_only_when_nothing_is_ahead_of_it() -> None:
     executor = Executor()
     here = threading.current_thread().name
-    assert executor.submit(lambda: (threading.current_thread().name, None), brief=True).wait() == here
+    assert executor.submit(lambda: (threading.current_thread().name, None), issues_only=True).wait() == here
     release = threading.Event()
     order: list[str] = []
 
@@ -52,10 +52,11 @@ def test_a_brief_operation_runs_in_place_only_when_nothing_is_ahead_of_it() -> N
         return None, None
 
     executor.submit(blocker)
-    behind = executor.submit(lambda: (order.append("brief") or threading.current_thread().name, None), brief=True)
+    issuing = lambda: (order.append("issuing") or threading.current_thread().name, None)  # noqa: E731
+    behind = executor.submit(issuing, issues_only=True)
     release.set()
     assert behind.wait(10) == "gradcomp-collectives"  # queued behind the blocker, in order
-    assert order == ["blocker", "brief"]
+    assert order == ["blocker", "issuing"]
 
 
 def test_errors_reach_the_waiter() -> None:

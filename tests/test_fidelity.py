@@ -7,6 +7,7 @@ ranks in ``tests/test_fidelity_engine.py``.
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 
@@ -184,7 +185,7 @@ def test_ef21_global_estimate_is_the_sum_of_the_local_ones(spec: str) -> None:
                 for c, (_, ctx) in zip(compressors, states, strict=True)
             ]
         results = aggregate(compressors, [ctx for _, ctx in states], [p for p, _ in states])
-        local = sum(c.residuals["w"].double() for c in compressors)  # type: ignore[attr-defined]
+        local = sum(c.shares["w"].double() for c in compressors)  # type: ignore[attr-defined]
         for c, result in zip(compressors, results, strict=True):
             assert torch.equal(result, results[0])
             assert torch.equal(c.estimates["w"], result)  # type: ignore[attr-defined]
@@ -212,7 +213,7 @@ def test_ef21_hands_over_nothing_and_forgets_both_estimates() -> None:
     kept = [c.estimates["other"].clone() for c in compressors]  # type: ignore[attr-defined]
     assert all(c.take_residual("w") is None for c in compressors)
     for c, other in zip(compressors, kept, strict=True):
-        assert "w" not in c.residuals and "w" not in c.estimates  # type: ignore[attr-defined]
+        assert "w" not in c.shares and "w" not in c.estimates  # type: ignore[attr-defined]
         assert torch.equal(c.estimates["other"], other)  # type: ignore[attr-defined]
     fresh = [make_compressor("topk:ratio=0.2,ef=ef21", rank=r) for r in range(RANKS)]
     assert torch.equal(averaged(compressors, gradients(5), "w"), averaged(fresh, gradients(5), "w"))
@@ -279,3 +280,29 @@ def test_compress_all_and_feedback_keep_working_together() -> None:
     grads = gradients(0, ranks=2)
     contexts, finals = compress_all(compressors, grads, "w")
     torch.testing.assert_close(aggregate(compressors, contexts, finals)[0], grads[0] + grads[1])
+
+
+def test_ef21_states_saved_with_h_among_the_residuals_load_as_shares() -> None:
+    """Checkpoints written before h had its own name kept it under ``residuals``: they load into
+    ``shares`` and continue exactly as the state saved today does."""
+    compressors = [make_compressor("sign:ef=ef21", rank=r) for r in range(RANKS)]
+    for step in range(3):
+        averaged(compressors, gradients(step), "w")
+    saved = copy.deepcopy([c.state_dict() for c in compressors])  # states hold the live tensors
+    old = copy.deepcopy(
+        [
+            {
+                **{k: v for k, v in s.items() if k != "shares"},
+                "residuals": [{"key": e["key"], "residual": e["share"]} for e in s["shares"]],
+            }
+            for s in saved
+        ]
+    )
+    today = [make_compressor("sign:ef=ef21", rank=r) for r in range(RANKS)]
+    before = [make_compressor("sign:ef=ef21", rank=r) for r in range(RANKS)]
+    for c, state in zip(today, saved, strict=True):
+        c.load_state_dict(state)
+    for c, state in zip(before, old, strict=True):
+        c.load_state_dict(state)
+        assert not c.residuals and set(c.shares) == {"w"}  # type: ignore[attr-defined]
+    assert torch.equal(averaged(today, gradients(3), "w"), averaged(before, gradients(3), "w"))

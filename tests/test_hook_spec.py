@@ -60,3 +60,18 @@ def test_defaults_apply_where_the_text_is_silent() -> None:
 def test_bad_specs_are_refused_with_the_valid_choices(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         HookSpec.parse(spec)
+
+
+def test_every_list_of_specs_splits_by_one_rule() -> None:
+    """';' always separates; ',' too unless an option follows; '|' stays inside a spec (auto's candidates)."""
+    from gradcomp.netem import parse_profiles
+    from gradcomp.options import split_list
+
+    assert split_list("fp16,topk:ratio=0.01,ef=true;powersgd") == ["fp16", "topk:ratio=0.01,ef=true", "powersgd"]
+    assert split_list("auto:candidates=fp16|sign:ef=true,measure_at=3;fp16") == [
+        "auto:candidates=fp16|sign:ef=true,measure_at=3",
+        "fp16",
+    ]
+    assert split_list("a;;b, ,c") == ["a", "b", "c"]
+    assert parse_profiles("rate=1gbit,delay=2ms,jitter=1ms,loopback") == ["rate=1gbit,delay=2ms,jitter=1ms", "loopback"]
+    assert parse_profiles("loopback,1gbit") == ["loopback", "1gbit"]

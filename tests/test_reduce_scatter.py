@@ -15,7 +15,7 @@ import torch
 
 from gradcomp.compressors import Compressor, Meta, make_compressor
 from gradcomp.engine.reduce_scatter import reduce_scatter, reduce_scatter_two_hop
-from tests.fake_group import ThreadExchange, ThreadGroup, on_threads
+from tests.fake_group import ThreadGroup, ThreadTransport, on_threads
 
 SHARD = 300  # elements per shard: not a multiple of the quantizers' chunks
 
@@ -26,7 +26,7 @@ def gradient(rank: int, world: int, step: int = 0, dtype: torch.dtype = torch.fl
 
 
 def flat_on(world: int, spec: str, divisor: float, dtype: torch.dtype = torch.float32) -> list[dict[str, Any]]:
-    def rank_body(exchange: ThreadExchange) -> dict[str, Any]:
+    def rank_body(exchange: ThreadTransport) -> dict[str, Any]:
         compressor = make_compressor(spec, seed=0, rank=exchange.rank)
         parts = gradient(exchange.rank, world, dtype=dtype).view(world, SHARD)
         out = torch.empty(SHARD, dtype=dtype)
@@ -93,7 +93,7 @@ def test_error_feedback_conserves_every_shard_over_steps(spec: str) -> None:
     its residual is the sum of the gradients: nothing compression drops is lost, only delayed."""
     world, steps = 3, 5
 
-    def rank_body(exchange: ThreadExchange) -> dict[str, Any]:
+    def rank_body(exchange: ThreadTransport) -> dict[str, Any]:
         compressor = make_compressor(spec, seed=0, rank=exchange.rank)
         received = torch.zeros(SHARD)
         for step in range(steps):
@@ -124,7 +124,7 @@ def two_hop_on(nodes: int, local: int, spec: str, body: Callable[..., Any] | Non
 
     def rank_body(rank: int) -> dict[str, Any]:
         node, index = divmod(rank, local)
-        inside, across = ThreadExchange(intra[node], index), ThreadExchange(inter[index], node)
+        inside, across = ThreadTransport(intra[node], index), ThreadTransport(inter[index], node)
         compressor = make_compressor(spec, seed=0, rank=rank)
         out = torch.empty(SHARD)
         produced = reduce_scatter_two_hop(compressor, gradient(rank, world), world, "m", inside, across, out)
@@ -167,7 +167,7 @@ def test_two_hop_state_is_kept_per_hop_and_destination() -> None:
 def test_bad_shapes_are_refused() -> None:
     compressor = make_compressor("sign")
 
-    def rank_body(exchange: ThreadExchange) -> None:
+    def rank_body(exchange: ThreadTransport) -> None:
         with pytest.raises(ValueError, match="contiguous"):
             reduce_scatter(compressor, torch.zeros(3, 4), 1, "m", exchange, torch.zeros(4))
         with pytest.raises(ValueError, match="elements"):

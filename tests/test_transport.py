@@ -9,7 +9,7 @@ import torch
 
 from gradcomp.compressors import Payload, make_compressor
 from gradcomp.engine import packing, transport
-from tests.fake_group import ThreadExchange, on_threads
+from tests.fake_group import ThreadTransport, on_threads
 
 SPECS = ["threshold:tau=1.0", "quantize:bits=3,chunk=16", "topk:ratio=0.1", "fp8"]
 """Variable-size (threshold keeps a different count on every rank), bit-packed, sparse, scaled."""
@@ -34,7 +34,7 @@ def same(a: list[Payload], b: list[Payload]) -> bool:
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
 def test_all_gather_delivers_every_ranks_payloads_in_rank_order(world: int) -> None:
-    def rank_body(exchange: ThreadExchange) -> tuple[bool, int, int]:
+    def rank_body(exchange: ThreadTransport) -> tuple[bool, int, int]:
         mine = payloads(exchange.rank)
         everyone = transport.all_gather_payloads(mine, torch.device("cpu"), exchange)
         correct = len(everyone) == world and all(same(everyone[r], payloads(r)) for r in range(world))
@@ -49,7 +49,7 @@ def test_all_gather_delivers_every_ranks_payloads_in_rank_order(world: int) -> N
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_all_to_all_delivers_what_each_rank_sent_to_this_one(world: int) -> None:
-    def rank_body(exchange: ThreadExchange) -> bool:
+    def rank_body(exchange: ThreadTransport) -> bool:
         outgoing = [payloads(exchange.rank, salt=j) for j in range(world)]  # different payloads per destination
         received = transport.all_to_all_payloads(outgoing, torch.device("cpu"), exchange)
         return len(received) == world and all(same(received[s], payloads(s, salt=exchange.rank)) for s in range(world))
@@ -63,7 +63,7 @@ def test_the_padded_all_gather_delivers_the_same_in_one_collective_once_it_knows
     payloads of the same size need one; every rank derives the same capacity; a payload that
     outgrows it costs one more round, not a wrong result."""
 
-    def rank_body(exchange: ThreadExchange) -> list[tuple[bool, int, int]]:
+    def rank_body(exchange: ThreadTransport) -> list[tuple[bool, int, int]]:
         results, capacity = [], 0
         for salt in range(3):
             before = exchange.collectives
@@ -89,7 +89,7 @@ def test_a_fixed_size_payload_travels_in_one_padded_collective_of_exactly_its_fr
     """quantize's payload has the same size every step: from the second step on, one collective of
     exactly 8 bytes of size, the header and the packed bytes, per rank and destination."""
 
-    def rank_body(exchange: ThreadExchange) -> tuple[int, int, int]:
+    def rank_body(exchange: ThreadTransport) -> tuple[int, int, int]:
         compressor = make_compressor("quantize:bits=4,chunk=32", rank=exchange.rank)
         capacity = 0
         for _ in range(3):

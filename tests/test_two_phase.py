@@ -12,7 +12,7 @@ import torch
 from gradcomp.collectives.ring import chunk_bounds
 from gradcomp.compressors import make_compressor
 from gradcomp.engine import two_phase
-from tests.fake_group import ThreadExchange, on_threads
+from tests.fake_group import ThreadTransport, on_threads
 from tests.helpers import expected_wire_bytes
 
 SHAPES = [torch.Size([7, 9]), torch.Size([100]), torch.Size([9]), torch.Size([3]), torch.Size([1])]
@@ -29,7 +29,7 @@ def reduce_on(world: int, spec: str, steps: int = 1) -> list[dict[str, object]]:
     """Every rank's bucket after ``steps`` two-phase reductions of its gradients (views into one
     buffer, as the engine passes them), with the bytes it produced and its compressor."""
 
-    def rank_body(exchange: ThreadExchange) -> dict[str, object]:
+    def rank_body(exchange: ThreadTransport) -> dict[str, object]:
         compressor = make_compressor(spec, seed=0, rank=exchange.rank)
         produced = []
         for _ in range(steps):

@@ -15,23 +15,12 @@ from gradcomp.experiments.bench.settings import BenchSettings
 from gradcomp.experiments.bench.table import format_run
 from gradcomp.experiments.bench.workloads import PRESETS, UserModel, import_from_current_directory, user_model
 from gradcomp.hooks.torch_hooks import PREFIX, is_torch_spec
+from gradcomp.options import split_list
 
 
 def split_hooks(text: str) -> list[str]:
-    """``"fp16,topk:ratio=0.01,ef=true;powersgd"`` -> three specs. Semicolons always separate; a comma
-    separates too, unless what follows is an option (``key=value`` without a ``name:`` before it)."""
-    specs: list[str] = []
-    for group in text.split(";"):
-        starts = True  # the first piece of a ';' group always starts a spec
-        for piece in (p.strip() for p in group.split(",")):
-            if not piece:
-                continue
-            if not starts and "=" in piece and ":" not in piece:
-                specs[-1] += f",{piece}"
-            else:
-                specs.append(piece)
-            starts = False
-    return specs
+    """``"fp16,topk:ratio=0.01,ef=true;powersgd"`` -> three specs (:func:`gradcomp.options.split_list`)."""
+    return split_list(text)
 
 
 def add_parser(commands: argparse._SubParsersAction, mode: Mode, help: str) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from gradcomp.experiments.bench.modes import DDP, NOOP, Mode
-from gradcomp.experiments.bench.workloads import PRESETS, UserModel, Workload
+from gradcomp.experiments.bench.workloads import PRESETS, BenchModel, UserModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,7 @@ class BenchSettings:
         _ = self.variants  # parses every spec: a bad one fails here, before any rank starts
 
     @property
-    def workload(self) -> Workload:
+    def workload(self) -> BenchModel:
         """What the ranks train: the preset :attr:`model` names, or the user's model."""
         return self.model if isinstance(self.model, UserModel) else PRESETS[self.model]
 

@@ -65,7 +65,7 @@ class UserModel:
         return torch.randn(shape, generator=generator)
 
 
-Workload = Preset | UserModel
+BenchModel = Preset | UserModel
 """What the ranks train: a preset of the synthetic task, or a user's model."""
 
 

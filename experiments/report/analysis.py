@@ -80,7 +80,7 @@ class Metric:
 
 
 @dataclasses.dataclass
-class Method:
+class MethodRuns:
     """One method (hook spec) of a group: its seeds, and what they reached."""
 
     hook: str
@@ -171,7 +171,7 @@ class Group:
     network: str
     world: int
     metric: Metric | None
-    methods: list[Method]
+    methods: list[MethodRuns]
     baseline: str | None = None
     target: float | None = None
     fastest_torch: str | None = None
@@ -181,7 +181,7 @@ class Group:
     def title(self) -> str:
         return f"{self.label}, {self.network}, {self.world} rank{'s' if self.world != 1 else ''}"
 
-    def method(self, hook: str | None) -> Method | None:
+    def method(self, hook: str | None) -> MethodRuns | None:
         return next((m for m in self.methods if m.hook == hook), None)
 
 
@@ -196,7 +196,7 @@ def analyze(runs: Sequence[Run], tolerance: float = 0.5, baseline: str | None = 
 
 def _group(key: tuple[str, str, int], runs: list[Run], tolerance: float, baseline: str | None) -> Group:
     hooks = list(dict.fromkeys(r.hook for r in runs))
-    methods = [Method(hook, [r for r in runs if r.hook == hook]) for hook in hooks]
+    methods = [MethodRuns(hook, [r for r in runs if r.hook == hook]) for hook in hooks]
     headline = next((r.metric for r in runs if r.metric), None)
     group = Group(*key, Metric(headline) if headline else None, methods)
     if group.metric is None:
@@ -312,7 +312,7 @@ def short_name(hook: str) -> str:
     return spec.compressor.name + (":" + ",".join(options) if options else "")
 
 
-def _reached(method: Method) -> list[float]:
+def _reached(method: MethodRuns) -> list[float]:
     return [t for t in method.times_to_target if t is not None]
 
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from gradcomp.bench.report import markdown_table
 from gradcomp.experiments.report import plots
-from gradcomp.experiments.report.analysis import Group, Method
+from gradcomp.experiments.report.analysis import Group, MethodRuns
 from gradcomp.experiments.report.records import Run
 
 STYLE = """
@@ -101,7 +101,7 @@ def _table(group: Group, colours: dict[str, str]) -> str:
     return '<div class="scroll">' + "\n".join(rows) + "</div>"
 
 
-def cells_of(group: Group, method: Method) -> list[str]:
+def cells_of(group: Group, method: MethodRuns) -> list[str]:
     """A method's row of the group's table, as text (the columns of :data:`HEADER`)."""
     assert group.metric is not None
     metric = group.metric
@@ -144,7 +144,7 @@ def markdown(groups: Sequence[Group]) -> str:
     return "\n".join(parts)
 
 
-def _time_to_target(method: Method) -> str:
+def _time_to_target(method: MethodRuns) -> str:
     if method.time_to_target is not None:
         return f"{method.time_to_target:.2f}"
     if method.times_to_target:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from gradcomp.experiments.tasks import Task
 from gradcomp.experiments.training.config import TrainConfig
 from gradcomp.experiments.training.metrics import WireMeter, Writer
-from gradcomp.experiments.training.parallel import AnySpread
+from gradcomp.experiments.training.parallel import AnyPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -34,13 +34,13 @@ COMPUTE_REPEATS = 5
 
 class Loop:
     """Trains the model (DDP's replicas, FSDP2's shards, or replicas synchronized every few steps:
-    ``spread``) from a step to ``min(total, config.stop_at)``; see :meth:`run`."""
+    ``placement``) from a step to ``min(total, config.stop_at)``; see :meth:`run`."""
 
     def __init__(
         self,
         config: TrainConfig,
         task: Task,
-        spread: AnySpread,
+        placement: AnyPlacement,
         optimizer: torch.optim.Optimizer,
         schedule: torch.optim.lr_scheduler.LRScheduler,
         meter: WireMeter,
@@ -51,7 +51,7 @@ class Loop:
         total: int,
         save: Callable[[int, float], None],
     ) -> None:
-        self.config, self.task, self.spread = config, task, spread
+        self.config, self.task, self.placement = config, task, placement
         self.optimizer, self.schedule, self.meter, self.writer = optimizer, schedule, meter, writer
         self.rank, self.world, self.device, self.total, self.save = rank, world, device, total, save
         self.eval_every = config.eval_every or max(1, total // 10)
@@ -101,7 +101,7 @@ class Loop:
         y = y[self.rank :: self.world].to(self.device, non_blocking=True)
         sync()
         loaded = time.perf_counter()
-        loss = self.task.loss(self.spread.forward(x), y)
+        loss = self.task.loss(self.placement.forward(x), y)
         sync()
         forwarded = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
@@ -114,7 +114,7 @@ class Loop:
         self.schedule.step()
         sync()
         stepped = time.perf_counter()
-        self.spread.after_step(last=self.step + 1 == self.total)  # local SGD and DiLoCo synchronize here
+        self.placement.after_step(last=self.step + 1 == self.total)  # local SGD and DiLoCo synchronize here
         sync()
         finished = time.perf_counter()
         parts = (loaded - began, forwarded - loaded, backwarded - forwarded, stepped - backwarded, finished - stepped)
@@ -139,8 +139,8 @@ class Loop:
             x, y = self.task.batch(max(self.step - 1, 0), self.config.batch_size, self.config.seed)
             x = x[self.rank :: self.world].to(self.device, non_blocking=True)
             y = y[self.rank :: self.world].to(self.device, non_blocking=True)
-            with self.spread.no_sync():
-                self.task.loss(self.spread.forward(x), y).backward()
+            with self.placement.no_sync():
+                self.task.loss(self.placement.forward(x), y).backward()
             self._synchronize()
             if i >= 0:
                 times[i] = time.perf_counter() - began
@@ -189,9 +189,9 @@ class Loop:
         total = len(x)
         x, y = x[self.rank :: self.world], y[self.rank :: self.world]
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)
-        with self.spread.evaluated() as model:  # DiLoCo's: the global parameters
+        with self.placement.evaluated() as model:  # DiLoCo's: the global parameters
             model.eval()
-            for xb, yb in self.spread.eval_batches(x, y, EVAL_BATCH, total):
+            for xb, yb in self.placement.eval_batches(x, y, EVAL_BATCH, total):
                 sums += self.task.eval_sums(model(xb.to(self.device)), yb.to(self.device)).double()
             model.train()
         dist.all_reduce(sums)

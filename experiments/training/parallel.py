@@ -35,9 +35,9 @@ CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.TransformerEncoder
 """Modules that only hold others: FSDP2 units are cut inside them, not around them."""
 
 
-class Spread:
-    """What every way of spreading the model shares: nothing to do after an optimizer step, and the
-    model itself to evaluate."""
+class Placement:
+    """How the model is placed over the ranks; what every placement shares: nothing to do after an
+    optimizer step, and the model itself to evaluate."""
 
     module: nn.Module
 
@@ -49,7 +49,7 @@ class Spread:
         return contextlib.nullcontext(self.module)
 
 
-class Replicated(Spread):
+class Replicated(Placement):
     """DDP: the model on every rank; the hook averages gradients."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
@@ -79,7 +79,7 @@ class Replicated(Spread):
         return batches(x, y, size)
 
 
-class Sharded(Spread):
+class Sharded(Placement):
     """FSDP2: each unit of the model (:func:`units`) and the root sharded over the ranks; the hook
     reduce-scatters gradients. Forwards are collectives (each unit all-gathers its parameters), so
     every rank runs as many as every other, evaluation included (:meth:`eval_batches`)."""
@@ -129,7 +129,7 @@ class Sharded(Spread):
         return zip(x.tensor_split(count), y.tensor_split(count), strict=True)
 
 
-class Local(Spread):
+class Local(Placement):
     """Infrequent synchronization (``gradcomp.sync``): each rank trains its own replica, and the
     synchronizer (the run's hook state) averages outer gradients through the hook spec every few
     steps. Replicas differ between synchronizations, so checkpoints hold every rank's model and
@@ -199,11 +199,13 @@ def units(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-AnySpread = Replicated | Sharded | Local
+AnyPlacement = Replicated | Sharded | Local
 """Any way of spreading the model over the ranks."""
 
 
-def make(parallel: str, model: nn.Module, device: torch.device, spec: Any, sync: SyncSpec | None = None) -> AnySpread:
+def make(
+    parallel: str, model: nn.Module, device: torch.device, spec: Any, sync: SyncSpec | None = None
+) -> AnyPlacement:
     """The model spread over the ranks as ``parallel`` and ``sync`` say (the hook not registered yet)."""
     if sync is not None:
         return Local(model, sync)

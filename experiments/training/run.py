@@ -26,7 +26,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -63,22 +63,17 @@ def train(rank: int, world: int, config: TrainConfig) -> dict[str, Any] | None:
     resume = _resume_path(config)
     saved = checkpoint.load(resume, config, world, device) if resume else None
     spec = config.hook_spec
-    spread = parallel.make(config.parallel, model, device, spec, config.sync_spec)
+    placement = parallel.make(config.parallel, model, device, spec, config.sync_spec)
     used = config.effective  # the optimizer without the momentum a hook took over (momentum=true)
-    optimizer = make_optimizer(used.optimizer, spread.forward.parameters(), used.lr, used.momentum, used.weight_decay)
-    state: TrainingHookState = spread.register(spec, config.seed, optimizer)
+    parameters = placement.forward.parameters()
+    optimizer = make_optimizer(used.optimizer, parameters, used.lr, used.momentum, used.weight_decay)
+    state: TrainingHookState = placement.register(spec, config.seed, optimizer)
     schedule = make_schedule(optimizer, config.schedule, total, config.warmup_steps)
     torch.manual_seed(config.seed + 7919 * (rank + 1))  # each rank's own stream (dropout and the like)
-    progress = {"elapsed_s": 0.0, "wire_bytes": 0, "wire_estimated": False, "origin": time.time()}
+    progress: dict[str, Any] = {"elapsed_s": 0.0, "wire_bytes": 0, "wire_estimated": False, "origin": time.time()}
     start = 0
     if saved is not None:
-        spread.load(saved, optimizer)
-        state.load_state_dict(saved["hooks"][rank])
-        schedule.load_state_dict(saved["scheduler"])
-        checkpoint.set_rng_state(saved["rng"][rank], device)
-        progress, start = dict(saved["progress"]), int(saved["step"])
-        if saved["config"].get("steps") != config.steps and config.schedule != "constant":
-            logger.warning("resuming with a different length changes the %s schedule from here on", config.schedule)
+        progress, start = _restore(saved, config, rank, device, placement, state, optimizer, schedule)
         del saved
     record = _record(config, task, model, world, start if resume else None)
     writer: Writer = NullWriter()
@@ -91,21 +86,13 @@ def train(rank: int, world: int, config: TrainConfig) -> dict[str, Any] | None:
         hook_state = state.state_dict()  # first: a synchronizer completes what is in flight, which the meter counts
         meter.collect()
         progress.update(elapsed_s=elapsed, wire_bytes=meter.total, wire_estimated=meter.estimated)
-        _save(config, spread, optimizer, schedule, hook_state, device, step, world, progress)
+        _save(config, placement, optimizer, schedule, hook_state, device, step, world, progress)
         writer.flush()
 
-    loop = Loop(config, task, spread, optimizer, schedule, meter, writer, rank, world, device, total, save)
+    loop = Loop(config, task, placement, optimizer, schedule, meter, writer, rank, world, device, total, save)
     try:
-        try:
-            result = loop.run(start, float(progress["elapsed_s"]))
-        except RuntimeError as error:
-            if state.error is not None:  # DDP's backward carried only its text: raise gradcomp's own error
-                raise state.error from error
-            raise
-        save(loop.step, loop.elapsed)
-        status = "finished" if loop.step >= total else "stopped"
+        result, status = _run(loop, start, float(progress["elapsed_s"]), state, save)
         if status == "finished":
-            result["compute_ms"] = loop.compute_ms()  # after the last checkpoint: it changes nothing saved
             final = {f"final/{k}": result[k] for k in result if k.startswith("eval_") or k in HPARAM_METRICS}
             writer.hparams(_hparams(config, world), final, loop.step, loop.elapsed)
     finally:
@@ -115,6 +102,43 @@ def train(rank: int, world: int, config: TrainConfig) -> dict[str, Any] | None:
     record.update(status=status, metrics=result, ended=runinfo.now())
     runinfo.write(config.out, record)
     return record
+
+
+def _restore(
+    saved: dict[str, Any],
+    config: TrainConfig,
+    rank: int,
+    device: torch.device,
+    placement: parallel.AnyPlacement,
+    state: TrainingHookState,
+    optimizer: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LambdaLR,
+) -> tuple[dict[str, Any], int]:
+    """Load a checkpoint into the run's parts; its progress and the step it resumes at."""
+    placement.load(saved, optimizer)
+    state.load_state_dict(saved["hooks"][rank])
+    schedule.load_state_dict(saved["scheduler"])
+    checkpoint.set_rng_state(saved["rng"][rank], device)
+    if saved["config"].get("steps") != config.steps and config.schedule != "constant":
+        logger.warning("resuming with a different length changes the %s schedule from here on", config.schedule)
+    return dict(saved["progress"]), int(saved["step"])
+
+
+def _run(
+    loop: Loop, start: int, elapsed: float, state: TrainingHookState, save: Callable[[int, float], None]
+) -> tuple[dict[str, Any], str]:
+    """Train from ``start`` to the loop's end, checkpoint, and say whether the run finished or stopped."""
+    try:
+        result = loop.run(start, elapsed)
+    except RuntimeError as error:
+        if state.error is not None:  # DDP's backward carried only its text: raise gradcomp's own error
+            raise state.error from error
+        raise
+    save(loop.step, loop.elapsed)
+    if loop.step < loop.total:
+        return result, "stopped"
+    result["compute_ms"] = loop.compute_ms()  # after the last checkpoint: it changes nothing saved
+    return result, "finished"
 
 
 HPARAM_METRICS = ("train_loss", "wire_bytes", "compression_ratio", "train_time_s", "steps_per_s")
@@ -141,9 +165,9 @@ def _resume_path(config: TrainConfig) -> str | None:
 
 def _save(
     config: TrainConfig,
-    spread: parallel.AnySpread,
+    placement: parallel.AnyPlacement,
     optimizer: torch.optim.Optimizer,
-    schedule: torch.optim.lr_scheduler.LRScheduler,
+    schedule: torch.optim.lr_scheduler.LambdaLR,
     hook_state: dict[str, Any],
     device: torch.device,
     step: int,
@@ -153,7 +177,7 @@ def _save(
     """A checkpoint, with every rank's hook and generator state (a collective: all ranks call it)."""
     hook_states = checkpoint.gather(hook_state)
     rng = checkpoint.gather(checkpoint.rng_state(device))
-    model, optimizer_state = spread.model_state(), spread.optimizer_state(optimizer)  # FSDP2's gather here
+    model, optimizer_state = placement.model_state(), placement.optimizer_state(optimizer)  # FSDP2's gather here
     if dist.get_rank() == 0:
         checkpoint.save(
             config.checkpoint_path,

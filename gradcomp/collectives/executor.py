@@ -92,9 +92,9 @@ class Executor:
         self._thread.start()
 
     def submit(
-        self, operation: Callable[[], tuple[T, Traffic | None]], wait: bool = False, brief: bool = False
+        self, operation: Callable[[], tuple[T, Traffic | None]], wait: bool = False, issues_only: bool = False
     ) -> Handle[T]:
-        """Queue ``operation``; with ``wait``, also wait for it. With ``wait`` or ``brief`` (an
+        """Queue ``operation``; with ``wait``, also wait for it. With ``wait`` or ``issues_only`` (an
         operation that only issues the backend's asynchronous work) it runs in the caller's thread
         when nothing is queued or running: same order, no thread hand-off."""
         future: Future[tuple[T, Traffic | None]] = Future()
@@ -103,7 +103,7 @@ class Executor:
             _run_into(operation, future)
             return Handle(future)
         with self._state:
-            inline = (wait or brief) and self._pending == 0
+            inline = (wait or issues_only) and self._pending == 0
             self._pending += 1
             if not inline:
                 self._queue.put((operation, future))

@@ -157,7 +157,9 @@ class ErrorFeedback(Compressor):
         self.aggregation = inner.aggregation
         self.rounds = inner.rounds
         self.residuals: dict[Key, Tensor] = {}
-        """Classic: what compression left behind. EF21: this rank's estimate h of its share."""
+        """Classic error feedback's residual e per key: what compression left behind."""
+        self.shares: dict[Key, Tensor] = {}
+        """EF21's h per key: this rank's estimate of its share (what it sends is C(g - h))."""
         self.velocities: dict[Key, Tensor] = {}
         """Momentum correction's u per key."""
         self.estimates: dict[Key, Tensor] = {}
@@ -184,8 +186,11 @@ class ErrorFeedback(Compressor):
     def set_ratio(self, ratio: float) -> None:
         self.inner.set_ratio(ratio)
 
-    def residual(self, key: Key, like: Tensor) -> Tensor:
-        """The residual of ``key`` (zeros the first time), checked against the new gradient."""
+    def carried(self, key: Key, like: Tensor) -> Tensor:
+        """What ``key`` carries from step to step (zeros the first time), checked against the new
+        gradient: the residual e (classic, added to it) or the share estimate h (EF21, subtracted)."""
+        if self.feedback.variant == "ef21":
+            return self._state(self.shares, key, like, "share estimate")
         return self._state(self.residuals, key, like, "residual")
 
     def _state(self, states: dict[Key, Tensor], key: Key, like: Tensor, what: str) -> Tensor:
@@ -204,7 +209,7 @@ class ErrorFeedback(Compressor):
         self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
     ) -> tuple[Payload, FeedbackContext]:
         check_gradient(tensor)
-        residual = self.residual(key, tensor)
+        residual = self.carried(key, tensor)
         compensated = self._compensated_buffer(key, residual)
         if self._plain:
             torch.add(tensor, residual, out=compensated)
@@ -216,7 +221,7 @@ class ErrorFeedback(Compressor):
         self, tensor: Tensor, divisor: float, key: Key = None, shapes: Sequence[torch.Size] | None = None
     ) -> tuple[Payload, FeedbackContext]:
         check_gradient(tensor)
-        residual = self.residual(key, tensor)
+        residual = self.carried(key, tensor)
         compensated = self._compensated_buffer(key, residual)
         if self._plain:  # residual + tensor / divisor in one pass (bitwise what dividing, then adding, gives)
             torch.addcdiv(residual, tensor, self._divisor(divisor, tensor), out=compensated)
@@ -240,9 +245,9 @@ class ErrorFeedback(Compressor):
           it would still add to later steps is momentum, which the new method does not apply.
         """
         residual = self.residuals.pop(key, None)
-        for states in (self.velocities, self.estimates, self._compensated, self._next_velocities):
+        for states in (self.shares, self.velocities, self.estimates, self._compensated, self._next_velocities):
             states.pop(key, None)
-        return residual if self.feedback.variant == "classic" else None
+        return residual
 
     def dense_share(self, tensor: Tensor, divisor: float, key: Key = None) -> None:
         """What this rank adds to an uncompressed sum (a warm-up step), in place: its share
@@ -251,7 +256,7 @@ class ErrorFeedback(Compressor):
         if self.feedback.variant == "ef21":
             raise ValueError("ef=ef21 keeps estimates that an uncompressed step would bypass: no warm-up with it")
         check_gradient(tensor)
-        residual = self.residual(key, tensor)
+        residual = self.carried(key, tensor)
         compensated = self._compensated_buffer(key, residual)
         self._accumulate(tensor, divisor, key, residual, compensated)
         tensor.copy_(compensated)
@@ -363,7 +368,7 @@ class ErrorFeedback(Compressor):
 
     def _update_estimate(self, payload: Payload, ctx: FeedbackContext) -> None:
         """EF21: this rank's estimate moves by what its payload carries (when finite)."""
-        estimate = self.residuals[ctx.key]
+        estimate = self.shares[ctx.key]
         if self.inner.payload_shows_non_finite and not payload_finite(payload):
             return
         contribution = self.workspace.take("feedback", estimate.numel(), estimate.dtype, estimate.device)
@@ -399,12 +404,16 @@ class ErrorFeedback(Compressor):
         if self.feedback.momentum:
             state["velocities"] = [{"key": key, "velocity": u} for key, u in self.velocities.items()]
         if self.feedback.variant == "ef21":
+            state["shares"] = [{"key": key, "share": h} for key, h in self.shares.items()]
             state["estimates"] = [{"key": key, "estimate": g} for key, g in self.estimates.items()]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state["inner"])
         self.residuals = {entry["key"]: entry["residual"] for entry in state["residuals"]}
+        self.shares = {entry["key"]: entry["share"] for entry in state.get("shares", [])}
+        if self.feedback.variant == "ef21" and "shares" not in state:  # saved when residuals held EF21's h
+            self.shares, self.residuals = self.residuals, {}
         self.velocities = {entry["key"]: entry["velocity"] for entry in state.get("velocities", [])}
         self.estimates = {entry["key"]: entry["estimate"] for entry in state.get("estimates", [])}
         self._compensated.clear()

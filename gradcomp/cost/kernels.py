@@ -184,18 +184,18 @@ def fit(samples: Sequence[Sample]) -> KernelCost:
     compress, later, decompress, extra = [], [], [], []
     for numel in sizes:
         at = [s for s in samples if s.numel == numel]
-        squeezed = [s.seconds for s in at if s.phase == "compress"]
-        opened: dict[int, list[float]] = {}
+        compress_times = [s.seconds for s in at if s.phase == "compress"]
+        decompress_times: dict[int, list[float]] = {}
         for sample in at:
             if sample.phase == "decompress":
-                opened.setdefault(sample.payloads, []).append(sample.seconds)
-        if not squeezed or 1 not in opened:
+                decompress_times.setdefault(sample.payloads, []).append(sample.seconds)
+        if not compress_times or 1 not in decompress_times:
             raise ValueError(f"no compress and single-payload decompress timings at {numel} elements")
-        one, most = statistics.median(opened[1]), max(opened)
-        compress.append(statistics.median(squeezed))
+        one, most = statistics.median(decompress_times[1]), max(decompress_times)
+        compress.append(statistics.median(compress_times))
         later.append(statistics.median([s.seconds for s in at if s.phase == "next_round"] or [0.0]))
         decompress.append(one)
-        extra.append(max(0.0, (statistics.median(opened[most]) - one) / (most - 1)) if most > 1 else 0.0)
+        extra.append(max(0.0, (statistics.median(decompress_times[most]) - one) / (most - 1)) if most > 1 else 0.0)
     return KernelCost(tuple(sizes), tuple(compress), tuple(later), tuple(decompress), tuple(extra))
 
 

@@ -206,16 +206,16 @@ def bucket_cost(
     gather, two_phase = route in (Route.GATHER, Route.TWO_PHASE), route is Route.TWO_PHASE
     sizes = [math.prod(s) for s in shapes]
     if cls.elementwise:  # the bucket compresses whole
-        squeeze, unsqueeze = kernel.compress(sum(sizes)), kernel.decompress(sum(sizes))
+        compress_s, decompress_s = kernel.compress(sum(sizes)), kernel.decompress(sum(sizes))
         rounds = [sum(payload_bytes(str(spec), (n,))[0] for n in sizes)]
     else:
-        squeeze = sum(kernel.compress(n) for n in sizes)
-        unsqueeze = sum(kernel.decompress(n, p if gather and not two_phase else 1) for n in sizes)
+        compress_s = sum(kernel.compress(n) for n in sizes)
+        decompress_s = sum(kernel.decompress(n, p if gather and not two_phase else 1) for n in sizes)
         per_tensor = [payload_bytes(str(spec), tuple(s)) for s in shapes]
         rounds = [sum(r[i] for r in per_tensor) for i in range(cls.rounds)]
     if two_phase:  # a compressed reduce-scatter (each rank sums p shards), then an all-gather
-        squeeze += sum(kernel.compress(n / p) for n in sizes)
-        unsqueeze = sum(kernel.decompress(n / p, p) * 2 for n in sizes)
+        compress_s += sum(kernel.compress(n / p) for n in sizes)
+        decompress_s = sum(kernel.decompress(n / p, p) * 2 for n in sizes)
     if not gather:
         seconds = sum(cluster.all_reduce(method.algo, b) for b in rounds)
         sent = sum(cluster.all_reduce_bytes(method.algo, b) for b in rounds)
@@ -228,7 +228,7 @@ def bucket_cost(
     # the later rounds' compute runs between the collectives; the engine's overhead (measured in
     # calibration) delays the bucket's landing
     link = seconds + _later_rounds(kernel, sizes, cls.rounds) + kernel.overhead(sum(sizes))
-    return BucketCost(squeeze, unsqueeze, seconds, link, sum(rounds), sent)
+    return BucketCost(compress_s, decompress_s, seconds, link, sum(rounds), sent)
 
 
 def predict(

@@ -163,7 +163,7 @@ class Engine:
                 landing.add_done_callback(lambda landed: self._close(work, done, landed.exception()))
             return None, None
 
-        executor().submit(operation, brief=self._checked and route.issues_only)
+        executor().submit(operation, issues_only=self._checked and route.issues_only)
         return Handle(done)
 
     def _work(

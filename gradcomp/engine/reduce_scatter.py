@@ -56,7 +56,7 @@ def reduce_scatter(
     parts: Tensor,
     divisor: float,
     key: Key,
-    exchange: transport.Exchange,
+    exchange: transport.Transport,
     out: Tensor,
     phases: Phases = untimed,
 ) -> int:
@@ -80,8 +80,8 @@ def reduce_scatter_two_hop(
     flat: Tensor,
     divisor: float,
     key: Key,
-    intra: transport.Exchange,
-    inter: transport.Exchange,
+    intra: transport.Transport,
+    inter: transport.Transport,
     out: Tensor,
     phases: Phases = untimed,
 ) -> int:
@@ -105,7 +105,7 @@ def _gathered(
     parts: Tensor,
     divisor: float,
     key: Key,
-    exchange: transport.Exchange,
+    exchange: transport.Transport,
     out: Tensor,
     phases: Phases,
 ) -> int:
@@ -135,7 +135,7 @@ def _summed(
     parts: Tensor,
     divisor: float,
     key: Key,
-    exchange: transport.Exchange,
+    exchange: transport.Transport,
     out: Tensor,
     phases: Phases,
 ) -> int:

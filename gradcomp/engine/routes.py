@@ -197,7 +197,7 @@ class GatherRoute(_Compressed):
     def _gather(self, payloads: list[Payload], work: BucketWork) -> list[list[Payload]]:
         """Every rank's payloads, per tensor then rank."""
         device = payloads[0][0].device if payloads and payloads[0] else torch.device("cpu")
-        exchange = transport.GroupExchange(self.group, work.record.add_traffic)
+        exchange = transport.GroupTransport(self.group, work.record.add_traffic)
         if self.algo == "native" and work.settled:
             bucket = tuple(work.keys)
             capacity = self.capacities.get(bucket, 0)
@@ -220,7 +220,7 @@ class TwoPhaseRoute(_Compressed):
             self.compressor.set_ratio(work.ratio)
         work.buffer.div_(self.world)
         with work.record.phase("communicate"):
-            exchange = transport.GroupExchange(self.group, work.record.add_traffic)
+            exchange = transport.GroupTransport(self.group, work.record.add_traffic)
             parts = views(work.buffer, work.shapes)
             work.record.payload_bytes = two_phase.reduce(self.compressor, parts, work.keys, exchange)
 

@@ -230,7 +230,7 @@ class ShardedEngine:
             with on_callers_stream():
                 self._check_same_spec(input.device)
                 payload, _ = codec.compress(input)  # before the output's own block is written over
-                exchange = transport.GroupExchange(self.group, _unmetered, native=True)
+                exchange = transport.GroupTransport(self.group, _unmetered, native=True)
                 capacity = self._capacities.get(input.numel(), 0)
                 everyone, self._capacities[input.numel()] = transport.all_gather_padded(
                     [payload], input.device, exchange, capacity
@@ -259,12 +259,12 @@ class ShardedEngine:
             record.add_traffic(None, native=record.input_bytes)  # a ring's: every other rank's shard once
             return
         if self._hops is None:
-            exchange = transport.GroupExchange(self.group, record.add_traffic, native=self._native)
+            exchange = transport.GroupTransport(self.group, record.add_traffic, native=self._native)
             record.payload_bytes = reduce_scatter.reduce_scatter(
                 compressor, input.view(world, -1), divisor, key, exchange, output, record.phase
             )
             return
-        intra, inter = (transport.GroupExchange(g, record.add_traffic, native=self._native) for g in self._hops)
+        intra, inter = (transport.GroupTransport(g, record.add_traffic, native=self._native) for g in self._hops)
         record.payload_bytes = reduce_scatter.reduce_scatter_two_hop(
             compressor, input, divisor, key, intra, inter, output, record.phase
         )

@@ -9,7 +9,7 @@ same structure on every rank).
 instead: header and bytes in one frame per rank, padded to a capacity that every rank derives from
 the same gathered frames (a second round, at a larger capacity, when a payload outgrew it).
 
-The collectives come from an :class:`Exchange`: :class:`GroupExchange` on a process group (what the
+The collectives come from a :class:`Transport`: :class:`GroupTransport` on a process group (what the
 engines use), or any object with the same methods (the tests run p ranks as threads of one process
 through one).
 """
@@ -42,7 +42,7 @@ class Meter(Protocol):
     def __call__(self, traffic: Traffic | None, native: float = 0.0) -> None: ...
 
 
-class Exchange(Protocol):
+class Transport(Protocol):
     """The two collectives payload transport needs, among ``world`` ranks (this one is ``rank``)."""
 
     @property
@@ -71,8 +71,8 @@ class Exchange(Protocol):
         ...
 
 
-class GroupExchange:
-    """:class:`Exchange` over a process group (on the calling thread, which is the ordered
+class GroupTransport:
+    """:class:`Transport` over a process group (on the calling thread, which is the ordered
     executor's when an engine calls), reporting the traffic to ``meter``. All-to-all and
     reduce-scatter are gradcomp's own (point-to-point: every byte counted) or, with ``native``, the
     backend's (one collective each, which NCCL runs on the device); all-gather is the backend's."""
@@ -128,7 +128,7 @@ class GroupExchange:
         return out
 
 
-def all_gather_payloads(payloads: list[Payload], device: torch.device, exchange: Exchange) -> list[list[Payload]]:
+def all_gather_payloads(payloads: list[Payload], device: torch.device, exchange: Transport) -> list[list[Payload]]:
     """Every rank's ``payloads``, rank-major: ``result[rank][i]`` is rank's i-th payload."""
     tensors = [t for payload in payloads for t in payload]
     mine = packing.header(tensors)
@@ -143,7 +143,7 @@ FRAME_HEAD = 8
 
 
 def all_gather_padded(
-    payloads: list[Payload], device: torch.device, exchange: Exchange, capacity: int
+    payloads: list[Payload], device: torch.device, exchange: Transport, capacity: int
 ) -> tuple[list[list[Payload]], int]:
     """:func:`all_gather_payloads` in one equal-size all-gather while every rank's frame fits in
     ``capacity`` bytes; returns every rank's payloads (rank-major) and the capacity for next time.
@@ -182,7 +182,7 @@ def _unframe(frame: Tensor, payloads: list[Payload], like: list[Tensor], header_
 
 
 def all_to_all_payloads(
-    outgoing: Sequence[list[Payload] | None], device: torch.device, exchange: Exchange
+    outgoing: Sequence[list[Payload] | None], device: torch.device, exchange: Transport
 ) -> list[list[Payload] | None]:
     """``outgoing[j]``: the payloads for rank j (the same structure for every j, not the same shapes);
     ``outgoing[rank]`` may be None when this rank keeps its own part (nothing travels to itself).

@@ -28,7 +28,7 @@ from gradcomp.compressors import Compressor, Key, Meta, Payload
 from gradcomp.engine import transport
 
 
-def reduce(compressor: Compressor, parts: Sequence[Tensor], keys: Sequence[Key], exchange: transport.Exchange) -> int:
+def reduce(compressor: Compressor, parts: Sequence[Tensor], keys: Sequence[Key], exchange: transport.Transport) -> int:
     """Replace every tensor of ``parts`` (views into a bucket) by the sum over the ranks of
     ``exchange``, compressed twice; return the payload bytes this rank produced."""
     rank, world = exchange.rank, exchange.world
