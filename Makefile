@@ -24,8 +24,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check gradcomp hooks experiments tests
 	$(BIN)/mypy
 
+# Two workers, a test file each at a time (a file's rank pools and fixtures stay in one worker):
+# distributed tests wait on peers and timeouts, and the other worker fills those waits.
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
+from tests.rank_pool import spawn_pooled
 from tests.training_runs import TrainingRun, train_straight
 
 
@@ -12,6 +15,20 @@ from tests.training_runs import TrainingRun, train_straight
 def _single_thread() -> None:
     # Small tensors: threads only add noise, and CI has 2 cores.
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _training_ranks_from_the_pool() -> Iterator[None]:
+    """Training runs and benchmarks that tests launch on loopback take their ranks from the session's pools
+    (``tests/rank_pool.py``) instead of starting processes of their own: the same ``train`` in the
+    same kind of gloo group, without importing torch and the experiments again for every run."""
+    from gradcomp.experiments.bench import runner
+    from gradcomp.experiments.training import run
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(run, "spawn", spawn_pooled)
+        patch.setattr(runner, "spawn", spawn_pooled)
+        yield
 
 
 @pytest.fixture(scope="session")

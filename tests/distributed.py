@@ -10,7 +10,6 @@ Inside the ranks, :func:`identical_on_all_ranks` and :func:`torch_all_reduce` ar
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.launch import spawn
-from tests.rank_pool import run_in_pool
+from tests.rank_pool import poolable, run_in_pool
 
 # No group of ranks may take longer than this (pytest's own limit per test, pyproject.toml).
 MAX_TIMEOUT = 300.0
@@ -54,7 +53,7 @@ def spawn_ranks(
     Raises :class:`gradcomp.launch.RankError` if a rank raises, dies or misses the deadline.
     """
     assert 0 < timeout <= MAX_TIMEOUT, f"a group of ranks needs a deadline of at most {MAX_TIMEOUT:.0f} s"
-    if network == "loopback" and not fresh and not os.environ.get("GRADCOMP_FRESH_RANKS"):
+    if network == "loopback" and not fresh and poolable():
         return run_in_pool(world, target, args, timeout, group_timeout)
     return spawn(world, target, args, timeout=timeout, group_timeout=group_timeout, network=network)
 

@@ -21,13 +21,14 @@ import multiprocessing
 import os
 import queue
 import shutil
+import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gradcomp.launch import LOOPBACK, RankError
+from gradcomp.launch import LOOPBACK, RankError, spawn
 
 HEALTH_TIMEOUT = datetime.timedelta(seconds=10)
 """How long the ranks' check after a target may wait for a peer: a healthy group answers in ms."""
@@ -112,6 +113,15 @@ class RankPool:
 
 
 _pools: dict[tuple[int, float], RankPool] = {}
+_STARTED_IN = (os.getcwd(), tuple(sys.path))
+"""Where the session's ranks start: a rank imports its target by name, from the parent's directory
+and path as they were when it started."""
+
+
+def poolable() -> bool:
+    """Whether a pool's ranks can run what this process would start now: not when the test moved to
+    another directory or path (a user's model imported from there), nor with GRADCOMP_FRESH_RANKS=1."""
+    return (os.getcwd(), tuple(sys.path)) == _STARTED_IN and not os.environ.get("GRADCOMP_FRESH_RANKS")
 
 
 def run_in_pool(
@@ -126,6 +136,25 @@ def run_in_pool(
         pool = RankPool(world, group_timeout)
     _pools[key] = pool  # the most recently used last
     return pool.run(target, args, timeout)
+
+
+def spawn_pooled(
+    world_size: int,
+    target: Callable[..., Any],
+    args: Sequence[Any] = (),
+    *,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    group_timeout: float = 60.0,
+    threads: int = 1,
+    network: str = "loopback",
+) -> list[Any]:
+    """:func:`gradcomp.launch.spawn`, with the ranks of a pool where a pool's ranks are what it would
+    start (gloo on loopback, one thread each): what the training runs that tests launch use."""
+    if backend == "gloo" and threads == 1 and network == "loopback" and poolable():
+        return run_in_pool(world_size, target, args, timeout, group_timeout)
+    return spawn(world_size, target, args, timeout=timeout, backend=backend, group_timeout=group_timeout,
+                 threads=threads, network=network)  # fmt: skip
 
 
 @atexit.register
