@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml requirements-dev.txt
 install: $(STAMP)
 
 # The main job: the quick sweep (6 ways to average gradients, torch's hooks among them, x 3 seeds, on
-# loopback and an emulated 1 Gbit/s link where root and tc allow; 2 ranks, digits; about 5 minutes),
+# loopback and an emulated 1 Gbit/s link where root and tc allow; 2 ranks, digits; 5 to 8 minutes),
 # then its report, runs/quick/report.html. Resumable: a second `make demo` skips finished runs.
 demo: $(STAMP)
 	$(BIN)/gradcomp sweep quick --out runs/quick --skip-unavailable-networks
