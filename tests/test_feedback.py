@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from gradcomp.compressors import make_compressor
+from gradcomp.compressors import Compressor, make_compressor
 from gradcomp.compressors.feedback import ErrorFeedback
 from gradcomp.compressors.simulate import compress_all, simulate
 from tests.helpers import SPECS, with_feedback
@@ -48,6 +48,17 @@ def test_powersgd_fused_residual_conserves_with_uncompressed_pieces() -> None:
         assert torch.equal(contribution[1200:1230], (g + e_old)[1200:1230])
 
 
+def sent_over(ef: Compressor, grads: list[torch.Tensor], also: str | None = None) -> torch.Tensor:
+    """What ``ef`` sent of key "w" over one step per gradient (key ``also`` compressed beside it)."""
+    sent = torch.zeros_like(grads[0])
+    for g in grads:
+        contexts, finals = compress_all([ef], [g], key="w")
+        sent += ef.contribution(finals[0], contexts[0])
+        if also is not None:
+            compress_all([ef], [g], key=also)
+    return sent
+
+
 @pytest.mark.parametrize(
     "spec", ["topk:ratio=0.05", "sign:chunk=64", "quantize:bits=2,rounding=nearest", "powersgd:rank=1"]
 )
@@ -55,10 +66,7 @@ def test_nothing_is_lost_only_delayed(spec: str) -> None:
     """Over T steps, the sum of what was sent plus the last residual is the sum of the gradients."""
     ef = make_compressor(f"{spec},ef=true")
     grads = gradients(20)
-    sent = torch.zeros_like(grads[0])
-    for g in grads:
-        contexts, finals = compress_all([ef], [g], key="w")
-        sent += ef.contribution(finals[0], contexts[0])
+    sent = sent_over(ef, grads)
     total = torch.stack(grads).sum(0)
     assert torch.allclose(sent + ef.residuals["w"], total, atol=1e-4)
     # and the residual stays bounded: a few gradients' worth, not a growing share of the sum
@@ -78,11 +86,7 @@ def test_taking_the_residual_hands_over_exactly_what_was_not_sent(spec: str) -> 
     forgets the key: it comes back as a fresh key, other keys untouched."""
     ef = make_compressor(f"{spec},ef=true")
     grads = gradients(4)
-    sent = torch.zeros_like(grads[0])
-    for g in grads:
-        contexts, finals = compress_all([ef], [g], key="w")
-        sent += ef.contribution(finals[0], contexts[0])
-        compress_all([ef], [g], key="other")
+    sent = sent_over(ef, grads, also="other")
     residual, other = ef.residuals["w"].clone(), ef.residuals["other"].clone()
     taken = ef.take_residual("w")
     assert taken is not None and torch.equal(taken, residual)

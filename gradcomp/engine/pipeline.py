@@ -55,9 +55,8 @@ from gradcomp.collectives.executor import Handle, executor
 from gradcomp.collectives.groups import private
 from gradcomp.collectives.link import Traffic
 from gradcomp.compressors import Compressor, Key, make_compressor
-from gradcomp.engine.routes import BucketWork, DenseRoute, GatherRoute, Route, SumRoute, TwoPhaseRoute
-from gradcomp.engine.spec import TWO_PHASE_FROM, HookSpec, HookSpecLike
-from gradcomp.engine.spec import Route as SpecRoute
+from gradcomp.engine.routes import BucketWork, DenseRoute, GatherRoute, RouteSteps, SumRoute, TwoPhaseRoute
+from gradcomp.engine.spec import TWO_PHASE_FROM, HookSpec, HookSpecLike, Route
 from gradcomp.engine.stats import BucketRecord
 from gradcomp.engine.warmup import Warmup
 from gradcomp.errors import PeerError, SpecMismatchError
@@ -65,10 +64,10 @@ from gradcomp.flat import numel
 
 __all__ = ["TWO_PHASE_FROM", "Engine", "check_same_spec"]
 
-_ROUTES: dict[SpecRoute, type[SumRoute | GatherRoute | TwoPhaseRoute]] = {
-    SpecRoute.SUM: SumRoute,
-    SpecRoute.GATHER: GatherRoute,
-    SpecRoute.TWO_PHASE: TwoPhaseRoute,
+_ROUTES: dict[Route, type[SumRoute | GatherRoute | TwoPhaseRoute]] = {
+    Route.SUM: SumRoute,
+    Route.GATHER: GatherRoute,
+    Route.TWO_PHASE: TwoPhaseRoute,
 }
 
 
@@ -110,7 +109,7 @@ class Engine:
         # DDP's group they would interleave with the engine's differently on each rank (gloo aborts
         # with "Received data size doesn't match expected size").
         self.group = private(group, timeout)
-        self.route: Route = _ROUTES[self.spec.route(self.world)](self.compressor, self.group, self.spec.algo)
+        self.route: RouteSteps = _ROUTES[self.spec.route(self.world)](self.compressor, self.group, self.spec.algo)
         """How the spec's payloads travel (:mod:`gradcomp.engine.routes`)."""
         self._dense = DenseRoute(self.compressor, self.group, self.spec.algo, make_compressor("none"))
         self.warmup = Warmup(self.spec, self.compressor)
@@ -120,11 +119,6 @@ class Engine:
         self.steps_done = 0
         """Steps handed over in the whole run, resumed ones included (the warm-up's clock, saved)."""
         self._checked = False
-
-    @property
-    def two_phase(self) -> bool:
-        """Whether ``gather`` payloads travel two-phase."""
-        return isinstance(self.route, TwoPhaseRoute)
 
     def reduce(
         self,

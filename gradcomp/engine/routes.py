@@ -62,7 +62,7 @@ class BucketWork:
     """Per part, the payload of the current round and the local context."""
 
 
-class Route(Protocol):
+class RouteSteps(Protocol):
     """A way for a bucket's payloads to travel (the module's docstring)."""
 
     issues_only: bool
