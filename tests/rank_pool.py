@@ -1,6 +1,7 @@
 """Groups of gloo ranks kept for the whole test session, so that a test pays for its checks, not for
-starting ranks (a fresh process imports torch and the test module and joins a group: seconds per
-test, most of a distributed test's time on CI's 2 cores).
+starting ranks (a rank forks from :func:`gradcomp.launch.rank_context`'s server, which imported
+torch once, then imports the test module and joins a group: most of a short distributed test's time
+on CI's 2 cores).
 
 A :class:`RankPool` of ``world`` ranks runs one target at a time, each rank in the process it was
 started in, inside the group it joined once. Before each target the ranks reset what a fresh process
@@ -28,7 +29,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gradcomp.launch import LOOPBACK, RankError, spawn
+from gradcomp.launch import LOOPBACK, RankError, adopt, rank_context, spawn
 
 HEALTH_TIMEOUT = datetime.timedelta(seconds=10)
 """How long the ranks' check after a target may wait for a peer: a healthy group answers in ms."""
@@ -40,7 +41,7 @@ class RankPool:
     """``world`` ranks in one gloo group (collectives bounded by ``group_timeout`` seconds)."""
 
     def __init__(self, world: int, group_timeout: float) -> None:
-        context = multiprocessing.get_context("spawn")
+        context = rank_context()
         self.world = world
         self._directory = tempfile.mkdtemp(prefix="gradcomp-pool-")
         store = os.path.join(self._directory, "store")
@@ -50,7 +51,7 @@ class RankPool:
         self._processes = [
             context.Process(
                 target=_rank_main,
-                args=(rank, world, store, group_timeout, self._tasks[rank], self._results),
+                args=(rank, world, store, group_timeout, self._tasks[rank], self._results, dict(os.environ)),
                 name=f"gradcomp-pool-rank-{rank}",
                 daemon=True,
             )
@@ -171,7 +172,9 @@ def _rank_main(
     group_timeout: float,
     tasks: multiprocessing.Queue[tuple[int, Callable[..., Any], tuple[Any, ...]] | None],
     results: multiprocessing.Queue[tuple[int, int, str, Any, bool]],
+    environment: dict[str, str],
 ) -> None:
+    adopt(environment)
     os.environ["GLOO_SOCKET_IFNAME"] = LOOPBACK
     import torch
     import torch.distributed as dist

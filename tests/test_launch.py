@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import time
 
@@ -98,3 +99,24 @@ def test_local_ranks_listen_on_loopback_only() -> None:
 def test_a_world_needs_a_rank() -> None:
     with pytest.raises(ValueError, match="world_size"):
         spawn(0, identify)
+
+
+def environment_and_start(rank: int, world: int, name: str) -> tuple[str | None, str]:
+    return os.environ.get(name), multiprocessing.get_start_method()
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_ranks_start_as_asked_and_see_the_callers_environment_of_now(
+    method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GRADCOMP_START_METHOD", method)
+    spawn(1, identify, (0,))  # a fork server, if any, starts here, before the variable below exists
+    monkeypatch.setenv("GRADCOMP_TEST_VARIABLE", "set later")
+    results = spawn(2, environment_and_start, ("GRADCOMP_TEST_VARIABLE",))
+    assert results == [("set later", method)] * 2
+
+
+def test_an_unknown_start_method_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADCOMP_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="valid start methods are forkserver and spawn"):
+        spawn(1, identify, (0,))
