@@ -27,6 +27,8 @@ from gradcomp.engine.sharded import ShardSpec
 from gradcomp.engine.spec import HookSpec
 from gradcomp.hooks import auto, ddp, fsdp2, torch_fsdp
 from gradcomp.hooks.auto import AutoSpec, AutoState, is_auto_spec
+from gradcomp.hooks.compressed_adamw import CompressedAdamW, CompressedAdamWState
+from gradcomp.hooks.compressed_adamw_spec import CompressedAdamWSpec
 from gradcomp.hooks.ddp import HookState, make
 from gradcomp.hooks.torch_fsdp import TorchFSDPSpec, TorchFSDPState
 from gradcomp.hooks.torch_hooks import TorchHookSpec, is_torch_spec
@@ -37,6 +39,9 @@ __all__ = [
     "AnySpec",
     "AutoSpec",
     "AutoState",
+    "CompressedAdamW",
+    "CompressedAdamWSpec",
+    "CompressedAdamWState",
     "HookSpec",
     "HookState",
     "ShardSpec",

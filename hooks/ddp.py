@@ -93,7 +93,8 @@ def check_saved(state: Any, spec: str, world: int, kind: str) -> None:
         )
 
 
-def _gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
+def gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
+    """The hook :func:`make` returns: ``bucket`` averaged through ``state``'s engine."""
     engine = state.engine
     if engine is None:  # noop: the compute floor
         done: torch.futures.Future[Tensor] = torch.futures.Future()
@@ -169,7 +170,7 @@ def make(
     parsed = HookSpec.parse(spec, **{key: value for key, value in given.items() if value is not None})
     engine = None if parsed.noop else Engine(parsed, group=group, timeout=timeout)
     world = dist.get_world_size(group) if dist.is_initialized() else 1  # noop needs no process group
-    return HookState(parsed, engine, world), _gradcomp_hook
+    return HookState(parsed, engine, world), gradcomp_hook
 
 
 def register(model: torch.nn.parallel.DistributedDataParallel, spec: HookSpecLike, **options: Any) -> HookState:

@@ -106,3 +106,25 @@ def test_a_dgc_run_resumed_inside_its_warm_up_ends_bitwise(tmp_path: os.PathLike
             assert torch.equal(a, b), part
     for rank_state in ended["hooks"]:  # every rank's hook state holds its velocities and the step count
         assert rank_state["compressor"]["velocities"] and rank_state["engine"]["steps"] == SETTINGS["steps"]
+
+
+@pytest.mark.timeout(240)
+def test_a_compressed_adamw_run_resumed_after_its_freeze_ends_bitwise(tmp_path: os.PathLike[str]) -> None:
+    """AdamW whose momentum travels as signs after 10 uncompressed steps, stopped at step 17 (past the
+    freeze: error feedback's residuals per rank, the frozen variance) and resumed: it ends bitwise
+    where the run straight through does, having sent the gradient for 10 steps and signs after."""
+    optimizer = "compressed-adamw:freeze=10,carrier=sign:ef=true"
+    settings = {**SETTINGS, "hook": "allreduce", "optimizer": optimizer, "momentum": 0.0, "lr": 3e-3}
+    straight = TrainConfig(**settings, out=os.path.join(tmp_path, "straight"))
+    record = launch(straight)
+    config = TrainConfig(**settings, out=os.path.join(tmp_path, "resumed"), resume="auto")
+    assert launch(dataclasses.replace(config, stop_at=STOP))["status"] == "stopped"
+    assert launch(config)["resumed_from"] == STOP
+    expected = torch.load(straight.checkpoint_path, weights_only=True)
+    ended = torch.load(config.checkpoint_path, weights_only=True)
+    for part in ("model", "hooks", "optimizer"):
+        for a, b in zip(tensors(expected[part]), tensors(ended[part]), strict=True):
+            assert torch.equal(a, b), part
+    gradient_bytes = 4 * sum(t.numel() for t in tensors(expected["model"]))
+    sent = record["metrics"]["wire_bytes"]  # 10 steps of the all-reduce (a ring's count), then signs
+    assert 10 * gradient_bytes <= sent < (10 + (SETTINGS["steps"] - 10) / 20) * gradient_bytes

@@ -21,7 +21,7 @@ from gradcomp.experiments.training.run import main
         ({"steps": 10, "epochs": 1.0}, "give steps or epochs"),
         ({"steps": 0}, "steps must be > 0"),
         ({"steps": 10, "lr": 0.0}, "lr must be > 0"),
-        ({"steps": 10, "optimizer": "lion"}, "unknown optimizer 'lion'; valid: sgd, nesterov, adam, adamw"),
+        ({"steps": 10, "optimizer": "lion"}, "unknown optimizer 'lion'; valid: sgd, nesterov, adam, adamw, compressed-adamw:freeze=..."),
         ({"steps": 10, "schedule": "exp"}, "unknown schedule"),
         ({"steps": 10, "batch_size": 65, "ranks": 2}, "does not split evenly over 2 ranks"),
         ({"steps": 10, "task": "imagenet"}, "unknown task 'imagenet'"),
@@ -42,6 +42,12 @@ from gradcomp.experiments.training.run import main
         ({"steps": 10, "momentum": 0.9, "hook": "topk:momentum=true"}, "needs ef=true"),
         ({"steps": 10, "clip": 1.0, "hook": "topk:ef=true,clip=2"}, "clip twice"),
         ({"steps": 10, "clip": 1.0, "hook": "topk:ef=true,clip=0"}, "clip twice"),  # said off
+        ({"steps": 10, "optimizer": "compressed-adamw:freeze=0"}, "freeze must be an integer >= 1"),
+        ({"steps": 10, "optimizer": "compressed-adamw", "parallel": "fsdp", "hook": "none"}, "needs parallel ddp"),
+        ({"steps": 10, "optimizer": "compressed-adamw", "sync": "diloco:every=5"}, "needs parallel ddp and sync none"),
+        ({"steps": 10, "optimizer": "compressed-adamw", "hook": "torch:fp16"}, "the hook, a gradcomp spec"),
+        ({"steps": 10, "optimizer": "compressed-adamw", "hook": "noop"}, "the hook, a gradcomp spec"),
+        ({"steps": 10, "optimizer": "compressed-adamw", "hook": "sign:ef=true"}, "strand its residual"),
     ],
 )
 def test_bad_settings_are_refused(settings: dict[str, Any], message: str) -> None:

@@ -28,8 +28,9 @@ from scipy import stats
 from gradcomp.engine.sharded import SHARD_OPTIONS, ShardSpec
 from gradcomp.engine.spec import HookSpec
 from gradcomp.experiments.report.records import Run
+from gradcomp.experiments.training.config import OPTIMIZER_JOIN, split_method
 from gradcomp.experiments.training.config import method as method_name
-from gradcomp.experiments.training.config import split_method
+from gradcomp.hooks.compressed_adamw_spec import CompressedAdamWSpec
 from gradcomp.hooks.torch_hooks import is_torch_spec
 from gradcomp.options import format_value
 
@@ -279,6 +280,16 @@ def verdict(group: Group) -> str:
     return text + "."
 
 
+def _short_optimizer(text: str) -> str:
+    """A compressing optimizer's spec with its carrier as :func:`short_name` writes hooks."""
+    try:
+        spec = CompressedAdamWSpec.parse(text)
+    except ValueError:
+        return text
+    carrier = short_name(spec.carrier)
+    return str(spec).replace(f"carrier={spec.carrier}", f"carrier={carrier}")
+
+
 def short_name(hook: str) -> str:
     """A hook spec as a reader writes it: the canonical text less the options at their defaults, but
     for the ones that say how much is sent (:data:`DEFINING`): ``topk:ratio=0.01,ef=true`` for
@@ -288,6 +299,9 @@ def short_name(hook: str) -> str:
     sync, inner = split_method(hook)
     if sync is not None:  # local SGD or DiLoCo, over a hook spec
         return method_name({"sync": sync, "hook": short_name(inner)})
+    optimizer, inner = split_method(hook, OPTIMIZER_JOIN)
+    if optimizer is not None:  # an optimizer sending its momentum, after a hook's warm-up
+        return method_name({"optimizer": _short_optimizer(optimizer), "hook": short_name(inner)})
     sharded: list[str] = []  # a sharded run's own options (local_size, param_bits)
     try:
         spec = HookSpec.parse(hook)

@@ -7,7 +7,8 @@ import os
 import sys
 
 from gradcomp import hooks
-from gradcomp.experiments.training.config import method, split_method
+from gradcomp.experiments.training.config import OPTIMIZER_JOIN, method, split_method
+from gradcomp.experiments.training.optim import parse_optimizer
 from gradcomp.sync import SyncSpec
 
 
@@ -75,6 +76,9 @@ def _canonical(hook: str) -> str:
     sync, inner = split_method(hook)
     if sync is not None:
         return method({"sync": str(SyncSpec.parse(sync)), "hook": _canonical(inner)})
+    optimizer, inner = split_method(hook, OPTIMIZER_JOIN)
+    if optimizer is not None:
+        return method({"optimizer": parse_optimizer(optimizer), "hook": _canonical(inner)})
     try:
         return str(hooks.parse(hook))
     except ValueError:

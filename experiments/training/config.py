@@ -21,8 +21,9 @@ from typing import Any
 from gradcomp import hooks
 from gradcomp.compressors.registry import NO_FEEDBACK
 from gradcomp.experiments.tasks import parse_task
-from gradcomp.experiments.training.optim import OPTIMIZERS, SCHEDULES
+from gradcomp.experiments.training.optim import SCHEDULES, parse_optimizer
 from gradcomp.experiments.training.parallel import PARALLELS
+from gradcomp.hooks.compressed_adamw_spec import is_compressed_adamw_spec
 from gradcomp.options import convert, format_value, split_spec
 from gradcomp.sync import SyncSpec
 
@@ -47,7 +48,13 @@ class TrainConfig:
     batch_size: int = 64
     """Global batch per step, split evenly over the ranks (so runs at any world size see the same data)."""
     optimizer: str = "sgd"
-    """sgd, nesterov, adam or adamw (``gradcomp.experiments.training.optim``)."""
+    """sgd, nesterov, adam or adamw (``gradcomp.experiments.training.optim``), or AdamW whose momentum
+    travels compressed after an uncompressed warm-up (1-bit Adam's method, ``gradcomp.hooks.CompressedAdamW``):
+    compressed-adamw:freeze=100,carrier=sign:ef=true,beta1=0.9,beta2=0.999,eps=1e-8,bound=1 (the defaults;
+    freeze: uncompressed steps, after which the variance is frozen; carrier: the hook spec the momentum
+    travels by; bound: the largest step per coordinate after the freeze, in units of lr). The hook then
+    averages the gradient until the freeze (allreduce, or a spec without error feedback) and sends
+    nothing after it; DDP only (no fsdp, no sync)."""
     lr: float = 0.1
     """Peak learning rate."""
     momentum: float = 0.0
@@ -134,7 +141,7 @@ class TrainConfig:
             raise ValueError(f"stop_at must be >= 1, got {self.stop_at}")
         if not 0 <= self.seed < 2**31:
             raise ValueError(f"seed must be in 0..2**31-1, got {self.seed}")
-        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        parse_optimizer(self.optimizer)
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("backend", self.backend, BACKENDS)
         _choice("parallel", self.parallel, PARALLELS)
@@ -146,6 +153,8 @@ class TrainConfig:
             raise ValueError(f"hook {self.hook!r}: {error}") from None
         if self.sync != NO_SYNC:
             self._check_sync(hook)
+        if self.compresses_momentum:
+            self._check_compressed_momentum(hook)
         if not self.network.strip():
             raise ValueError("network must be a profile such as loopback or 1gbit")
 
@@ -157,8 +166,27 @@ class TrainConfig:
         hook, and the optimizer then without momentum (sgd, 0). Derived from what was said, which stays
         as it was; the effective config of an effective config is the same."""
         moved: dict[str, Any] = {"optimizer": "sgd", "momentum": 0.0} if self._takes_run_momentum else {}
+        moved.setdefault("optimizer", parse_optimizer(self.optimizer))
         sync = NO_SYNC if self.sync_spec is None else str(self.sync_spec)
         return dataclasses.replace(self, hook=str(self._hook), sync=sync, **moved)
+
+    @property
+    def compresses_momentum(self) -> bool:
+        """Whether the optimizer sends its momentum compressed (``compressed-adamw``), the hook then
+        averaging the gradient only until the freeze."""
+        return is_compressed_adamw_spec(self.optimizer)
+
+    def _check_compressed_momentum(self, hook: hooks.AnySpec | hooks.AnyShardedSpec) -> None:
+        """compressed-adamw attaches its own DDP hook, which averages through ``hook`` until the freeze."""
+        where = "compressed-adamw sends the momentum itself, after DDP's backward"
+        if self.parallel != "ddp" or self.sync != NO_SYNC:
+            raise ValueError(f"{where}: it needs parallel ddp and sync none (FSDP2 shards the momentum; "
+                             "local SGD and DiLoCo average parameters)")  # fmt: skip
+        if not isinstance(hook, hooks.HookSpec) or hook.noop:
+            raise ValueError(f"{where}: the hook, a gradcomp spec, averages the gradient until the freeze; got {hook}")
+        if hook.compressor is not None and hook.compressor.ef:
+            raise ValueError(f"{where}: the hook's error feedback would strand its residual at the freeze; "
+                             f"use allreduce, a cast or an unbiased quantizer, not {hook}")  # fmt: skip
 
     @property
     def hook_spec(self) -> hooks.AnySpec | hooks.AnyShardedSpec:
@@ -286,21 +314,28 @@ def _hook_with_feedback(spec: hooks.HookSpec, **changes: Any) -> hooks.HookSpec:
 
 
 def method(config: Mapping[str, Any]) -> str:
-    """What a run compares by, from its config's values: the hook spec, or, with infrequent
+    """What a run compares by, from its config's values: the hook spec; with infrequent
     synchronization, the sync spec and the hook spec its outer gradients travel by
-    (``diloco:every=50 over quantize:bits=4,ef=true``)."""
+    (``diloco:every=50 over quantize:bits=4,ef=true``); with an optimizer that sends its momentum
+    compressed, that optimizer and the hook of its warm-up (``compressed-adamw:freeze=30 after allreduce``)."""
     hook, sync = str(config.get("hook")), config.get("sync") or NO_SYNC
+    optimizer = str(config.get("optimizer", ""))
+    if is_compressed_adamw_spec(optimizer):
+        return f"{optimizer}{OPTIMIZER_JOIN}{hook}"
     return hook if sync == NO_SYNC else f"{sync}{SYNC_JOIN}{hook}"
 
 
-def split_method(text: str) -> tuple[str | None, str]:
-    """A method's name (:func:`method`) as its sync spec (None for a hook alone) and its hook spec."""
-    sync, joined, hook = text.partition(SYNC_JOIN)
-    return (sync.strip(), hook.strip()) if joined else (None, text)
+def split_method(text: str, join: str | None = None) -> tuple[str | None, str]:
+    """A method's name (:func:`method`) as its sync spec (None for a hook alone) and its hook spec;
+    with ``join`` :data:`OPTIMIZER_JOIN`, as its compressing optimizer and the hook of its warm-up."""
+    first, joined, hook = text.partition(join or SYNC_JOIN)
+    return (first.strip(), hook.strip()) if joined else (None, text)
 
 
 SYNC_JOIN = " over "
 """Between the sync spec and the hook spec in a method's name (:func:`method`)."""
+OPTIMIZER_JOIN = " after "
+"""Between a compressing optimizer and the hook of its warm-up in a method's name (:func:`method`)."""
 
 
 PATH_FIELDS = ("out", "checkpoint", "resume", "overwrite", "stop_at", "timeout")

@@ -8,6 +8,10 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from gradcomp.hooks import CompressedAdamW, CompressedAdamWSpec
+from gradcomp.hooks.compressed_adamw_spec import OPTIONS as COMPRESSED_ADAMW_OPTIONS
+from gradcomp.hooks.compressed_adamw_spec import is_compressed_adamw_spec
+
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": lambda params, lr, momentum, weight_decay: torch.optim.SGD(
         params, lr=lr, momentum=momentum, weight_decay=weight_decay
@@ -20,7 +24,19 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 }
 """``sgd`` (with ``momentum``, 0 by default), ``nesterov`` (momentum 0.9 unless given), ``adam``, ``adamw``
 (``momentum`` unused). Error feedback was measured with plain SGD in ``docs/hooks.md``: with momentum it
-did worse on the digits."""
+did worse on the digits. Besides these, a ``compressed-adamw`` spec (:func:`parse_optimizer`)."""
+
+
+def parse_optimizer(text: str) -> str:
+    """An optimizer's canonical text: a name of :data:`OPTIMIZERS`, or a ``compressed-adamw`` spec
+    (:class:`~gradcomp.hooks.CompressedAdamWSpec`: AdamW whose momentum travels compressed).
+    ValueError names what is wrong and the valid choices."""
+    if is_compressed_adamw_spec(text):
+        return str(CompressedAdamWSpec.parse(text))
+    if text not in OPTIMIZERS:
+        valid = ", ".join([*OPTIMIZERS, f"compressed-adamw:{','.join(f'{o}=...' for o in COMPRESSED_ADAMW_OPTIONS)}"])
+        raise ValueError(f"unknown optimizer {text!r}; valid: {valid}")
+    return text
 
 
 def _constant(progress: float) -> float:
@@ -42,6 +58,9 @@ SCHEDULES: dict[str, Callable[[float], float]] = {"constant": _constant, "cosine
 def make_optimizer(
     name: str, parameters: Iterable[nn.Parameter], lr: float, momentum: float, weight_decay: float
 ) -> torch.optim.Optimizer:
+    """The optimizer ``name`` (a name of :data:`OPTIMIZERS` or a ``compressed-adamw`` spec) over ``parameters``."""
+    if is_compressed_adamw_spec(name):
+        return CompressedAdamW.from_spec(parameters, CompressedAdamWSpec.parse(name), lr, weight_decay)
     return OPTIMIZERS[name](parameters, lr, momentum, weight_decay)
 
 

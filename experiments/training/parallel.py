@@ -57,6 +57,8 @@ class Replicated(Placement):
         self.forward = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
 
     def register(self, spec: Any, seed: int, optimizer: torch.optim.Optimizer) -> TrainingHookState:
+        if isinstance(optimizer, hooks.CompressedAdamW):  # its own hook: ``spec`` until the freeze, then none
+            return optimizer.attach(self.forward, spec)
         if isinstance(spec, TorchHookSpec):
             return torch_hooks.register(self.forward, spec, seed=seed)
         return hooks.register(self.forward, spec)

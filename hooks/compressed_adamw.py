@@ -1,0 +1,348 @@
+"""CompressedAdamW: AdamW for DDP whose *momentum*, not its gradient, travels compressed, through any
+gradcomp compressor (1-bit Adam's method: Tang et al., "1-bit Adam", ICML 2021).
+
+Why not compress AdamW's gradient with error feedback: error feedback assumes the optimizer is linear
+in the gradient, and Adam divides by the root of its second moment, which a compressed gradient's
+error inflates; on the char LM, ``sign:ef=true`` under AdamW ends 29% worse in perplexity
+(``docs/training.md``). 1-bit Adam's way out, in two phases:
+
+1. **Warm-up** (the first ``freeze`` steps): AdamW itself, on the gradient DDP averages through the
+   warm-up hook (``allreduce``, or any gradcomp spec without error feedback: ``fp16``,
+   ``quantize:bits=4``), while Adam's second moment ``v`` settles.
+2. **Compressed** (from then on): ``v`` is frozen (with its bias correction at the freeze), so the
+   update is linear in the momentum. DDP's hook sends nothing and hands each rank its own gradient;
+   each rank folds it into the momentum, ``m_i = b1 m + (1 - b1) g_i``, and gradcomp's engine averages
+   the ``m_i`` through the ``carrier`` spec (``sign:ef=true`` by default: a bit per coordinate, error
+   feedback per tensor on each rank), so ``m`` is the same on every rank, bitwise. The update is
+   AdamW's, ``p -= lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^freeze)) + eps)`` after the decoupled
+   weight decay ``p *= 1 - lr wd``, with each coordinate's step bounded by ``lr * bound``: a
+   coordinate without gradient before the freeze has a frozen variance of 0.
+
+>>> model = DistributedDataParallel(net)
+>>> optimizer = CompressedAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, freeze=100)
+>>> state = optimizer.attach(model)     # the DDP hook of both phases; the state for checkpoints
+
+Costs per rank: AdamW's two moments, a flat copy of the momentum (the engine's buffer), and the
+carrier's state (error feedback: a residual and a scratch buffer the size of the parameters). The
+momentum's exchange runs in ``step()``, after backward, where 1-bit Adam runs it too: it cannot
+overlap backward, which is why it must be small. Every parameter takes part in every exchange (one
+without a gradient counts a zero gradient), so every rank must hold the same parameters.
+"""
+
+# No ``from __future__ import annotations`` here: DDP checks its hook's annotations at run time.
+import collections
+import datetime
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from gradcomp.engine import Engine, HookSpec, HookSpecLike
+from gradcomp.engine.stats import StepStats, newest, steps_since, write_trace
+from gradcomp.flat import views
+from gradcomp.hooks import ddp
+from gradcomp.hooks.compressed_adamw_spec import DEFAULT_CARRIER, CompressedAdamWSpec
+from gradcomp.state import TrainingHookState
+
+HISTORY = 10_000
+"""Steps of statistics kept (the latest), as a hook's engine keeps its buckets."""
+
+
+class CompressedAdamW(torch.optim.Optimizer):
+    """AdamW whose momentum travels compressed after ``freeze`` uncompressed steps (module notes).
+
+    Args:
+        params: the DDP model's parameters (or parameter groups, each with its ``lr`` and
+            ``weight_decay``), of one dtype and device.
+        lr, betas, eps, weight_decay: AdamW's (``torch.optim.AdamW``; decoupled weight decay).
+        freeze: uncompressed steps, after which Adam's variance is frozen and the momentum travels
+            through ``carrier``. 1-bit Adam's rule of thumb: long enough for the variance to settle,
+            a few percent of the run (every uncompressed step costs the whole gradient).
+        carrier: the hook spec the momentum travels by (``sign:ef=true``, ``topk:ratio=0.01,ef=true``,
+            ``quantize:bits=2,ef=true``, ...); biased compressors want error feedback.
+        bound: after the freeze, the largest step of a coordinate, in units of ``lr`` (Adam's
+            normalized update rarely passes 1; a coordinate whose frozen variance is 0 would).
+
+    Until :meth:`attach` the optimizer is AdamW on whatever gradient it finds (one process, or a
+    model whose gradients something else averages), and a compressed step among several ranks is
+    refused: it would average nothing.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        freeze: int = 100,
+        carrier: HookSpecLike = DEFAULT_CARRIER,
+        bound: float = 1.0,
+    ) -> None:
+        if not (math.isfinite(lr) and lr >= 0) or not (math.isfinite(weight_decay) and weight_decay >= 0):
+            raise ValueError(f"lr and weight_decay must be finite and >= 0, got {lr} and {weight_decay}")
+        self.spec = CompressedAdamWSpec(freeze, str(HookSpec.parse(carrier)), betas[0], betas[1], eps, bound)
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        parameters = self._parameters()
+        if len({(p.dtype, p.device) for p in parameters}) > 1:
+            raise ValueError("CompressedAdamW averages one flat momentum: give it parameters of one dtype and device")
+        self.hook_state: CompressedAdamWState | None = None
+        self._flat: Tensor | None = None  # the momenta, back to back: what the carrier averages
+        self._denominators: dict[nn.Parameter, Tensor] | None = None  # frozen with the variance
+
+    @classmethod
+    def from_spec(
+        cls, params: Iterable[nn.Parameter], spec: CompressedAdamWSpec, lr: float, weight_decay: float
+    ) -> "CompressedAdamW":
+        """The optimizer a ``compressed-adamw`` spec describes (a training run's ``--optimizer``)."""
+        return cls(params, lr, (spec.beta1, spec.beta2), spec.eps, weight_decay, freeze=spec.freeze,
+                   carrier=spec.carrier, bound=spec.bound)  # fmt: skip
+
+    @property
+    def steps_done(self) -> int:
+        """Optimizer steps taken, resumed ones included (saved with the optimizer's state)."""
+        first = self._parameters()[0]
+        return int(self.state[first].get("step", 0)) if first in self.state else 0
+
+    @property
+    def compressing(self) -> bool:
+        """Whether the next step sends the momentum through the carrier (the freeze is past)."""
+        return self.steps_done >= self.spec.freeze
+
+    def attach(
+        self,
+        model: DistributedDataParallel,
+        warmup: HookSpecLike = "allreduce",
+        *,
+        timeout: datetime.timedelta | None = None,
+    ) -> "CompressedAdamWState":
+        """Register the DDP hook of both phases on ``model`` and build the momentum's exchange (on the
+        group DDP communicates on); returns the state, for statistics and checkpoints.
+
+        ``warmup``: the hook spec that averages gradients until the freeze (``allreduce``, ``fp16``,
+        ``quantize:bits=4``, ...): not ``noop`` (the ranks would drift apart), and without error
+        feedback, whose residual would be stranded when the hook falls silent at the freeze. After the
+        freeze the hook hands DDP each rank's own gradient: averaging it too would send the gradient's
+        bytes besides the momentum's."""
+        if self.hook_state is not None:
+            raise RuntimeError("this optimizer is attached already: one model, one hook")
+        spec = HookSpec.parse(warmup)
+        if spec.noop:
+            raise ValueError(
+                "the warm-up hook averages gradients until the freeze: noop would let the ranks drift apart"
+            )
+        assert spec.compressor is not None
+        if spec.compressor.ef:
+            raise ValueError(
+                f"warm-up hook {spec}: its error feedback's residual would be stranded when the hook stops "
+                "at the freeze; use allreduce, a cast (fp16, bf16) or an unbiased quantizer (quantize:bits=4)"
+            )
+        group = model.process_group
+        warm_state, _ = ddp.make(spec, group=group, timeout=timeout)
+        carrier = Engine(self.spec.carrier, group=group, timeout=timeout)
+        self.hook_state = CompressedAdamWState(self, warm_state, carrier, dist.get_world_size(group))
+        model.register_comm_hook(self.hook_state, _hook)
+        return self.hook_state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One AdamW step: on the averaged gradient until the freeze, then on the momentum averaged
+        through the carrier (which waits for the exchange)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        compressing = self.compressing
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._init_state(p)
+        step = self.steps_done + 1
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            parameters = group["params"]
+            for p in parameters:
+                self.state[p]["step"] = step
+            if not compressing:
+                with_grad = [p for p in parameters if p.grad is not None]
+                grads = [p.grad for p in with_grad]
+                torch._foreach_lerp_(self._moments(with_grad, "exp_avg"), grads, 1 - beta1)
+                squares = self._moments(with_grad, "exp_avg_sq")
+                torch._foreach_mul_(squares, beta2)
+                torch._foreach_addcmul_(squares, grads, grads, 1 - beta2)
+        if compressing:
+            self._average_momentum()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            if compressing:
+                self._frozen_update(group, 1 - beta1**step)
+            else:
+                moved = [p for p in group["params"] if p.grad is not None]
+                self._adamw_update(moved, group, 1 - beta1**step, 1 - beta2**step)
+        if self.hook_state is not None:
+            self.hook_state.close_step()
+        return loss
+
+    def _init_state(self, p: nn.Parameter) -> None:
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _moments(self, parameters: Sequence[Tensor], name: str) -> list[Tensor]:
+        return [self.state[p][name] for p in parameters]
+
+    def _average_momentum(self) -> None:
+        """Each rank's momentum with its own gradient folded in, averaged through the carrier: the
+        same ``m`` on every rank."""
+        parameters = self._parameters()
+        flat = self._flat_momentum(parameters)
+        for group in self.param_groups:
+            beta1, _ = group["betas"]
+            for p in group["params"]:
+                m = self.state[p]["exp_avg"]
+                if p.grad is None:
+                    m.mul_(beta1)  # a zero gradient
+                else:
+                    m.lerp_(p.grad, 1 - beta1)
+        if self.hook_state is not None:
+            self.hook_state.carrier.reduce(flat, list(range(len(parameters))), [p.shape for p in parameters]).wait()
+        elif dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError(
+                "a compressed step averages the momentum through the hook's state: call attach(model) first"
+            )
+
+    def _flat_momentum(self, parameters: list[nn.Parameter]) -> Tensor:
+        """The momenta as views of one flat buffer (built once; again after a checkpoint's load)."""
+        if self._flat is None:
+            momenta = [self.state[p]["exp_avg"] for p in parameters]
+            self._flat = torch.cat([m.reshape(-1) for m in momenta])
+            for p, view in zip(parameters, views(self._flat, [p.shape for p in parameters]), strict=True):
+                self.state[p]["exp_avg"] = view
+        return self._flat
+
+    def _adamw_update(
+        self, parameters: list[Tensor], group: dict[str, Any], correction1: float, correction2: float
+    ) -> None:
+        """AdamW's update, in torch's order (``torch.optim.AdamW(foreach=False)``, bitwise)."""
+        lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+        if decay:
+            torch._foreach_mul_(parameters, 1 - lr * decay)
+        denominators = torch._foreach_sqrt(self._moments(parameters, "exp_avg_sq"))
+        torch._foreach_div_(denominators, correction2**0.5)  # torch's rounding
+        torch._foreach_add_(denominators, eps)
+        torch._foreach_addcdiv_(parameters, self._moments(parameters, "exp_avg"), denominators, -lr / correction1)
+
+    def _frozen_update(self, group: dict[str, Any], correction1: float) -> None:
+        """The update with the variance frozen at the freeze: its denominators computed once, each
+        coordinate's step bounded by ``lr * bound`` (a coordinate with no gradient before the freeze
+        has a variance of 0: a momentum arriving later, or the carrier's error, would step by
+        ``lr * m / eps``)."""
+        parameters = group["params"]
+        if self._denominators is None:
+            self._denominators = {}
+        missing = [p for p in parameters if p not in self._denominators]
+        if missing:
+            correction2 = 1 - group["betas"][1] ** self.spec.freeze
+            denominators = torch._foreach_sqrt(self._moments(missing, "exp_avg_sq"))
+            torch._foreach_div_(denominators, correction2**0.5)
+            torch._foreach_add_(denominators, group["eps"])
+            self._denominators.update(zip(missing, denominators, strict=True))
+        lr, decay, bound = group["lr"], group["weight_decay"], self.spec.bound
+        if decay:
+            torch._foreach_mul_(parameters, 1 - lr * decay)
+        steps = torch._foreach_div(self._moments(parameters, "exp_avg"), [self._denominators[p] for p in parameters])
+        torch._foreach_mul_(steps, 1 / correction1)
+        torch._foreach_clamp_min_(steps, -bound)
+        torch._foreach_clamp_max_(steps, bound)
+        torch._foreach_add_(parameters, steps, alpha=-lr)
+
+    def _parameters(self) -> list[nn.Parameter]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """AdamW's state (moments and step count, the same on every rank); the flat momentum is built
+        again from it at the next compressed step."""
+        super().load_state_dict(state_dict)
+        self._flat = self._denominators = None
+
+
+class CompressedAdamWState(TrainingHookState):
+    """What :meth:`CompressedAdamW.attach` returns: the warm-up hook's state and the carrier's engine.
+    Statistics per optimizer step (counted in this process from 0): the warm-up hook's buckets until
+    the freeze, the momentum's exchange after it. Checkpoints hold both (error feedback's residuals
+    are per rank: save every rank's, as for a hook)."""
+
+    def __init__(self, optimizer: "CompressedAdamW", warmup: ddp.HookState, carrier: Engine, world: int) -> None:
+        self.optimizer, self.warmup, self.carrier, self.world = optimizer, warmup, carrier, world
+        self._steps: collections.deque[StepStats] = collections.deque(maxlen=HISTORY)
+        self._read = {"warmup": 0, "carrier": 0}  # each engine's next step to take in
+        self._count = 0  # optimizer steps in this process
+        self._own_error: BaseException | None = None
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._own_error or self.warmup.error
+
+    @error.setter
+    def error(self, value: BaseException | None) -> None:
+        self._own_error = value
+
+    @property
+    def spec(self) -> str:
+        """The optimizer's spec and the warm-up hook's: what a checkpoint must be resumed with."""
+        return f"{self.optimizer.spec} after {self.warmup.spec}"
+
+    def close_step(self) -> None:
+        """Sum what the step's exchanges cost into its :class:`StepStats` (called by ``step()``)."""
+        total = StepStats.zero(self._count)
+        for name, records in (("warmup", self._warmup_records()), ("carrier", self.carrier.records)):
+            for stats in steps_since(records, self._read[name]):
+                total += stats
+                self._read[name] = stats.step + 1
+        self._steps.append(total)
+        self._count += 1
+
+    def _warmup_records(self) -> collections.deque[Any]:
+        assert self.warmup.engine is not None  # noop is refused
+        return self.warmup.engine.records
+
+    def steps_since(self, first: int) -> list[StepStats]:
+        return newest(self._steps, first)
+
+    def write_trace(self, path: str | os.PathLike[str]) -> None:
+        """The warm-up hook's buckets and the momentum's exchanges, on one timeline."""
+        records = sorted([*self._warmup_records(), *self.carrier.records], key=lambda r: r.queued)
+        write_trace(records, path, dist.get_rank())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The specs and world size, the warm-up hook's state and the carrier's (its compressor's:
+        error feedback's residuals, per rank; its engine's)."""
+        return {
+            "spec": self.spec,
+            "world_size": self.world,
+            "warmup": self.warmup.state_dict(),
+            "compressor": self.carrier.compressor.state_dict(),
+            "engine": self.carrier.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ddp.check_saved(state, self.spec, self.world, "compressed-adamw")
+        self.warmup.load_state_dict(state["warmup"])
+        self.carrier.compressor.load_state_dict(state["compressor"])
+        self.carrier.load_state_dict(state["engine"])
+
+
+def _hook(state: CompressedAdamWState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """Until the freeze, the warm-up hook's average; then each rank's own gradient, untouched."""
+    if not state.optimizer.compressing:
+        return ddp.gradcomp_hook(state.warmup, bucket)
+    done: torch.futures.Future[Tensor] = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done

@@ -1,0 +1,95 @@
+"""The spec of :class:`~gradcomp.hooks.compressed_adamw.CompressedAdamW`, as training runs and sweeps
+write it: ``compressed-adamw`` or ``compressed-adamw:freeze=30,carrier=topk:ratio=0.01,ef=true``."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from gradcomp.engine.spec import HookSpec
+from gradcomp.options import convert
+
+NAME = "compressed-adamw"
+DEFAULT_CARRIER = "sign:ef=true"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressedAdamWSpec:
+    """A parsed ``compressed-adamw`` spec: the optimizer's options besides AdamW's learning rate and
+    weight decay (which a run sets with ``--lr`` and ``--weight-decay``)."""
+
+    freeze: int = 100
+    """Uncompressed (warm-up) steps: AdamW on the gradient the DDP hook averages; then Adam's
+    variance is frozen and the momentum travels through ``carrier``."""
+    carrier: str = DEFAULT_CARRIER
+    """The hook spec the momentum travels by after the freeze (canonical text): any gradcomp spec
+    but ``noop``; error feedback (``ef=true``) keeps what a biased compressor leaves out."""
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    bound: float = 1.0
+    """After the freeze, the largest step of a coordinate in units of the learning rate (a coordinate
+    whose variance froze at 0 would otherwise step by ``lr * m / eps``)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.freeze, bool) or not isinstance(self.freeze, int) or self.freeze < 1:
+            raise ValueError(
+                f"freeze must be an integer >= 1 (Adam's variance needs uncompressed steps), got {self.freeze!r}"
+            )
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and 0.0 <= value < 1.0):
+                raise ValueError(f"{name} must be in [0, 1), got {value}")
+        for name in ("eps", "bound"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        carrier = HookSpec.parse(self.carrier)
+        if carrier.noop:
+            raise ValueError("the carrier averages the momentum over the ranks: noop would let them drift apart")
+        assert carrier.compressor is not None
+        if carrier.compressor.feedback.momentum:
+            raise ValueError("the carrier already sends Adam's momentum: momentum correction would apply a second one")
+        object.__setattr__(self, "carrier", str(carrier))  # frozen: canonical once
+
+    @classmethod
+    def parse(cls, text: str) -> CompressedAdamWSpec:
+        """``compressed-adamw`` or ``compressed-adamw:freeze=30,carrier=sign:ef=true``: the carrier's
+        own options (after a comma, as in ``topk:ratio=0.01,ef=true``) stay with it; the optimizer's
+        options start anew. ValueError names what is wrong and the valid options."""
+        name, _, rest = text.strip().partition(":")
+        if name != NAME:
+            raise ValueError(f"a {NAME} spec starts with {NAME!r}, got {text!r}")
+        options: dict[str, str] = {}
+        current = None
+        for piece in (p.strip() for p in rest.split(",") if p.strip()):
+            key, equals, value = piece.partition("=")
+            if equals and key.strip() in OPTIONS:
+                current = key.strip()
+                if current in options:
+                    raise ValueError(f"option {current!r} given twice in {text!r}")
+                options[current] = value.strip()
+            elif current == "carrier":
+                options[current] += "," + piece
+            else:
+                raise ValueError(f"unknown {NAME} option {piece!r}; valid: {', '.join(OPTIONS)}")
+        hints = {f.name: type(f.default) for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {key: convert(key, value, hints[key]) for key, value in options.items()}
+        return cls(**values)
+
+    def __str__(self) -> str:
+        """The canonical text: the name, then every option that differs from its default."""
+        changed = [
+            f"{f.name}={getattr(self, f.name)}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != (str(HookSpec.parse(DEFAULT_CARRIER)) if f.name == "carrier" else f.default)
+        ]
+        return NAME + (":" + ",".join(changed) if changed else "")
+
+
+OPTIONS = tuple(f.name for f in dataclasses.fields(CompressedAdamWSpec))
+
+
+def is_compressed_adamw_spec(text: object) -> bool:
+    """Whether ``text`` is a ``compressed-adamw`` spec."""
+    return isinstance(text, str) and text.strip().partition(":")[0] == NAME
