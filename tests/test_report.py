@@ -71,7 +71,7 @@ def _write_run(root: Path, hook: str, network: str, seed: int, *, status: str = 
     if status == "finished":
         compress = None if hook.startswith("torch:") else 1.0
         record["metrics"] = {
-            "step": STEPS, "eval_accuracy": accuracy[-1], "train_time_s": TIMES[-1] * speed,
+            "step": STEPS, "eval_accuracy": accuracy[-1], "eval_loss": 1 - accuracy[-1], "train_time_s": TIMES[-1] * speed,
             "wire_bytes": STEPS * WIRE.get(hook, 0), "compression_ratio": 4e6 / WIRE.get(hook, 4e6),
             "compute_ms": 30.0, "compress_ms": compress, "decompress_ms": compress and 0.5,
         }  # fmt: skip
@@ -204,6 +204,26 @@ def test_a_baseline_can_be_named_and_the_tolerance_moves_the_target(sweep: Path)
         analysis.analyze(runs, tolerance=-1)
     assert Metric("eval_perplexity").target(50.0, 10) == pytest.approx(55.0)  # lower is better: 10% above
     assert Metric("eval_loss").meets(0.4, 0.5) and not Metric("eval_accuracy").meets(0.4, 0.5)
+
+
+def test_a_falling_metric_can_be_chosen_its_target_above_the_baseline(sweep: Path) -> None:
+    """``metric="loss"``: the target is the baseline's final loss plus 1% of it, and a seed reaches it
+    at its first evaluation whose loss is at or below it."""
+    runs = [r for r in records.load(str(sweep)) if r.network == "1gbit"]
+    group = analysis.analyze(runs, tolerance=1.0, metric="loss")[0]
+    assert group.metric is not None and group.metric.name == "loss" and not group.metric.higher_is_better
+    baseline = statistics.fmean(1 - accuracy[-1] for accuracy in ACCURACY["torch:allreduce"])
+    assert group.target == pytest.approx(baseline * 1.01)
+    for method in group.methods:
+        if method.hook not in ACCURACY:
+            continue
+        expected = []
+        for accuracy in ACCURACY[method.hook]:
+            first = next((i for i, value in enumerate(accuracy) if 1 - value <= baseline * 1.01), None)
+            expected.append(None if first is None else TIMES[first] * SPEED["1gbit"][method.hook])
+        assert method.times_to_target == pytest.approx(expected), method.hook
+    with pytest.raises(ValueError, match="no evaluation metric 'bleu' in digits-mlp; valid: accuracy, loss"):
+        analysis.analyze(runs, metric="bleu")
 
 
 def test_curves_are_the_mean_and_range_over_seeds_at_common_steps(sweep: Path) -> None:

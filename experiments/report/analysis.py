@@ -186,19 +186,29 @@ class Group:
         return next((m for m in self.methods if m.hook == hook), None)
 
 
-def analyze(runs: Sequence[Run], tolerance: float = 0.5, baseline: str | None = None) -> list[Group]:
+def analyze(
+    runs: Sequence[Run], tolerance: float = 0.5, baseline: str | None = None, metric: str | None = None
+) -> list[Group]:
     """The groups of ``runs`` (in order of first appearance), each analysed against ``baseline``
-    (a hook spec's canonical text; default: the first of :data:`BASELINES` that the group has)."""
+    (a hook spec's canonical text; default: the first of :data:`BASELINES` that the group has) by
+    ``metric`` (an evaluation metric's name, ``loss``; default: each task's headline)."""
     if not math.isfinite(tolerance) or tolerance < 0:
         raise ValueError(f"the target tolerance must be a number >= 0, got {tolerance}")
     keys = list(dict.fromkeys(r.group for r in runs))
-    return [_group(key, [r for r in runs if r.group == key], tolerance, baseline) for key in keys]
+    return [_group(key, [r for r in runs if r.group == key], tolerance, baseline, metric) for key in keys]
 
 
-def _group(key: tuple[str, str, int], runs: list[Run], tolerance: float, baseline: str | None) -> Group:
+def _group(
+    key: tuple[str, str, int], runs: list[Run], tolerance: float, baseline: str | None, chosen_metric: str | None
+) -> Group:
     hooks = list(dict.fromkeys(r.hook for r in runs))
     methods = [MethodRuns(hook, [r for r in runs if r.hook == hook]) for hook in hooks]
     headline = next((r.metric for r in runs if r.metric), None)
+    if chosen_metric and headline:  # a run that started names its task's metrics
+        available = {k.removeprefix("eval_") for r in runs for k in r.metrics if k.startswith("eval_")}
+        if available and chosen_metric not in available:
+            raise ValueError(f"no evaluation metric {chosen_metric!r} in {key[0]}; valid: {', '.join(sorted(available))}")
+        headline = f"eval_{chosen_metric}"
     group = Group(*key, Metric(headline) if headline else None, methods)
     if group.metric is None:
         group.verdict = "No run of this group has started: nothing to compare yet."

@@ -1,4 +1,4 @@
-"""``gradcomp report RUNS_DIR [-o report.html] [--target-tolerance 0.5] [--baseline SPEC]``."""
+"""``gradcomp report RUNS_DIR [-o report.html] [--target-tolerance 0.5] [--baseline SPEC] [--metric NAME]``."""
 
 from __future__ import annotations
 
@@ -35,12 +35,17 @@ def add_command(commands: argparse._SubParsersAction) -> None:
         help="the hook spec every group is measured against (default: the first it has of torch:allreduce, "
         "allreduce, torch:reduce_scatter, none)",
     )
+    parser.add_argument(
+        "--metric",
+        help="the evaluation metric to compare by (loss, perplexity, accuracy; default: each task's headline); "
+        "loss and perplexity count lower as better",
+    )
     parser.add_argument("--markdown", metavar="FILE", help="also write the verdicts and tables as Markdown to FILE")
     parser.set_defaults(run=_command)
 
 
 def _command(args: argparse.Namespace) -> int:
-    path = write(args.runs_dir, args.output, args.target_tolerance, args.baseline, args.markdown)
+    path = write(args.runs_dir, args.output, args.target_tolerance, args.baseline, args.markdown, args.metric)
     sys.stdout.write(f"report: {path}\n" + (f"tables: {args.markdown}\n" if args.markdown else ""))
     return 0
 
@@ -51,6 +56,7 @@ def write(
     tolerance: float = 0.5,
     baseline: str | None = None,
     markdown: str | None = None,
+    metric: str | None = None,
 ) -> str:
     """Analyse the runs in ``runs_dir``, write the page (default ``runs_dir/report.html``) and, if
     ``markdown`` names a file, the verdicts and tables as Markdown there; return the page's path."""
@@ -59,7 +65,7 @@ def write(
     if baseline is not None:
         baseline = _canonical(baseline)
     runs = records.load(runs_dir)
-    groups = analysis.analyze(runs, tolerance, baseline)
+    groups = analysis.analyze(runs, tolerance, baseline, metric)
     path = output or os.path.join(runs_dir, "report.html")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as file:
