@@ -71,7 +71,8 @@ def _write_run(root: Path, hook: str, network: str, seed: int, *, status: str = 
     if status == "finished":
         compress = None if hook.startswith("torch:") else 1.0
         record["metrics"] = {
-            "step": STEPS, "eval_accuracy": accuracy[-1], "eval_loss": 1 - accuracy[-1], "train_time_s": TIMES[-1] * speed,
+            "step": STEPS, "eval_accuracy": accuracy[-1], "eval_loss": 1 - accuracy[-1],
+            "train_time_s": TIMES[-1] * speed,
             "wire_bytes": STEPS * WIRE.get(hook, 0), "compression_ratio": 4e6 / WIRE.get(hook, 4e6),
             "compute_ms": 30.0, "compress_ms": compress, "decompress_ms": compress and 0.5,
         }  # fmt: skip

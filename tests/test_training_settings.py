@@ -21,7 +21,10 @@ from gradcomp.experiments.training.run import main
         ({"steps": 10, "epochs": 1.0}, "give steps or epochs"),
         ({"steps": 0}, "steps must be > 0"),
         ({"steps": 10, "lr": 0.0}, "lr must be > 0"),
-        ({"steps": 10, "optimizer": "lion"}, "unknown optimizer 'lion'; valid: sgd, nesterov, adam, adamw, compressed-adamw:freeze=..."),
+        (
+            {"steps": 10, "optimizer": "lion"},
+            "unknown optimizer 'lion'; valid: sgd, nesterov, adam, adamw, compressed-adamw:freeze=...",
+        ),
         ({"steps": 10, "schedule": "exp"}, "unknown schedule"),
         ({"steps": 10, "batch_size": 65, "ranks": 2}, "does not split evenly over 2 ranks"),
         ({"steps": 10, "task": "imagenet"}, "unknown task 'imagenet'"),

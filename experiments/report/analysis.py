@@ -207,7 +207,9 @@ def _group(
     if chosen_metric and headline:  # a run that started names its task's metrics
         available = {k.removeprefix("eval_") for r in runs for k in r.metrics if k.startswith("eval_")}
         if available and chosen_metric not in available:
-            raise ValueError(f"no evaluation metric {chosen_metric!r} in {key[0]}; valid: {', '.join(sorted(available))}")
+            raise ValueError(
+                f"no evaluation metric {chosen_metric!r} in {key[0]}; valid: {', '.join(sorted(available))}"
+            )
         headline = f"eval_{chosen_metric}"
     group = Group(*key, Metric(headline) if headline else None, methods)
     if group.metric is None:

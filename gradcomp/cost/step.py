@@ -29,7 +29,7 @@ import torch
 from gradcomp.compressors import REGISTRY, Spec, make_compressor, parse_spec
 from gradcomp.cost.cluster import Cluster
 from gradcomp.cost.kernels import KernelCost
-from gradcomp.engine.spec import HookSpec, HookSpecLike, Route
+from gradcomp.engine.spec import ALLREDUCE, HookSpec, HookSpecLike, Route
 
 FIRST_BUCKET_BYTES, BUCKET_BYTES = 1 << 20, 25 << 20
 """DDP's bucket caps (``dist._DEFAULT_FIRST_BUCKET_BYTES`` and ``bucket_cap_mb=25``)."""
@@ -195,10 +195,19 @@ class BucketCost:
 def bucket_cost(
     shapes: Sequence[tuple[int, ...]], method: Method, cluster: Cluster, kernels: Callable[[str], KernelCost]
 ) -> BucketCost:
-    """What averaging one bucket of tensors of ``shapes`` costs with ``method`` on ``cluster``."""
+    """What averaging one bucket of tensors of ``shapes`` costs with ``method`` on ``cluster``: the
+    tensors its spec's per-tensor policy leaves uncompressed priced as their own all-reduce."""
     p = cluster.ranks
     if method.compressor is None or p == 1:
         return BucketCost()
+    if method.spec.keeps_some_dense:
+        dense = [s for s in shapes if method.spec.uncompressed(s)]
+        kept = [s for s in shapes if not method.spec.uncompressed(s)]
+        plain = dataclasses.replace(method, spec=dataclasses.replace(method.spec, min_numel=0, vectors="compressed"))
+        exact = Method(method.label, HookSpec.parse(ALLREDUCE), method.algo)
+        parts = [bucket_cost(kept, plain, cluster, kernels) if kept else BucketCost(),
+                 bucket_cost(dense, exact, cluster, kernels) if dense else BucketCost()]  # fmt: skip
+        return BucketCost(*(sum(getattr(c, f.name) for c in parts) for f in dataclasses.fields(BucketCost)))
     spec = method.compressor
     cls = REGISTRY[spec.name]
     kernel = kernels(str(spec))

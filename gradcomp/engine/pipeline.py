@@ -27,6 +27,10 @@ every rank and nothing communicates from a backend's callback thread (rule "one 
   nothing, so the order of collectives stays the same on every rank). A single-round one is issued
   in the caller's thread when nothing is queued, as torch's own hooks issue theirs; an uncompressed
   bucket then goes straight to the backend's asynchronous all-reduce.
+- A per-tensor policy (``HookSpec.min_numel``, ``HookSpec.vectors``) sends the tensors it picks
+  uncompressed, each rank's share of one all-reduce per bucket (a warm-up step's, bitwise the
+  all-reduce hook's average), beside the others' route; their bytes are counted apart
+  (``BucketRecord.uncompressed_bytes``).
 - The first call checks that every rank uses the same spec, and fails with every rank's spec named.
 - A warm-up (``HookSpec.warmup``) sends the first steps uncompressed, as the all-reduce hook does
   (error feedback's momentum correction and clipping still apply: :meth:`Compressor.dense_share`),
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -60,7 +65,7 @@ from gradcomp.engine.spec import TWO_PHASE_FROM, HookSpec, HookSpecLike, Route
 from gradcomp.engine.stats import BucketRecord
 from gradcomp.engine.warmup import Warmup
 from gradcomp.errors import PeerError, SpecMismatchError
-from gradcomp.flat import numel
+from gradcomp.flat import numel, views
 
 __all__ = ["TWO_PHASE_FROM", "Engine", "check_same_spec"]
 
@@ -111,7 +116,13 @@ class Engine:
         self.group = private(group, timeout)
         self.route: RouteSteps = _ROUTES[self.spec.route(self.world)](self.compressor, self.group, self.spec.algo)
         """How the spec's payloads travel (:mod:`gradcomp.engine.routes`)."""
-        self._dense = DenseRoute(self.compressor, self.group, self.spec.algo, make_compressor("none"))
+        exact = make_compressor("none")
+        self._dense = DenseRoute(self.compressor, self.group, self.spec.algo, exact)
+        # The per-tensor policy's uncompressed tensors: each rank's share as a warm-up step's (EF21
+        # keeps no state for a tensor it never compresses: a plain share).
+        ef21 = self.spec.compressor.feedback.variant == "ef21"
+        self._uncompressed = DenseRoute(exact if ef21 else self.compressor, self.group, self.spec.algo, exact)
+        self._scratches: dict[tuple[Key, ...], Tensor] = {}
         self.warmup = Warmup(self.spec, self.compressor)
         self.records: collections.deque[BucketRecord] = collections.deque(maxlen=history)
         self.step = 0
@@ -138,8 +149,9 @@ class Engine:
         work = self._work(buffer, keys, shapes, bucket)
         plan = self.warmup.at(self.steps_done)
         work.ratio, work.settled = plan.ratio, plan.settled
-        route = self._dense if plan.dense else self.route
-        route.prepare(work)  # here, in the caller's thread: it overlaps the previous bucket's communication
+        sends: list[tuple[RouteSteps, BucketWork]] = [(self._dense, work)] if plan.dense else self._by_policy(work)
+        for route, part in sends:  # here, in the caller's thread: it overlaps the previous bucket's communication
+            route.prepare(part)
         self.step, self.steps_done = self.step + last, self.steps_done + last
         done: Future[tuple[Tensor, Traffic | None]] = Future()
 
@@ -147,18 +159,50 @@ class Engine:
             try:
                 work.record.started = time.perf_counter()
                 self._check_spec(work.buffer.device)
-                landing = route.send(work)
+                landings = [route.send(part) for route, part in sends]
             except BaseException as error:  # reaches whoever waits on the handle
                 done.set_exception(error)
                 return None, None
-            if landing is None:
-                self._close(work, done)
-            else:  # the backend's all-reduce is in flight: the executor moves on
-                landing.add_done_callback(lambda landed: self._close(work, done, landed.exception()))
+            _when_all([f for f in landings if f is not None], lambda error: self._close(work, sends, done, error))
             return None, None
 
-        executor().submit(operation, issues_only=self._checked and route.issues_only)
+        issues_only = self._checked and all(route.issues_only for route, _ in sends)
+        executor().submit(operation, issues_only=issues_only)
         return Handle(done)
+
+    def _by_policy(self, work: BucketWork) -> list[tuple[RouteSteps, BucketWork]]:
+        """The bucket's tensors by the spec's per-tensor policy: those it sends uncompressed (copied
+        together into a buffer kept per bucket) to their share of an all-reduce, the others through the
+        spec's route, in place."""
+        if not self.spec.keeps_some_dense or not work.shapes:
+            return [(self.route, work)]
+        dense = [self.spec.uncompressed(shape) for shape in work.shapes]
+        if not any(dense):
+            return [(self.route, work)]
+        work.record.uncompressed_bytes = work.buffer.element_size() * numel(
+            [s for s, d in zip(work.shapes, dense, strict=True) if d]
+        )
+        if all(dense):
+            return [(self._uncompressed, work)]
+        parts = views(work.buffer, work.shapes)
+        kept = [i for i, d in enumerate(dense) if not d]
+        left = [i for i, d in enumerate(dense) if d]
+        compressed = BucketWork(work.buffer, [work.keys[i] for i in kept], [work.shapes[i] for i in kept],
+                                work.record, work.ratio, work.settled, parts=[parts[i] for i in kept])  # fmt: skip
+        shapes = [work.shapes[i] for i in left]
+        scratch = self._scratch(tuple(work.keys), numel(shapes), work.buffer)
+        torch.cat([parts[i].reshape(-1) for i in left], out=scratch)
+        uncompressed = BucketWork(scratch, [work.keys[i] for i in left], shapes, work.record)
+        uncompressed.landing = [parts[i] for i in left]
+        return [(self.route, compressed), (self._uncompressed, uncompressed)]
+
+    def _scratch(self, bucket: tuple[Key, ...], size: int, like: Tensor) -> Tensor:
+        """The buffer of a bucket's uncompressed tensors, kept for the next steps (DDP waits for every
+        bucket before the next backward, so a step's buffer is free when the next one needs it)."""
+        held = self._scratches.get(bucket)
+        if held is None or held.numel() != size or held.dtype != like.dtype or held.device != like.device:
+            held = self._scratches[bucket] = torch.empty(size, dtype=like.dtype, device=like.device)
+        return held
 
     def _work(
         self, buffer: Tensor, keys: Sequence[Key] | None, shapes: Sequence[torch.Size] | None, bucket: int
@@ -187,12 +231,21 @@ class Engine:
             self._checked = True
 
     def _close(
-        self, work: BucketWork, done: Future[tuple[Tensor, Traffic | None]], error: BaseException | None = None
+        self,
+        work: BucketWork,
+        sends: list[tuple[RouteSteps, BucketWork]],
+        done: Future[tuple[Tensor, Traffic | None]],
+        error: BaseException | None = None,
     ) -> None:
-        """Hand the bucket back (or its error), its record closed."""
+        """Hand the bucket back (or its error), its uncompressed tensors copied home, its record closed."""
         if error is not None:
             done.set_exception(error)
             return
+        for _, part in sends:
+            if part.landing:
+                views_ = views(part.buffer, part.shapes)
+                for home, averaged in zip(part.landing, views_, strict=True):
+                    home.copy_(averaged)
         work.record.finished = time.perf_counter()
         self.records.append(work.record)
         done.set_result((work.buffer, None))
@@ -215,8 +268,8 @@ class Engine:
     def per_tensor(self) -> bool:
         """Whether :meth:`reduce` needs the bucket's keys and shapes: not for an element-wise,
         stateless compressor (``allreduce``, the casts), which compresses the bucket whole, so that
-        a hook need not list its parameters."""
-        return not self.compressor.elementwise
+        a hook need not list its parameters, unless a per-tensor policy picks tensors out of it."""
+        return not self.compressor.elementwise or self.spec.keeps_some_dense
 
 
 def check_same_spec(spec: str, group: dist.ProcessGroup, device: torch.device) -> None:
@@ -233,3 +286,23 @@ def check_same_spec(spec: str, group: dist.ProcessGroup, device: torch.device) -
     if len(set(specs)) > 1:
         listing = "; ".join(f"rank {r}: {s!r}" for r, s in enumerate(specs))
         raise SpecMismatchError(f"ranks were given different hook specs: {listing}")
+
+
+def _when_all(landings: list[Future[None]], then: Any) -> None:
+    """Call ``then(error)`` once every future of ``landings`` is done (at once if none), with the
+    first error among them or None."""
+    if not landings:
+        then(None)
+        return
+    remaining = [len(landings)]
+    lock = threading.Lock()
+
+    def landed(_: Future[None]) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            then(next((f.exception() for f in landings if f.exception() is not None), None))
+
+    for future in landings:
+        future.add_done_callback(landed)

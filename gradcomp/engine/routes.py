@@ -57,9 +57,13 @@ class BucketWork:
     settled: bool = True
     """Past the warm-up: payloads have the size they keep (the padded all-gather may learn from them)."""
     parts: list[Tensor] = dataclasses.field(default_factory=list)
-    """The views of :attr:`buffer` that compression read and decompression writes."""
+    """The views of :attr:`buffer` that compression read and decompression writes (given beforehand
+    when the per-tensor policy leaves some of the buffer's tensors to another route)."""
     states: list[tuple[Payload, Any]] = dataclasses.field(default_factory=list)
     """Per part, the payload of the current round and the local context."""
+    landing: list[Tensor] = dataclasses.field(default_factory=list)
+    """Where the averaged tensors go once they land, when :attr:`buffer` is a copy of them (the
+    per-tensor policy's uncompressed tensors); empty when the buffer is their home."""
 
 
 class RouteSteps(Protocol):
@@ -92,11 +96,14 @@ class _Compressed:
         if work.ratio is not None:
             compressor.set_ratio(work.ratio)
         with work.record.phase("compress"):
-            if compressor.elementwise:
+            if compressor.elementwise and not work.parts:
                 work.parts = [work.buffer]
                 work.states = [compressor.compress_divided(work.buffer, self.world)]
                 return
-            work.parts = views(work.buffer, work.shapes)
+            work.parts = work.parts or views(work.buffer, work.shapes)
+            if compressor.elementwise:  # some of the bucket's tensors go elsewhere: the others one by one
+                work.states = [compressor.compress_divided(part, self.world) for part in work.parts]
+                return
             pairs = zip(work.parts, work.keys, strict=True)
             work.states = [compressor.compress_divided(part, self.world, key) for part, key in pairs]
 
@@ -218,11 +225,12 @@ class TwoPhaseRoute(_Compressed):
     def send(self, work: BucketWork) -> None:
         if work.ratio is not None:
             self.compressor.set_ratio(work.ratio)
-        work.buffer.div_(self.world)
+        parts = work.parts or views(work.buffer, work.shapes)
+        for part in parts:
+            part.div_(self.world)
         with work.record.phase("communicate"):
             exchange = transport.GroupTransport(self.group, work.record.add_traffic)
-            parts = views(work.buffer, work.shapes)
-            work.record.payload_bytes = two_phase.reduce(self.compressor, parts, work.keys, exchange)
+            work.record.payload_bytes += two_phase.reduce(self.compressor, parts, work.keys, exchange)
 
 
 class DenseRoute(SumRoute):

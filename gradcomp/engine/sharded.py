@@ -86,6 +86,11 @@ class ShardSpec:
             )
         if self.hook.warmup:
             raise ValueError("warmup is built for DDP's hooks, not yet for the sharded reduce-scatter: leave it out")
+        if self.hook.keeps_some_dense:
+            raise ValueError(
+                "min_numel and vectors are built for DDP's hooks, not yet for the sharded reduce-scatter: "
+                "leave them out"
+            )
         spec = self.hook.compressor
         if spec is not None and spec.feedback.variant == "ef21":
             raise ValueError("ef=ef21 is built for DDP's hooks, not yet for the sharded reduce-scatter: use ef=true")

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gradcomp.collectives import FLAT_ALGORITHMS
@@ -33,7 +34,10 @@ AGGREGATIONS = ("auto", "gather", "two_phase")
 """How ``gather`` payloads travel: all-gathered, two-phase, or ``auto`` (the engine decides by world size)."""
 ALLREDUCE, NOOP = "allreduce", "noop"
 """Hook names beside the compressors: the uncompressed gradient (compressor ``none``), and nothing at all."""
-ENGINE_OPTIONS = ("algo", "aggregation", "seed", "warmup")
+ENGINE_OPTIONS = ("algo", "aggregation", "seed", "warmup", "min_numel", "vectors")
+VECTORS = ("compressed", "dense")
+"""What the engine does with 1-D tensors (biases, norms' scales): compress them as any other, or
+send them uncompressed (:attr:`HookSpec.vectors`)."""
 TWO_PHASE_FROM = 8
 """``aggregation="auto"`` all-gathers below this many ranks: there all-gather sends at most
 (p - 1) = 7 compressed tensors per rank against two-phase's 2 (p - 1) / p ~ 2, and skips the second
@@ -72,6 +76,13 @@ class HookSpec:
     for the ratio-based sparsifiers (topk, randomk) an exponential ratio schedule from 1 down to
     theirs, ``ratio ** ((t + 1) / (warmup + 1))`` at step t (DGC's; :func:`warmup_ratio`), with the
     steps whose ratio would cost the uncompressed gradient's bytes sent uncompressed (topk: from 0.5)."""
+    min_numel: int = 0
+    """Tensors with fewer elements travel uncompressed (their share of an all-reduce, as in a warm-up
+    step), whatever the compressor: small tensors cost little to send and much to compress (a
+    payload's fixed overhead, a kernel's launch), and error there is error in every weight they scale."""
+    vectors: str = "compressed"
+    """``dense``: 1-D tensors (biases, normalization scales) travel uncompressed too, as PowerSGD's
+    vectors and most production setups leave them; ``compressed``: as any other tensor."""
 
     def __post_init__(self) -> None:
         if self.algo not in ALGORITHMS:
@@ -80,8 +91,14 @@ class HookSpec:
             raise ValueError(f"unknown aggregation {self.aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"warmup must be an integer >= 0, got {self.warmup!r}")
+        for option in ("warmup", "min_numel"):
+            value = getattr(self, option)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{option} must be an integer >= 0, got {value!r}")
+        if self.vectors not in VECTORS:
+            raise ValueError(f"vectors must be one of {', '.join(VECTORS)}, got {self.vectors!r}")
+        if self.compressor is None and self.keeps_some_dense:
+            raise ValueError("noop sends nothing: min_numel and vectors choose what travels uncompressed")
         name = self.compressor.name if self.compressor else NOOP
         if self.aggregation == "two_phase" and self.compressor and REGISTRY[name].aggregation is Aggregation.SUM:
             raise ValueError(f"two_phase is for gather compressors; {name} sums its payloads (all-reduce)")
@@ -103,7 +120,7 @@ class HookSpec:
             raise TypeError(f"unknown engine option(s) {unknown}; valid: {', '.join(ENGINE_OPTIONS)}")
         name, options = split_hook_spec(spec)
         engine = {**defaults, **{key: options.pop(key) for key in ENGINE_OPTIONS if key in options}}
-        for key in ("seed", "warmup"):
+        for key in ("seed", "warmup", "min_numel"):
             if key in engine:
                 try:
                     engine[key] = convert(key, engine[key], int)
@@ -121,6 +138,15 @@ class HookSpec:
     @property
     def noop(self) -> bool:
         return self.compressor is None
+
+    @property
+    def keeps_some_dense(self) -> bool:
+        """Whether the spec sends some tensors uncompressed (``min_numel``, ``vectors=dense``)."""
+        return self.min_numel > 0 or self.vectors == "dense"
+
+    def uncompressed(self, shape: Sequence[int]) -> bool:
+        """Whether a tensor of ``shape`` travels uncompressed under the spec's per-tensor policy."""
+        return math.prod(shape) < self.min_numel or (self.vectors == "dense" and len(shape) <= 1)
 
     def route(self, world: int) -> Route:
         """How the payloads travel among ``world`` ranks: the one rule the engine and the cost model

@@ -32,6 +32,8 @@ class BucketRecord:
     bucket: int
     input_bytes: int
     queued: float
+    uncompressed_bytes: int = 0
+    """Of :attr:`input_bytes`, what the spec's per-tensor policy sent uncompressed."""
     started: float = 0.0
     finished: float = 0.0
     payload_bytes: int = 0
@@ -102,6 +104,9 @@ class StepStats:
     fragments); None for torch's own DDP hooks, which do not count them."""
     input_bytes: int = 0
     """The gradient bytes handed to the hook (for FSDP2: what an uncompressed reduce-scatter sends)."""
+    uncompressed_bytes: int = 0
+    """Of :attr:`input_bytes`, the tensors the spec's per-tensor policy sent uncompressed (``min_numel``,
+    ``vectors=dense``); their payload is themselves."""
     payload_bytes: int = 0
     """The payload the compressor produced (every round), exactly as ``Compressor.wire_bytes`` counts."""
     sent_bytes: int | None = 0
@@ -200,7 +205,8 @@ def per_step(records: Iterable[BucketRecord]) -> list[StepStats]:
 
 def _summed(step: int, records: list[BucketRecord]) -> StepStats:
     parts = (
-        StepStats(step, buckets=1, input_bytes=r.input_bytes, payload_bytes=r.payload_bytes,
+        StepStats(step, buckets=1, input_bytes=r.input_bytes, uncompressed_bytes=r.uncompressed_bytes,
+                  payload_bytes=r.payload_bytes,
                   sent_bytes=r.sent_bytes, received_bytes=r.received_bytes, sent_estimate=r.sent_estimate,
                   compress_s=r.compress_s, communicate_s=r.communicate_s, decompress_s=r.decompress_s)
         for r in records
