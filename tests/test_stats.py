@@ -86,8 +86,8 @@ def test_the_dict_has_every_field_and_the_ratio() -> None:
     """A record as a plain dict (for JSON): the layout per-step dicts had."""
     step = _step(sent=10, payload=10)
     assert step.to_dict() == {**dataclasses.asdict(step), "compression_ratio": 4.0}
-    assert list(step.to_dict()) == ["step", "buckets", "input_bytes", "payload_bytes", "sent_bytes",
-                                    "received_bytes", "sent_estimate", "compress_s", "communicate_s",
+    assert list(step.to_dict()) == ["step", "buckets", "input_bytes", "uncompressed_bytes", "payload_bytes",
+                                    "sent_bytes", "received_bytes", "sent_estimate", "compress_s", "communicate_s",
                                     "decompress_s", "tail_s", "compression_ratio"]  # fmt: skip
 
 
