@@ -32,6 +32,7 @@ without a gradient counts a zero gradient), so every rank must hold the same par
 # No ``from __future__ import annotations`` here: DDP checks its hook's annotations at run time.
 import collections
 import datetime
+import functools
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -69,6 +70,10 @@ class CompressedAdamW(torch.optim.Optimizer):
             ``quantize:bits=2,ef=true``, ...); biased compressors want error feedback.
         bound: after the freeze, the largest step of a coordinate, in units of ``lr`` (Adam's
             normalized update rarely passes 1; a coordinate whose frozen variance is 0 would).
+        variance_every: 0 to keep the variance frozen after the freeze (1-bit Adam); N to let each
+            rank go on learning it from its own gradients and average the ranks' every N steps
+            through ``variance_carrier`` (``bf16`` by default): the variance every rank divides by
+            then keeps up with training, for 1 / N of a gradient's bytes per step (bf16: half).
 
     Until :meth:`attach` the optimizer is AdamW on whatever gradient it finds (one process, or a
     model whose gradients something else averages), and a compressed step among several ranks is
@@ -86,10 +91,13 @@ class CompressedAdamW(torch.optim.Optimizer):
         freeze: int = 100,
         carrier: HookSpecLike = DEFAULT_CARRIER,
         bound: float = 1.0,
+        variance_every: int = 0,
+        variance_carrier: HookSpecLike = "bf16",
     ) -> None:
         if not (math.isfinite(lr) and lr >= 0) or not (math.isfinite(weight_decay) and weight_decay >= 0):
             raise ValueError(f"lr and weight_decay must be finite and >= 0, got {lr} and {weight_decay}")
-        self.spec = CompressedAdamWSpec(freeze, str(HookSpec.parse(carrier)), betas[0], betas[1], eps, bound)
+        self.spec = CompressedAdamWSpec(freeze, str(HookSpec.parse(carrier)), betas[0], betas[1], eps, bound,
+                                        variance_every, str(HookSpec.parse(variance_carrier)))  # fmt: skip
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         parameters = self._parameters()
         if len({(p.dtype, p.device) for p in parameters}) > 1:
@@ -97,6 +105,9 @@ class CompressedAdamW(torch.optim.Optimizer):
         self.hook_state: CompressedAdamWState | None = None
         self._flat: Tensor | None = None  # the momenta, back to back: what the carrier averages
         self._denominators: dict[nn.Parameter, Tensor] | None = None  # frozen with the variance
+        self.local_variance: Tensor | None = None
+        """This rank's own variance, flat, learned after the freeze (``variance_every``): per rank,
+        saved with the hook's state."""
 
     @classmethod
     def from_spec(
@@ -104,7 +115,8 @@ class CompressedAdamW(torch.optim.Optimizer):
     ) -> "CompressedAdamW":
         """The optimizer a ``compressed-adamw`` spec describes (a training run's ``--optimizer``)."""
         return cls(params, lr, (spec.beta1, spec.beta2), spec.eps, weight_decay, freeze=spec.freeze,
-                   carrier=spec.carrier, bound=spec.bound)  # fmt: skip
+                   carrier=spec.carrier, bound=spec.bound, variance_every=spec.variance_every,
+                   variance_carrier=spec.variance_carrier)  # fmt: skip
 
     @property
     def steps_done(self) -> int:
@@ -148,7 +160,10 @@ class CompressedAdamW(torch.optim.Optimizer):
         group = model.process_group
         warm_state, _ = ddp.make(spec, group=group, timeout=timeout)
         carrier = Engine(self.spec.carrier, group=group, timeout=timeout)
-        self.hook_state = CompressedAdamWState(self, warm_state, carrier, dist.get_world_size(group))
+        variance = (
+            Engine(self.spec.variance_carrier, group=group, timeout=timeout) if self.spec.variance_every else None
+        )
+        self.hook_state = CompressedAdamWState(self, warm_state, carrier, variance, dist.get_world_size(group))
         model.register_comm_hook(self.hook_state, _hook)
         return self.hook_state
 
@@ -179,6 +194,8 @@ class CompressedAdamW(torch.optim.Optimizer):
                 torch._foreach_addcmul_(squares, grads, grads, 1 - beta2)
         if compressing:
             self._average_momentum()
+            if self.spec.variance_every:
+                self._learn_variance(step)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             if compressing:
@@ -220,6 +237,39 @@ class CompressedAdamW(torch.optim.Optimizer):
                 "a compressed step averages the momentum through the hook's state: call attach(model) first"
             )
 
+    def _learn_variance(self, step: int) -> None:
+        """This rank's variance with its own gradient folded in; every ``variance_every`` steps after
+        the freeze, the ranks' averaged into the variance every rank divides by (linear, so averaging
+        in place, and going on from the average, is what averaging the ranks' own would give)."""
+        parameters = self._parameters()
+        if self.local_variance is None:  # from the variance every rank froze with
+            self.local_variance = torch.cat([self.state[p]["exp_avg_sq"].reshape(-1) for p in parameters])
+        local = views(self.local_variance, [p.shape for p in parameters])
+        for group in self.param_groups:
+            _, beta2 = group["betas"]
+            for p in group["params"]:
+                mine = local[self._index[p]]
+                mine.mul_(beta2)
+                if p.grad is not None:
+                    mine.addcmul_(p.grad, p.grad, value=1 - beta2)
+        if (step - self.spec.freeze) % self.spec.variance_every:
+            return
+        if self.hook_state is not None and self.hook_state.variance is not None:
+            handle = self.hook_state.variance.reduce(self.local_variance, list(range(len(parameters))),
+                                                     [p.shape for p in parameters])  # fmt: skip
+            handle.wait()
+            self.local_variance.clamp_(min=0)  # a lossy carrier may round a tiny variance below 0
+        for p, averaged in zip(parameters, local, strict=True):
+            self.state[p]["exp_avg_sq"].copy_(averaged)
+        self._denominators = None
+
+    def variance_step(self) -> int:
+        """The step whose variance every rank divides by: the freeze's, or the last average's."""
+        every, freeze, done = self.spec.variance_every, self.spec.freeze, self.steps_done
+        if not every or done < freeze + every:
+            return freeze
+        return freeze + (done - freeze) // every * every
+
     def _flat_momentum(self, parameters: list[nn.Parameter]) -> Tensor:
         """The momenta as views of one flat buffer (built once; again after a checkpoint's load)."""
         if self._flat is None:
@@ -251,7 +301,7 @@ class CompressedAdamW(torch.optim.Optimizer):
             self._denominators = {}
         missing = [p for p in parameters if p not in self._denominators]
         if missing:
-            correction2 = 1 - group["betas"][1] ** self.spec.freeze
+            correction2 = 1 - group["betas"][1] ** self.variance_step()
             denominators = torch._foreach_sqrt(self._moments(missing, "exp_avg_sq"))
             torch._foreach_div_(denominators, correction2**0.5)
             torch._foreach_add_(denominators, group["eps"])
@@ -274,6 +324,10 @@ class CompressedAdamW(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         self._flat = self._denominators = None
 
+    @functools.cached_property
+    def _index(self) -> dict[nn.Parameter, int]:
+        return {p: i for i, p in enumerate(self._parameters())}
+
 
 class CompressedAdamWState(TrainingHookState):
     """What :meth:`CompressedAdamW.attach` returns: the warm-up hook's state and the carrier's engine.
@@ -281,10 +335,18 @@ class CompressedAdamWState(TrainingHookState):
     the freeze, the momentum's exchange after it. Checkpoints hold both (error feedback's residuals
     are per rank: save every rank's, as for a hook)."""
 
-    def __init__(self, optimizer: "CompressedAdamW", warmup: ddp.HookState, carrier: Engine, world: int) -> None:
-        self.optimizer, self.warmup, self.carrier, self.world = optimizer, warmup, carrier, world
+    def __init__(
+        self, optimizer: "CompressedAdamW", warmup: ddp.HookState, carrier: Engine, variance: Engine | None, world: int
+    ) -> None:
+        self.optimizer, self.warmup, self.carrier, self.variance, self.world = (
+            optimizer,
+            warmup,
+            carrier,
+            variance,
+            world,
+        )
         self._steps: collections.deque[StepStats] = collections.deque(maxlen=HISTORY)
-        self._read = {"warmup": 0, "carrier": 0}  # each engine's next step to take in
+        self._read = {"warmup": 0, "carrier": 0, "variance": 0}  # each engine's next step to take in
         self._count = 0  # optimizer steps in this process
         self._own_error: BaseException | None = None
 
@@ -304,12 +366,16 @@ class CompressedAdamWState(TrainingHookState):
     def close_step(self) -> None:
         """Sum what the step's exchanges cost into its :class:`StepStats` (called by ``step()``)."""
         total = StepStats.zero(self._count)
-        for name, records in (("warmup", self._warmup_records()), ("carrier", self.carrier.records)):
+        for name, records in self._records():
             for stats in steps_since(records, self._read[name]):
                 total += stats
                 self._read[name] = stats.step + 1
         self._steps.append(total)
         self._count += 1
+
+    def _records(self) -> list[tuple[str, collections.deque[Any]]]:
+        records = [("warmup", self._warmup_records()), ("carrier", self.carrier.records)]
+        return records + ([("variance", self.variance.records)] if self.variance is not None else [])
 
     def _warmup_records(self) -> collections.deque[Any]:
         assert self.warmup.engine is not None  # noop is refused
@@ -320,18 +386,20 @@ class CompressedAdamWState(TrainingHookState):
 
     def write_trace(self, path: str | os.PathLike[str]) -> None:
         """The warm-up hook's buckets and the momentum's exchanges, on one timeline."""
-        records = sorted([*self._warmup_records(), *self.carrier.records], key=lambda r: r.queued)
+        records = sorted([r for _, held in self._records() for r in held], key=lambda r: r.queued)
         write_trace(records, path, dist.get_rank())
 
     def state_dict(self) -> dict[str, Any]:
         """The specs and world size, the warm-up hook's state and the carrier's (its compressor's:
-        error feedback's residuals, per rank; its engine's)."""
+        error feedback's residuals, per rank; its engine's), and this rank's own variance (None
+        until it learns one)."""
         return {
             "spec": self.spec,
             "world_size": self.world,
             "warmup": self.warmup.state_dict(),
             "compressor": self.carrier.compressor.state_dict(),
             "engine": self.carrier.state_dict(),
+            "variance": self.optimizer.local_variance,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -339,6 +407,8 @@ class CompressedAdamWState(TrainingHookState):
         self.warmup.load_state_dict(state["warmup"])
         self.carrier.compressor.load_state_dict(state["compressor"])
         self.carrier.load_state_dict(state["engine"])
+        variance = state.get("variance")
+        self.optimizer.local_variance = None if variance is None else variance.clone()
 
 
 def _hook(state: CompressedAdamWState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:

@@ -31,6 +31,13 @@ class CompressedAdamWSpec:
     bound: float = 1.0
     """After the freeze, the largest step of a coordinate in units of the learning rate (a coordinate
     whose variance froze at 0 would otherwise step by ``lr * m / eps``)."""
+    variance_every: int = 0
+    """0: the variance stays frozen after the freeze (1-bit Adam). N > 0: after the freeze each rank
+    keeps learning the variance from its own gradients, and every N steps the ranks' variances are
+    averaged through ``variance_carrier`` into the one every rank divides by: the variance keeps up
+    with training for a share of 1 / N of a step's gradient bytes (a bf16 carrier: half that)."""
+    variance_carrier: str = "bf16"
+    """The hook spec the variances travel by every ``variance_every`` steps."""
 
     def __post_init__(self) -> None:
         if isinstance(self.freeze, bool) or not isinstance(self.freeze, int) or self.freeze < 1:
@@ -51,10 +58,17 @@ class CompressedAdamWSpec:
         if carrier.compressor.feedback.momentum:
             raise ValueError("the carrier already sends Adam's momentum: momentum correction would apply a second one")
         object.__setattr__(self, "carrier", str(carrier))  # frozen: canonical once
+        every = self.variance_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"variance_every must be an integer >= 0, got {every!r}")
+        variance = HookSpec.parse(self.variance_carrier)
+        if variance.noop:
+            raise ValueError("the variance carrier averages the ranks' variances: noop would let them drift apart")
+        object.__setattr__(self, "variance_carrier", str(variance))
 
     @classmethod
     def parse(cls, text: str) -> CompressedAdamWSpec:
-        """``compressed-adamw`` or ``compressed-adamw:freeze=30,carrier=sign:ef=true``: the carrier's
+        """``compressed-adamw`` or ``compressed-adamw:freeze=30,carrier=sign:ef=true``: a carrier's
         own options (after a comma, as in ``topk:ratio=0.01,ef=true``) stay with it; the optimizer's
         options start anew. ValueError names what is wrong and the valid options."""
         name, _, rest = text.strip().partition(":")
@@ -69,7 +83,7 @@ class CompressedAdamWSpec:
                 if current in options:
                     raise ValueError(f"option {current!r} given twice in {text!r}")
                 options[current] = value.strip()
-            elif current == "carrier":
+            elif current in ("carrier", "variance_carrier"):
                 options[current] += "," + piece
             else:
                 raise ValueError(f"unknown {NAME} option {piece!r}; valid: {', '.join(OPTIONS)}")
@@ -82,12 +96,14 @@ class CompressedAdamWSpec:
         changed = [
             f"{f.name}={getattr(self, f.name)}"
             for f in dataclasses.fields(self)
-            if getattr(self, f.name) != (str(HookSpec.parse(DEFAULT_CARRIER)) if f.name == "carrier" else f.default)
+            if getattr(self, f.name) != (str(HookSpec.parse(str(f.default))) if f.name in SPECS else f.default)
         ]
         return NAME + (":" + ",".join(changed) if changed else "")
 
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(CompressedAdamWSpec))
+SPECS = ("carrier", "variance_carrier")
+"""The options that are hook specs (their own options follow them after commas)."""
 
 
 def is_compressed_adamw_spec(text: object) -> bool:

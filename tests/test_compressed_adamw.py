@@ -42,12 +42,18 @@ def test_until_the_freeze_it_is_torchs_adamw_bitwise() -> None:
         assert torch.equal(a, b)
 
 
-def test_after_the_freeze_the_variance_and_its_bias_correction_stay_as_they_were() -> None:
-    model, freeze, steps = toy_model(), 3, 7
-    optimizer = CompressedAdamW(model.parameters(), LR, weight_decay=DECAY, freeze=freeze)
+@pytest.mark.parametrize("every", [0, 2])
+def test_after_the_freeze_the_variance_is_frozen_or_averaged_every_few_steps(every: int) -> None:
+    """``every`` 0: the variance and its bias correction stay as they were at the freeze. 2: the rank
+    goes on learning it, and every 2 steps after the freeze the rank's own (one process: itself)
+    becomes the one it divides by, with the bias correction of that step."""
+    model, freeze, steps = toy_model(), 3, 8
+    optimizer = CompressedAdamW(model.parameters(), LR, weight_decay=DECAY, freeze=freeze, variance_every=every)
     reference = copy.deepcopy(model)
     m = [torch.zeros_like(p) for p in reference.parameters()]
     v = [torch.zeros_like(p) for p in reference.parameters()]
+    used = [torch.zeros_like(p) for p in reference.parameters()]  # the variance divided by
+    used_at = 0
     for t, (x, y) in enumerate(toy_batches(0, steps), start=1):
         optimizer.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
@@ -55,17 +61,22 @@ def test_after_the_freeze_the_variance_and_its_bias_correction_stay_as_they_were
         optimizer.step()
         reference.zero_grad()
         nn.functional.cross_entropy(reference(x), y).backward()
+        learns = t <= freeze or every > 0
+        if t <= freeze or (every and (t - freeze) % every == 0):
+            used_at = t
         with torch.no_grad():
-            for p, mi, vi in zip(reference.parameters(), m, v, strict=True):
+            for p, mi, vi, ui in zip(reference.parameters(), m, v, used, strict=True):
                 assert p.grad is not None
                 mi.mul_(0.9).add_(p.grad, alpha=0.1)
-                if t <= freeze:
+                if learns:
                     vi.mul_(0.999).addcmul_(p.grad, p.grad, value=0.001)
+                if used_at == t:
+                    ui.copy_(vi)
                 p.mul_(1 - LR * DECAY)
-                denominator = (vi / (1 - 0.999 ** min(t, freeze))).sqrt() + 1e-8
+                denominator = (ui / (1 - 0.999**used_at)).sqrt() + 1e-8
                 update = (mi / (1 - 0.9**t)) / denominator
                 p.sub_(LR * (update if t <= freeze else update.clamp(-1, 1)))  # the bound after it
-    assert optimizer.steps_done == steps
+    assert optimizer.steps_done == steps and optimizer.variance_step() == (freeze if not every else 7)
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
@@ -77,6 +88,12 @@ def test_the_spec_reads_its_carriers_options_and_prints_its_canonical_text() -> 
     assert CompressedAdamWSpec.parse(str(spec)) == spec
     assert str(CompressedAdamWSpec.parse("compressed-adamw")) == "compressed-adamw"
     assert str(CompressedAdamWSpec.parse("compressed-adamw:carrier=sign:ef=true")) == "compressed-adamw"
+    both = CompressedAdamWSpec.parse(
+        "compressed-adamw:carrier=sign:ef=true,vectors=dense,variance_every=16,variance_carrier=quantize:bits=8,chunk=64"
+    )
+    assert both.carrier == "sign:chunk=1024,ef=true,vectors=dense" and both.variance_every == 16
+    assert both.variance_carrier == "quantize:chunk=64,bits=8,rounding=stochastic"
+    assert CompressedAdamWSpec.parse(str(both)) == both
 
 
 @pytest.mark.parametrize(
@@ -86,6 +103,8 @@ def test_the_spec_reads_its_carriers_options_and_prints_its_canonical_text() -> 
         ("compressed-adamw:carrier=noop", "noop would let them drift apart"),
         ("compressed-adamw:carrier=topk:ratio=0.01,ef=true,momentum=0.9", "momentum correction would apply a second"),
         ("compressed-adamw:beta1=1", "beta1 must be in"),
+        ("compressed-adamw:variance_every=-1", "variance_every must be an integer >= 0"),
+        ("compressed-adamw:variance_every=4,variance_carrier=noop", "noop would let them drift apart"),
         ("compressed-adamw:lr=3", "unknown compressed-adamw option 'lr=3'"),
         ("compressed-adamw:freeze=3,freeze=4", "given twice"),
         ("adamw:freeze=3", "starts with 'compressed-adamw'"),
@@ -105,35 +124,40 @@ def test_parameters_of_two_dtypes_are_refused() -> None:
 
 
 def _train(
-    rank: int, carrier: str, freeze: int, steps: int, warmup: str = "allreduce"
+    rank: int, carrier: str, freeze: int, steps: int, warmup: str = "allreduce", every: int = 0
 ) -> tuple[nn.Module, CompressedAdamW, object]:
     ddp, _ = wrap(toy_model(), None)
-    optimizer = CompressedAdamW(ddp.parameters(), LR, weight_decay=DECAY, freeze=freeze, carrier=carrier)
+    optimizer = CompressedAdamW(
+        ddp.parameters(), LR, weight_decay=DECAY, freeze=freeze, carrier=carrier, variance_every=every
+    )
     state = optimizer.attach(ddp, warmup)
     _steps(ddp, optimizer, toy_batches(rank, steps))
     return ddp, optimizer, state
 
 
-def ranks_stay_identical(rank: int, world: int, carrier: str) -> Failures:
+def ranks_stay_identical(rank: int, world: int, carrier: str, every: int) -> Failures:
     failures = Failures()
-    ddp, optimizer, state = _train(rank, carrier, freeze=3, steps=8)
+    ddp, optimizer, state = _train(rank, carrier, freeze=3, steps=8, every=every)
     failures.expect(parameters_identical_on_all_ranks(list(ddp.parameters())), "parameters differ between ranks")
     momenta = [optimizer.state[p]["exp_avg"] for p in ddp.parameters()]
     variances = [optimizer.state[p]["exp_avg_sq"] for p in ddp.parameters()]
     failures.expect(parameters_identical_on_all_ranks(momenta + variances), "optimizer states differ between ranks")
     steps = state.steps()  # type: ignore[attr-defined]
-    gradient_bytes = 4 * sum(p.numel() for p in ddp.parameters())
+    gradient = 4 * sum(p.numel() for p in ddp.parameters())
     failures.expect([s.step for s in steps] == list(range(8)), f"steps recorded: {[s.step for s in steps]}")
-    failures.expect(all(s.input_bytes == gradient_bytes for s in steps), "every step hands over the gradient's bytes")
-    compressed = [s.payload_bytes for s in steps[3:]]
-    failures.expect(all(0 < b < gradient_bytes / 20 for b in compressed), f"compressed steps' payloads: {compressed}")
-    failures.expect(all(s.payload_bytes == gradient_bytes for s in steps[:3]), "warm-up steps send the gradient")
+    failures.expect(all(s.payload_bytes == gradient for s in steps[:3]), "warm-up steps send the gradient")
+    for t, s in enumerate(steps[3:], start=4):
+        averaged = every and (t - 3) % every == 0  # the variances too, in bf16: half a gradient
+        expected = gradient * (2 if averaged else 1)
+        failures.expect(s.input_bytes == expected, f"step {t} handed over {s.input_bytes} bytes, not {expected}")
+        low = gradient / 2 if averaged else 0
+        failures.expect(low < s.payload_bytes < low + gradient / 20, f"step {t}'s payload: {s.payload_bytes}")
     return failures
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_every_rank_ends_with_the_same_parameters_and_optimizer_state(world: int) -> None:
-    run_checks(world, ranks_stay_identical, ("sign:ef=true",), timeout=120)
+@pytest.mark.parametrize(("world", "every"), [(2, 0), (3, 0), (2, 2)])
+def test_every_rank_ends_with_the_same_parameters_and_optimizer_state(world: int, every: int) -> None:
+    run_checks(world, ranks_stay_identical, ("sign:ef=true", every), timeout=120)
 
 
 def exact_carrier(rank: int, world: int) -> list[torch.Tensor]:
@@ -162,13 +186,15 @@ def test_an_exact_carrier_is_adamw_on_the_averaged_gradient() -> None:
 
 def resumes_bitwise(rank: int, world: int, directory: str) -> Failures:
     failures = Failures()
-    straight, _, _ = _train(rank, "sign:ef=true", freeze=2, steps=8)
-    ddp, optimizer, state = _train(rank, "sign:ef=true", freeze=2, steps=5)
+    straight, _, _ = _train(rank, "sign:ef=true", freeze=2, steps=8, every=2)
+    ddp, optimizer, state = _train(rank, "sign:ef=true", freeze=2, steps=5, every=2)  # between two averages
     path = os.path.join(directory, f"rank{rank}.pt")
     torch.save({"model": ddp.state_dict(), "optimizer": optimizer.state_dict(), "hook": state.state_dict()}, path)  # type: ignore[attr-defined]
     saved = torch.load(path, weights_only=True)
     resumed, _ = wrap(toy_model(seed=1), None)  # other initial weights: the checkpoint must bring them
-    again = CompressedAdamW(resumed.parameters(), LR, weight_decay=DECAY, freeze=2, carrier="sign:ef=true")
+    again = CompressedAdamW(
+        resumed.parameters(), LR, weight_decay=DECAY, freeze=2, carrier="sign:ef=true", variance_every=2
+    )
     again.attach(resumed).load_state_dict(saved["hook"])
     resumed.load_state_dict(saved["model"])
     again.load_state_dict(saved["optimizer"])
