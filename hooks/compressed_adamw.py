@@ -17,6 +17,10 @@ error inflates; on the char LM, ``sign:ef=true`` under AdamW ends 29% worse in p
    AdamW's, ``p -= lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^freeze)) + eps)`` after the decoupled
    weight decay ``p *= 1 - lr wd``, with each coordinate's step bounded by ``lr * bound``: a
    coordinate without gradient before the freeze has a frozen variance of 0.
+3. Or, with ``variance_every=N``, the variance keeps learning after the freeze: each rank from its
+   own gradients, the ranks' averaged every N steps (through ``variance_carrier``, bf16 by default)
+   into the one every rank divides by, with that step's bias correction. A short warm-up then
+   suffices, for 1 / N of a gradient's bytes a step.
 
 >>> model = DistributedDataParallel(net)
 >>> optimizer = CompressedAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, freeze=100)
