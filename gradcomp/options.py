@@ -69,6 +69,31 @@ def split_spec(text: str) -> tuple[str, dict[str, str]]:
     return name.strip(), options
 
 
+def split_nesting_spec(text: str, name: str, options: Sequence[str], nesting: Sequence[str]) -> dict[str, str]:
+    """The options of ``name:key=value,...`` whose options named in ``nesting`` take specs as values
+    (``auto``'s candidates, ``compressed-adamw``'s carriers): a piece after one of them that is not
+    one of ``options`` continues its value (a spec's own options, as in ``carrier=topk:ratio=0.01,ef=true``);
+    every other piece starts an option of ``options``. Values stay strings. ValueError names what is
+    wrong: another name, an unknown option, an option given twice."""
+    given, _, rest = text.strip().partition(":")
+    if given.strip() != name:
+        raise ValueError(f"a {name} spec starts with {name!r}, got {text!r}")
+    found: dict[str, str] = {}
+    current = None
+    for piece in (p.strip() for p in rest.split(",") if p.strip()):
+        key, equals, value = piece.partition("=")
+        if equals and key.strip() in options:
+            current = key.strip()
+            if current in found:
+                raise ValueError(f"option {current!r} given twice in {text!r}")
+            found[current] = value.strip()
+        elif current is not None and current in nesting:
+            found[current] += "," + piece
+        else:
+            raise ValueError(f"unknown {name} option {piece!r}; valid: {', '.join(options)}")
+    return found
+
+
 def options_from(cls: type[Options], options: Mapping[str, Any], owner: str, also_valid: Sequence[str] = ()) -> Options:
     """The options dataclass ``cls`` built from ``options`` (strings, as in specs, or typed values),
     each converted to its field's type by :func:`convert`. Unknown keys, wrong types and values that

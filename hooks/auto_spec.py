@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from gradcomp.engine.spec import ALLREDUCE, HookSpec
-from gradcomp.options import convert
+from gradcomp.options import convert, split_nesting_spec
 
 NAME = "auto"
 DEFAULT_CANDIDATES = ("fp16", "powersgd:rank=4,ef=true", "topk:ratio=0.01,ef=true", "sign:ef=true")
@@ -54,20 +54,7 @@ class AutoSpec:
         unknown = sorted(set(defaults) - set(OPTIONS))
         if unknown:
             raise TypeError(f"unknown auto option(s) {unknown}; valid: {', '.join(OPTIONS)}")
-        name, _, rest = text.strip().partition(":")
-        if name != NAME:
-            raise ValueError(f"an auto spec starts with {NAME!r}, got {text!r}")
-        options: dict[str, str] = {}
-        current = None
-        for piece in (p.strip() for p in rest.split(",") if p.strip()):
-            key, equals, value = piece.partition("=")
-            if equals and key.strip() in OPTIONS:
-                current = key.strip()
-                options[current] = value.strip()
-            elif current == "candidates":
-                options[current] += "," + piece
-            else:
-                raise ValueError(f"unknown auto option {piece!r}; valid: {', '.join(OPTIONS)}")
+        options = split_nesting_spec(text, NAME, OPTIONS, nesting=("candidates",))
         fields: dict[str, Any] = {}
         for key, value in options.items():
             if key == "candidates":

@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from gradcomp.engine.spec import HookSpec
-from gradcomp.options import convert
+from gradcomp.options import convert, split_nesting_spec
 
 NAME = "compressed-adamw"
 DEFAULT_CARRIER = "sign:ef=true"
@@ -71,22 +71,7 @@ class CompressedAdamWSpec:
         """``compressed-adamw`` or ``compressed-adamw:freeze=30,carrier=sign:ef=true``: a carrier's
         own options (after a comma, as in ``topk:ratio=0.01,ef=true``) stay with it; the optimizer's
         options start anew. ValueError names what is wrong and the valid options."""
-        name, _, rest = text.strip().partition(":")
-        if name != NAME:
-            raise ValueError(f"a {NAME} spec starts with {NAME!r}, got {text!r}")
-        options: dict[str, str] = {}
-        current = None
-        for piece in (p.strip() for p in rest.split(",") if p.strip()):
-            key, equals, value = piece.partition("=")
-            if equals and key.strip() in OPTIONS:
-                current = key.strip()
-                if current in options:
-                    raise ValueError(f"option {current!r} given twice in {text!r}")
-                options[current] = value.strip()
-            elif current in ("carrier", "variance_carrier"):
-                options[current] += "," + piece
-            else:
-                raise ValueError(f"unknown {NAME} option {piece!r}; valid: {', '.join(OPTIONS)}")
+        options = split_nesting_spec(text, NAME, OPTIONS, nesting=SPECS)
         hints = {f.name: type(f.default) for f in dataclasses.fields(cls)}
         values: dict[str, Any] = {key: convert(key, value, hints[key]) for key, value in options.items()}
         return cls(**values)

@@ -92,18 +92,9 @@ def test_a_dgc_run_resumed_inside_its_warm_up_ends_bitwise(tmp_path: os.PathLike
     stopped at step 17, inside the warm-up, and resumed, the run ends bitwise where the run straight
     through does (velocities, residuals, the engine's step count and the ratio schedule all resume)."""
     settings = {**SETTINGS, "hook": "topk:ratio=0.05,ef=true,momentum=true,warmup=20", "clip": 1.0}
-    straight = TrainConfig(**settings, out=os.path.join(tmp_path, "straight"))
-    effective = straight.effective
+    effective = TrainConfig(**settings).effective
     assert effective.hook.endswith("ef=true,momentum=0.9,clip=1.0,warmup=20") and effective.momentum == 0.0
-    launch(straight)
-    config = TrainConfig(**settings, out=os.path.join(tmp_path, "resumed"), resume="auto")
-    assert launch(dataclasses.replace(config, stop_at=STOP))["status"] == "stopped"
-    assert launch(config)["resumed_from"] == STOP
-    expected = torch.load(straight.checkpoint_path, weights_only=True)
-    ended = torch.load(config.checkpoint_path, weights_only=True)
-    for part in ("model", "hooks", "optimizer"):
-        for a, b in zip(tensors(expected[part]), tensors(ended[part]), strict=True):
-            assert torch.equal(a, b), part
+    _, ended = _straight_and_resumed(settings, tmp_path)
     for rank_state in ended["hooks"]:  # every rank's hook state holds its velocities and the step count
         assert rank_state["compressor"]["velocities"] and rank_state["engine"]["steps"] == SETTINGS["steps"]
 
@@ -115,6 +106,16 @@ def test_a_compressed_adamw_run_resumed_after_its_freeze_ends_bitwise(tmp_path: 
     where the run straight through does, having sent the gradient for 10 steps and signs after."""
     optimizer = "compressed-adamw:freeze=10,carrier=sign:ef=true"
     settings = {**SETTINGS, "hook": "allreduce", "optimizer": optimizer, "momentum": 0.0, "lr": 3e-3}
+    record, ended = _straight_and_resumed(settings, tmp_path)
+    gradient_bytes = 4 * sum(t.numel() for t in tensors(ended["model"]))
+    sent = record["metrics"]["wire_bytes"]  # 10 steps of the all-reduce (a ring's count), then signs
+    assert 10 * gradient_bytes <= sent < (10 + (SETTINGS["steps"] - 10) / 20) * gradient_bytes
+
+
+def _straight_and_resumed(settings: dict[str, Any], tmp_path: os.PathLike[str]) -> tuple[dict[str, Any], Any]:
+    """Run ``settings`` straight through, and again stopped at :data:`STOP` and resumed; assert that
+    both end bitwise alike (model, every rank's hook state, optimizer); the straight run's record and
+    the resumed run's final checkpoint."""
     straight = TrainConfig(**settings, out=os.path.join(tmp_path, "straight"))
     record = launch(straight)
     config = TrainConfig(**settings, out=os.path.join(tmp_path, "resumed"), resume="auto")
@@ -125,6 +126,4 @@ def test_a_compressed_adamw_run_resumed_after_its_freeze_ends_bitwise(tmp_path: 
     for part in ("model", "hooks", "optimizer"):
         for a, b in zip(tensors(expected[part]), tensors(ended[part]), strict=True):
             assert torch.equal(a, b), part
-    gradient_bytes = 4 * sum(t.numel() for t in tensors(expected["model"]))
-    sent = record["metrics"]["wire_bytes"]  # 10 steps of the all-reduce (a ring's count), then signs
-    assert 10 * gradient_bytes <= sent < (10 + (SETTINGS["steps"] - 10) / 20) * gradient_bytes
+    return record, ended
