@@ -298,8 +298,10 @@ def _short_optimizer(text: str) -> str:
         spec = CompressedAdamWSpec.parse(text)
     except ValueError:
         return text
-    carrier = short_name(spec.carrier)
-    return str(spec).replace(f"carrier={spec.carrier}", f"carrier={carrier}")
+    text = str(spec)
+    for spec_text in (spec.carrier, spec.variance_carrier):
+        text = text.replace(f"carrier={spec_text}", f"carrier={short_name(spec_text)}")
+    return text
 
 
 def short_name(hook: str) -> str:

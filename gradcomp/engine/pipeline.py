@@ -47,7 +47,7 @@ import collections
 import datetime
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -243,8 +243,7 @@ class Engine:
             return
         for _, part in sends:
             if part.landing:
-                views_ = views(part.buffer, part.shapes)
-                for home, averaged in zip(part.landing, views_, strict=True):
+                for home, averaged in zip(part.landing, views(part.buffer, part.shapes), strict=True):
                     home.copy_(averaged)
         work.record.finished = time.perf_counter()
         self.records.append(work.record)
@@ -288,7 +287,7 @@ def check_same_spec(spec: str, group: dist.ProcessGroup, device: torch.device) -
         raise SpecMismatchError(f"ranks were given different hook specs: {listing}")
 
 
-def _when_all(landings: list[Future[None]], then: Any) -> None:
+def _when_all(landings: list[Future[None]], then: Callable[[BaseException | None], None]) -> None:
     """Call ``then(error)`` once every future of ``landings`` is done (at once if none), with the
     first error among them or None."""
     if not landings:
