@@ -36,7 +36,6 @@ without a gradient counts a zero gradient), so every rank must hold the same par
 # No ``from __future__ import annotations`` here: DDP checks its hook's annotations at run time.
 import collections
 import datetime
-import functools
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -249,10 +248,10 @@ class CompressedAdamW(torch.optim.Optimizer):
         if self.local_variance is None:  # from the variance every rank froze with
             self.local_variance = torch.cat([self.state[p]["exp_avg_sq"].reshape(-1) for p in parameters])
         local = views(self.local_variance, [p.shape for p in parameters])
+        held = iter(local)  # in the order of _parameters(): group by group
         for group in self.param_groups:
             _, beta2 = group["betas"]
-            for p in group["params"]:
-                mine = local[self._index[p]]
+            for p, mine in zip(group["params"], held, strict=False):  # held runs on over the groups
                 mine.mul_(beta2)
                 if p.grad is not None:
                     mine.addcmul_(p.grad, p.grad, value=1 - beta2)
@@ -328,9 +327,6 @@ class CompressedAdamW(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         self._flat = self._denominators = None
 
-    @functools.cached_property
-    def _index(self) -> dict[nn.Parameter, int]:
-        return {p: i for i, p in enumerate(self._parameters())}
 
 
 class CompressedAdamWState(TrainingHookState):
@@ -419,6 +415,4 @@ def _hook(state: CompressedAdamWState, bucket: dist.GradBucket) -> torch.futures
     """Until the freeze, the warm-up hook's average; then each rank's own gradient, untouched."""
     if not state.optimizer.compressing:
         return ddp.gradcomp_hook(state.warmup, bucket)
-    done: torch.futures.Future[Tensor] = torch.futures.Future()
-    done.set_result(bucket.buffer())
-    return done
+    return ddp.unchanged(bucket)

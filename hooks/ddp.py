@@ -97,9 +97,7 @@ def gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[
     """The hook :func:`make` returns: ``bucket`` averaged through ``state``'s engine."""
     engine = state.engine
     if engine is None:  # noop: the compute floor
-        done: torch.futures.Future[Tensor] = torch.futures.Future()
-        done.set_result(bucket.buffer())
-        return done
+        return unchanged(bucket)
     assert isinstance(engine, Engine), "a sharded engine reduce-scatters for FSDP2, not for DDP"
     keys, shapes = None, None
     if engine.per_tensor:
@@ -107,6 +105,13 @@ def gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[
         keys = state.keys(parameters)
         shapes = shapes_of(parameters)
     return deliver(state, engine.reduce(bucket.buffer(), keys, shapes, bucket.index(), bucket.is_last()))
+
+
+def unchanged(bucket: GradBucket) -> torch.futures.Future[Tensor]:
+    """A completed future of the bucket as it is: this rank's own gradients, nothing sent."""
+    done: torch.futures.Future[Tensor] = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
 
 
 def shapes_of(parameters: list[Tensor]) -> list[torch.Size]:

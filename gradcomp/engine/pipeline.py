@@ -123,6 +123,7 @@ class Engine:
         ef21 = self.spec.compressor.feedback.variant == "ef21"
         self._uncompressed = DenseRoute(exact if ef21 else self.compressor, self.group, self.spec.algo, exact)
         self._scratches: dict[tuple[Key, ...], Tensor] = {}
+        self._splits: dict[tuple[Key, ...], list[bool]] = {}  # per bucket: which tensors travel uncompressed
         self.warmup = Warmup(self.spec, self.compressor)
         self.records: collections.deque[BucketRecord] = collections.deque(maxlen=history)
         self.step = 0
@@ -176,7 +177,10 @@ class Engine:
         spec's route, in place."""
         if not self.spec.keeps_some_dense or not work.shapes:
             return [(self.route, work)]
-        dense = [self.spec.uncompressed(shape) for shape in work.shapes]
+        bucket = tuple(work.keys)
+        dense = self._splits.get(bucket)
+        if dense is None:  # a bucket's tensors stay what they are: decided once per bucket
+            dense = self._splits[bucket] = [self.spec.uncompressed(shape) for shape in work.shapes]
         if not any(dense):
             return [(self.route, work)]
         work.record.uncompressed_bytes = work.buffer.element_size() * numel(
@@ -190,7 +194,7 @@ class Engine:
         compressed = BucketWork(work.buffer, [work.keys[i] for i in kept], [work.shapes[i] for i in kept],
                                 work.record, work.ratio, work.settled, parts=[parts[i] for i in kept])  # fmt: skip
         shapes = [work.shapes[i] for i in left]
-        scratch = self._scratch(tuple(work.keys), numel(shapes), work.buffer)
+        scratch = self._scratch(bucket, numel(shapes), work.buffer)
         torch.cat([parts[i].reshape(-1) for i in left], out=scratch)
         uncompressed = BucketWork(scratch, [work.keys[i] for i in left], shapes, work.record)
         uncompressed.landing = [parts[i] for i in left]
