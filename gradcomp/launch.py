@@ -4,7 +4,8 @@ Used by ``gradcomp bench``, the training runs started here and the distributed t
 through a file store in a private temporary directory, so nothing listens for the rendezvous on
 any network, and gloo binds to loopback (``lo``): a local run exposes no port beyond this machine.
 Every rank's result (or traceback) comes back to the caller; a rank that hangs or dies is a clear
-error after ``timeout`` seconds, and every process is killed, never left behind. With ``network=``
+error after ``timeout`` seconds, and every process is killed, never left behind (a rank also ends
+with the process that started it, should that be killed before it can clean up). With ``network=``
 (a :mod:`gradcomp.netem` profile) the ranks run inside emulated network namespaces and gloo uses
 their interface there; the namespaces are gone when ``spawn`` returns.
 
@@ -23,8 +24,11 @@ import logging
 import multiprocessing
 import os
 import queue
+import select
 import signal
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -118,7 +122,7 @@ def _spawn(
 ) -> list[Any]:
     context = rank_context()
     results: multiprocessing.Queue[tuple[int, str, Any]] = context.Queue()
-    common = (store, backend, group_timeout, threads, target, args, results, dict(os.environ))
+    common = (store, backend, group_timeout, threads, target, args, results, dict(os.environ), os.getpid())
     processes = [
         context.Process(
             target=_rank_main,
@@ -169,6 +173,32 @@ def adopt(environment: dict[str, str]) -> None:
         os.environ.update(environment)
 
 
+def end_with(launcher: int) -> None:
+    """End this rank (exit status 1) as soon as the process that started it ends. A rank's parent is
+    the fork server (or, started by ``spawn``, an orphan's new parent), so a launcher killed before
+    its cleanup (SIGKILL, a SIGTERM without a handler) would leave its ranks training on alone, to
+    the end of the run or of the group's timeout. Costs a thread blocked in ``poll`` on a pidfd
+    (Linux; elsewhere it polls the pid once a second)."""
+    threading.Thread(target=_watch, args=(launcher,), name="gradcomp-launcher-watch", daemon=True).start()
+
+
+def _watch(launcher: int) -> None:
+    """Wait for the launcher's end, then end this process."""
+    try:
+        if hasattr(os, "pidfd_open"):
+            poll = select.poll()
+            poll.register(os.pidfd_open(launcher), select.POLLIN)  # readable once the launcher has ended
+            poll.poll()
+        else:  # pragma: no cover - macOS
+            while True:
+                os.kill(launcher, 0)
+                time.sleep(1.0)
+    except ProcessLookupError:  # already gone
+        pass
+    print(f"gradcomp: the launcher (pid {launcher}) of this rank ({os.getpid()}) ended; ending it too", file=sys.stderr)
+    os._exit(1)
+
+
 def _exit_status(code: int | None) -> str:
     """``-6`` -> ``"SIGABRT"`` (killed by a signal), else the exit code."""
     if code is not None and code < 0:
@@ -189,6 +219,7 @@ def _rank_main(
     args: tuple[Any, ...],
     results: multiprocessing.Queue[tuple[int, str, Any]],
     environment: dict[str, str],
+    launcher: int,
 ) -> None:
     try:
         adopt(environment)
@@ -196,6 +227,7 @@ def _rank_main(
         if place.namespace is not None:
             netem.enter(place.namespace)
         os.environ["GLOO_SOCKET_IFNAME"] = place.interface
+        end_with(launcher)
         import torch
         import torch.distributed as dist
 

@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gradcomp.launch import LOOPBACK, RankError, adopt, rank_context, spawn
+from gradcomp.launch import LOOPBACK, RankError, adopt, end_with, rank_context, spawn
 
 HEALTH_TIMEOUT = datetime.timedelta(seconds=10)
 """How long the ranks' check after a target may wait for a peer: a healthy group answers in ms."""
@@ -51,7 +51,8 @@ class RankPool:
         self._processes = [
             context.Process(
                 target=_rank_main,
-                args=(rank, world, store, group_timeout, self._tasks[rank], self._results, dict(os.environ)),
+                args=(rank, world, store, group_timeout, self._tasks[rank], self._results, dict(os.environ),
+                      os.getpid()),
                 name=f"gradcomp-pool-rank-{rank}",
                 daemon=True,
             )
@@ -173,8 +174,10 @@ def _rank_main(
     tasks: multiprocessing.Queue[tuple[int, Callable[..., Any], tuple[Any, ...]] | None],
     results: multiprocessing.Queue[tuple[int, int, str, Any, bool]],
     environment: dict[str, str],
+    launcher: int,
 ) -> None:
     adopt(environment)
+    end_with(launcher)
     os.environ["GLOO_SOCKET_IFNAME"] = LOOPBACK
     import torch
     import torch.distributed as dist

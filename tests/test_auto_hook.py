@@ -99,6 +99,15 @@ def test_a_gain_under_the_margin_is_not_taken() -> None:
     assert strict.per_bucket == (0, 0)
 
 
+
+def test_a_candidate_that_leaves_tensors_dense_is_priced_as_the_all_reduce_it_sends() -> None:
+    vectors = Workload(((2**18,), (2**18,)), (0.5, 1.0), 0.01, 0.1, 0.0, groups=((0, 1),))  # one bucket of 1-D tensors
+    dear = Cluster(2, LinkCosts(1e-4, 1e-7))
+    policy = [method_of(s) for s in ("allreduce", "sign:ef=true,vectors=dense")]
+    assert choose(vectors, policy, dear, kernels).per_bucket == (0,)  # it would send the same bytes, dearer
+    signs = [method_of(s) for s in ("allreduce", "sign:ef=true")]
+    assert choose(vectors, signs, dear, kernels).per_bucket == (1,)
+
 # -- real ranks ----------------------------------------------------------------------------------
 
 FREE_LINK, DEAR_LINK = LinkCosts(0.0, 0.0), LinkCosts(1e-3, 1e-6)  # free, and 1 MB/s with 1 ms latency

@@ -5,7 +5,10 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -120,3 +123,44 @@ def test_an_unknown_start_method_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("GRADCOMP_START_METHOD", "fork")
     with pytest.raises(ValueError, match="valid start methods are forkserver and spawn"):
         spawn(1, identify, (0,))
+
+
+def note_pid_and_hang(rank: int, world: int, directory: str) -> None:
+    with open(os.path.join(directory, f"rank{rank}"), "w") as file:
+        file.write(str(os.getpid()))
+    time.sleep(3600)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for a reaper this container may lack)."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads process states from /proc")
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_ranks_end_when_their_launcher_is_killed(method: str, tmp_path: Path) -> None:
+    code = (
+        "from gradcomp.launch import spawn; from tests.test_launch import note_pid_and_hang; "
+        f"spawn(2, note_pid_and_hang, ({str(tmp_path)!r},), timeout=600)"
+    )
+    environment = {**os.environ, "GRADCOMP_START_METHOD": method}
+    launcher = subprocess.Popen([sys.executable, "-c", code], env=environment, stderr=subprocess.DEVNULL)
+    try:
+        files = [tmp_path / f"rank{rank}" for rank in range(2)]
+        deadline = time.monotonic() + 60
+        while not all(f.exists() and f.read_text() for f in files):
+            assert time.monotonic() < deadline and launcher.poll() is None, "the ranks did not start"
+            time.sleep(0.05)
+        ranks = [int(f.read_text()) for f in files]
+        assert all(_running(pid) for pid in ranks)
+    finally:
+        launcher.kill()  # SIGKILL: no cleanup of its own runs
+        launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_running(pid) for pid in ranks), "ranks outlived their launcher"

@@ -79,6 +79,30 @@ def test_a_diloco_run_records_what_it_sent_and_waited(runs: dict[str, Any]) -> N
     assert runs["straight"]["config"]["sync"] == SETTINGS["sync"]
 
 
+LOCAL_ADAMW: dict[str, Any] = {
+    **SETTINGS, "optimizer": "adamw", "momentum": 0.0, "lr": 0.003, "steps": 12, "eval_every": 4,
+    "sync": "localsgd:every=4", "hook": "sign:ef=true",
+}  # fmt: skip
+"""Local AdamW, its outer gradients in signs with error feedback (docs/hooks.md, "AdamW")."""
+
+
+@pytest.mark.timeout(240)
+def test_local_adamw_in_signs_lands_every_replica_on_one_model_and_resumes_bitwise(tmp_path: Path) -> None:
+    straight = TrainConfig(**LOCAL_ADAMW, out=str(tmp_path / "straight"))
+    resumed = TrainConfig(**LOCAL_ADAMW, out=str(tmp_path / "resumed"), resume="auto")
+    launch(straight)
+    assert launch(dataclasses.replace(resumed, stop_at=6))["status"] == "stopped"  # between two synchronizations
+    assert launch(resumed)["status"] == "finished"
+    ended = torch.load(straight.checkpoint_path, weights_only=True)
+    replicas = [tensors(replica) for replica in ended["model"]["replicas"]]
+    assert all(torch.equal(a, b) for a, b in zip(*replicas, strict=True))  # step 12 synchronized them
+    optimizers = [tensors(state) for state in ended["optimizer"]["replicas"]]
+    assert not all(torch.equal(a, b) for a, b in zip(*optimizers, strict=True))  # each rank's own AdamW moments
+    again = torch.load(resumed.checkpoint_path, weights_only=True)
+    for part in ("model", "optimizer", "hooks"):
+        pairs = zip(tensors(ended[part]), tensors(again[part]), strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs), part
+
 def test_a_synchronized_run_takes_a_gradcomp_spec_and_replicas() -> None:
     base = {**SETTINGS, "steps": 10}
     for hook in ("torch:allreduce", "auto", "noop"):
