@@ -291,7 +291,7 @@ class TorchHookState(TrainingHookState):
         self.records.append(StepStats(
             self._steps, buckets=None, input_bytes=input_bytes, payload_bytes=payload_bytes, sent_bytes=None,
             received_bytes=None, sent_estimate=payload_bytes * ring_traffic(self.world), compress_s=None,
-            communicate_s=None, decompress_s=None, tail_s=None,
+            communicate_s=None, decompress_s=None, host_reads=None, tail_s=None,
         ))  # fmt: skip
         self._bucket_bytes = [0, 0]
         self._steps += 1

@@ -34,6 +34,8 @@ class Measured:
     """Bytes one rank sent per step (:func:`records.wire`)."""
     phases_ms: dict[str, float] | None
     """gradcomp's hooks: the engine's phases, medians per step in ms (:func:`records.phases`)."""
+    host_reads: float | None = None
+    """gradcomp's hooks: host reads per step, the median (:func:`records.host_reads`)."""
 
 
 def measure(rank: int, world: int, settings: BenchSettings, variants: Sequence[str]) -> dict[str, Measured]:
@@ -56,7 +58,8 @@ def measure(rank: int, world: int, settings: BenchSettings, variants: Sequence[s
                     times[variant].append(time.perf_counter() - start)
     slowest = _slowest(times, world)
     return {
-        v: Measured(slowest[v], records.wire(state, len(times[v])), records.phases(state, len(times[v])))
+        v: Measured(slowest[v], records.wire(state, len(times[v])), records.phases(state, len(times[v])),
+                    records.host_reads(state, len(times[v])))
         for v, (_, state) in setups.items()
     }
 

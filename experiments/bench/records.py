@@ -31,6 +31,15 @@ def phases(state: TrainingHookState, timed: int) -> dict[str, float] | None:
     return {name: statistics.median(_timed(p[name]) for p in recorded) * 1e3 for name in PHASES}
 
 
+def host_reads(state: TrainingHookState, timed: int) -> float | None:
+    """gradcomp's hooks: the median over the last ``timed`` steps of the host reads per step (each a
+    device synchronization on a GPU: :mod:`gradcomp.host`); None for torch's own, which are not observed."""
+    recorded = [s.host_reads for s in state.steps()[-timed:]] if timed else []
+    if not recorded or any(r is None for r in recorded) or not isinstance(state, (hooks.HookState, hooks.AutoState)):
+        return None
+    return statistics.median(r for r in recorded if r is not None)
+
+
 def _timed(seconds: float | None) -> float:
     assert seconds is not None, "gradcomp's hooks time every phase"
     return seconds

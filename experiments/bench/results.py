@@ -24,6 +24,8 @@ class Row:
     ``communicate`` and ``tail`` (:func:`gradcomp.engine.stats.per_step`), in ms."""
     run_ms: list[float | None] = dataclasses.field(default_factory=list)
     """Each independent run's median (None where the variant failed in that run)."""
+    host_reads: float | None = None
+    """gradcomp hooks: host reads per step, the median (each a synchronization on a GPU)."""
 
 
 def combine(runs: list[Row]) -> Row:
@@ -46,4 +48,5 @@ def combine(runs: list[Row]) -> Row:
         [t for r in done for t in r.step_ms],
         phases,
         run_ms,
+        None if any(r.host_reads is None for r in done) else statistics.median(r.host_reads or 0.0 for r in done),
     )

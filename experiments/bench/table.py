@@ -66,13 +66,14 @@ def _ratio(numerator: Row, denominator: Row, unit: str) -> str:
 def format_phases(rows: Sequence[Row]) -> str:
     """Markdown: per gradcomp hook, its step's excess over the noop floor beside the engine's phases
     (medians per step, ms). Compression runs in backward's thread, so it adds to the step; the
-    communication overlaps backward but for the tail; decompression runs once a collective lands."""
+    communication overlaps backward but for the tail; decompression runs once a collective lands. The
+    host reads per step are what a GPU would wait for (`gradcomp.host`)."""
     floor = next(r.ms_per_step for r in rows if r.variant == NOOP)
-    header = ("hook", "ms/step", "over noop", *(f"{name} ms" for name in PHASES))
+    header = ("hook", "ms/step", "over noop", *(f"{name} ms" for name in PHASES), "host reads")
     lines = [
         (row.variant, f"{row.ms_per_step:.1f}", f"{row.ms_per_step - floor:.1f}" if floor is not None else "-",
-         *(f"{row.phases_ms[name]:.1f}" for name in PHASES))
+         *(f"{row.phases_ms[name]:.1f}" for name in PHASES), "-" if row.host_reads is None else f"{row.host_reads:g}")
         for row in rows
         if row.phases_ms is not None and row.ms_per_step is not None
     ]  # fmt: skip
-    return markdown_table(header, lines, right=[False] + [True] * (2 + len(PHASES)))
+    return markdown_table(header, lines, right=[False] + [True] * (3 + len(PHASES)))

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from gradcomp import host
 from gradcomp.collectives import ring
 from gradcomp.collectives.link import Link
 
@@ -38,7 +39,7 @@ def gather_sizes(link: Link, numel: int, device: torch.device) -> list[int]:
     counts = torch.zeros(link.size, dtype=torch.int64, device=device)
     counts[link.rank] = numel
     ring.all_gather(link, counts, offsets([1] * link.size))
-    return [int(c) for c in counts.tolist()]
+    return host.values(counts)
 
 
 def all_to_all_into(
@@ -61,4 +62,4 @@ def exchange_split_sizes(link: Link, input_sizes: Sequence[int], device: torch.d
     counts = torch.tensor(list(input_sizes), dtype=torch.int64, device=device)
     received = torch.empty(link.size, dtype=torch.int64, device=device)
     all_to_all_into(link, received, counts, [1] * link.size, [1] * link.size)
-    return [int(c) for c in received.tolist()]
+    return host.values(received)

@@ -36,6 +36,7 @@ import sys
 import torch
 from torch import Tensor
 
+from gradcomp import host
 from gradcomp.compressors import chunks
 from gradcomp.workspace import Workspace
 
@@ -76,11 +77,11 @@ class Affine:
             return True
         magnitude = self.step.abs()
         limit = FLOAT32.max / 2 / max(self.zero, self.levels - self.zero)
-        low, high = (float(v) for v in torch.aminmax(magnitude))
+        low, high = host.values(torch.stack(torch.aminmax(magnitude)).float())
         if FLOAT32.tiny <= low and high <= limit:
             return True  # the common case, in one small reduction (the full test costs 3x more)
         misfit = ((magnitude < FLOAT32.tiny) & (magnitude > 0)) | ((magnitude > limit) & (magnitude < math.inf))
-        return not bool(misfit.any())
+        return not host.flag(misfit.any())
 
 
 def working_dtype(flat: Tensor, affine: Affine) -> torch.dtype:

@@ -55,6 +55,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from gradcomp import host
 from gradcomp.options import format_value
 from gradcomp.workspace import Workspace
 
@@ -349,7 +350,7 @@ def payload_finite(payload: Payload) -> bool:
 def all_finite(tensor: Tensor) -> bool:
     """Whether every element is finite, in one reduction pass: a finite sum proves it (a NaN or Inf
     makes the sum non-finite); only a sum that overflows needs the element-wise check."""
-    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+    return host.flag(torch.isfinite(tensor.sum())) or host.flag(torch.isfinite(tensor).all())
 
 
 def check_gradient(tensor: Tensor) -> Tensor:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from gradcomp import host
 from gradcomp.compressors import chunks
 from gradcomp.compressors.affine import inverse_or_zero
 from gradcomp.compressors.base import (
@@ -107,11 +108,12 @@ def working_dtype(flat: Tensor, peaks: Tensor, format: str) -> torch.dtype:
     them; deciding costs one look at the per-chunk peaks on the host."""
     if flat.dtype == torch.float64:
         return torch.float64
-    if not peaks.numel() or float(peaks.min()) / torch.finfo(DTYPES[format]).max >= torch.finfo(torch.float32).tiny:
+    smallest = torch.finfo(torch.float32).tiny * torch.finfo(DTYPES[format]).max
+    if not peaks.numel() or host.values(peaks.min()) >= smallest:
         return torch.float32  # the common case, in one small reduction
     unit = scales(peaks, format, torch.float32)
     tiny = (unit < torch.finfo(torch.float32).tiny) & (peaks > 0)
-    return torch.float64 if bool(tiny.any()) else torch.float32
+    return torch.float64 if host.flag(tiny.any()) else torch.float32
 
 
 def as_half(codes: Tensor, format: str, workspace: Workspace) -> Tensor:

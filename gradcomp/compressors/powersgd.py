@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradcomp import host
 from gradcomp.compressors.base import (
     Aggregation,
     Compressor,
@@ -234,7 +235,7 @@ class PowerSGD(Compressor):
         check): its entries are at most rank * max |Q|, P being orthonormal."""
         if not qs.numel():
             return False
-        return bool(qs.abs().amax() * self.config.rank >= torch.finfo(torch.float32).max / 2)
+        return host.flag(qs.abs().amax() * self.config.rank >= torch.finfo(torch.float32).max / 2)
 
     @staticmethod
     def _matrix(flat: Tensor, segment: Segment) -> Tensor:

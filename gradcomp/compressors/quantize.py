@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from gradcomp import host
 from gradcomp.compressors import affine, bitpack, chunks
 from gradcomp.compressors.affine import Affine
 from gradcomp.compressors.base import (
@@ -228,9 +229,9 @@ class QSGD(SymmetricQuantizer):
         # float32 squares overflow past |x| ~ 1e19 and turn subnormal below ~1e-19: such chunks (and
         # zero or non-finite ones, which look the same) are measured again in float64, which tells
         # overflow from real Inf/NaN. Only those: the float64 reduction is far slower (docs/benchmarks.md).
-        low, high = (float(v) for v in torch.aminmax(norms)) if norms.numel() else (1.0, 1.0)
+        low, high = host.values(torch.stack(torch.aminmax(norms))) if norms.numel() else (1.0, 1.0)
         if not 2.0**-62 <= low <= high <= 2.0**62:  # one small reduction tells the common case
-            unsure = torch.nonzero(~((norms >= 2.0**-62) & (norms <= 2.0**62))).view(-1)
+            unsure = host.nonzero(~((norms >= 2.0**-62) & (norms <= 2.0**62)))
             wide = chunks.reduce_rows(
                 flat, self.chunk, unsure, lambda v: torch.linalg.vector_norm(v, dim=1, dtype=torch.float64)
             )

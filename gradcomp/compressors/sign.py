@@ -7,6 +7,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from gradcomp import host
 from gradcomp.compressors import chunks
 from gradcomp.compressors.affine import Affine
 from gradcomp.compressors.base import ChunkedConfig, Key
@@ -45,7 +46,7 @@ class Sign(AffineQuantizer):
         magnitudes = self.workspace.take("abs", flat.numel(), flat.dtype, flat.device)
         torch.abs(flat, out=magnitudes)
         means = chunks.reduce(magnitudes, self.chunk, lambda v: v.mean(dim=1, dtype=torch.float32))
-        if not bool(torch.isfinite(means).all()):
+        if not host.flag(torch.isfinite(means).all()):
             # The float32 sum overflows past |x| ~ 3.4e38 / chunk; float64 tells overflow from real
             # Inf/NaN. Only then: the float64 reduction is slower.
             wide = chunks.reduce(magnitudes, self.chunk, lambda v: v.mean(dim=1, dtype=torch.float64))

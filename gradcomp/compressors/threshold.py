@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from gradcomp import host
 from gradcomp.compressors.base import CompressorConfig, Key, Meta, Payload, check_gradient
 from gradcomp.compressors.registry import register
 from gradcomp.compressors.sparse import SparseCompressor
@@ -47,5 +48,5 @@ class Threshold(SparseCompressor):
         magnitudes = self.workspace.take("abs", flat.numel(), flat.dtype, flat.device)
         torch.lt(torch.abs(flat, out=magnitudes), self.config.tau, out=below)
         # "not below" rather than ">=": NaN compares false either way, and must be selected.
-        indices = torch.nonzero(below.logical_not_()).view(-1)
+        indices = host.nonzero(below.logical_not_())
         return self.sparse_payload(flat, indices), Meta.of(tensor)

@@ -10,6 +10,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from gradcomp import host
 from gradcomp.compressors.base import CompressorConfig, Key, Meta, Payload, check_gradient
 from gradcomp.compressors.randomness import Generators, rank_seed
 from gradcomp.compressors.registry import register
@@ -103,7 +104,7 @@ class TopK(SparseCompressor):
         below = self.workspace.take("below", n, torch.bool, magnitudes.device)
         torch.lt(magnitudes, threshold, out=below)
         # "not below" rather than ">=": NaN compares false either way, and must be a candidate.
-        candidates = torch.nonzero(below.logical_not_()).view(-1)
+        candidates = host.nonzero(below.logical_not_())
         fewest = k if self.config.method == "exact" else math.ceil((1 - self.config.tolerance) * k)
         if candidates.numel() < fewest:
             return torch.topk(magnitudes, k, sorted=False).indices

@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from gradcomp import host
 from gradcomp.collectives.link import Traffic
 
 
@@ -43,15 +44,17 @@ class BucketRecord:
     compress_s: float = 0.0
     communicate_s: float = 0.0
     decompress_s: float = 0.0
+    host_reads: int = 0
+    """Reads of tensor values on the host in the bucket's phases (:mod:`gradcomp.host`)."""
     spans: list[tuple[str, float, float]] = dataclasses.field(default_factory=list)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Time a ``compress``, ``communicate`` or ``decompress`` phase (they may alternate); it
-        also shows in ``torch.profiler`` traces as the range ``gradcomp.<name>``."""
+        """Time a ``compress``, ``communicate`` or ``decompress`` phase (they may alternate) and count
+        its host reads; it also shows in ``torch.profiler`` traces as the range ``gradcomp.<name>``."""
         start = time.perf_counter()
         try:
-            with torch.profiler.record_function(f"gradcomp.{name}"):
+            with torch.profiler.record_function(f"gradcomp.{name}"), host.counting(self):
                 yield
         finally:
             self.add_span(name, start, time.perf_counter())
@@ -123,6 +126,9 @@ class StepStats:
     """Seconds in the collectives (their wall time on this rank); None: not timed."""
     decompress_s: float | None = 0.0
     """Seconds decompressing; None: not timed."""
+    host_reads: int | None = 0
+    """Reads of tensor values on the host (:mod:`gradcomp.host`): on a GPU, each one waits for the
+    device (a synchronization in backward's thread); None: not observed (torch's hooks)."""
     tail_s: float | None = 0.0
     """From the step's last hand-over of a bucket (when backward produced its last gradients) to the
     end of the last bucket's work: the communication and decompression that backward could not
@@ -208,7 +214,8 @@ def _summed(step: int, records: list[BucketRecord]) -> StepStats:
         StepStats(step, buckets=1, input_bytes=r.input_bytes, uncompressed_bytes=r.uncompressed_bytes,
                   payload_bytes=r.payload_bytes,
                   sent_bytes=r.sent_bytes, received_bytes=r.received_bytes, sent_estimate=r.sent_estimate,
-                  compress_s=r.compress_s, communicate_s=r.communicate_s, decompress_s=r.decompress_s)
+                  compress_s=r.compress_s, communicate_s=r.communicate_s, decompress_s=r.decompress_s,
+                  host_reads=r.host_reads)
         for r in records
     )  # fmt: skip
     tail = max(0.0, max(r.finished for r in records) - max(r.queued for r in records))
@@ -226,7 +233,8 @@ def write_trace(records: Iterable[BucketRecord], path: str | os.PathLike[str], r
 
     for r in records:
         label = f"step {r.step} bucket {r.bucket}"
-        args = {"step": r.step, "bucket": r.bucket, "input_bytes": r.input_bytes, "payload_bytes": r.payload_bytes}
+        args = {"step": r.step, "bucket": r.bucket, "input_bytes": r.input_bytes, "payload_bytes": r.payload_bytes,
+                "host_reads": r.host_reads}
         events.append({"name": f"ready {label}", "ph": "i", "s": "t", "ts": us(r.queued), "pid": rank, "tid": "ddp"})
         events.append({"name": "queued", "ph": "X", "ts": us(r.queued), "dur": us(r.started - r.queued),
                        "pid": rank, "tid": "gradcomp", "args": args})  # fmt: skip

@@ -16,6 +16,7 @@ through one).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradcomp import collectives
+from gradcomp import collectives, host
 from gradcomp.collectives.link import Traffic
 from gradcomp.compressors import Payload
 from gradcomp.engine import packing
@@ -133,7 +134,7 @@ def all_gather_payloads(payloads: list[Payload], device: torch.device, exchange:
     tensors = [t for payload in payloads for t in payload]
     mine = packing.header(tensors)
     headers = exchange.all_gatherv(torch.tensor(mine, dtype=torch.int64, device=device), [len(mine)] * exchange.world)
-    shapes = [packing.shapes(h.tolist(), tensors) for h in headers]
+    shapes = [packing.shapes(row, tensors) for row in read_rows(headers)]
     packed = exchange.all_gatherv(packing.pack(tensors, device), [packing.packed_bytes(s, tensors) for s in shapes])
     return [regroup(payloads, packing.unpack(raw, s, tensors)) for raw, s in zip(packed, shapes, strict=True)]
 
@@ -168,17 +169,25 @@ def all_gather_padded(
             packing.pack_into(tensors, frame[FRAME_HEAD + 8 * head.numel() :])
         frame[needed if fits else FRAME_HEAD :].zero_()  # the padding: nothing uninitialized travels
         frames = exchange.all_gather(frame)
-        sizes = [int(f[:FRAME_HEAD].view(torch.int64)) for f in frames]
+        end = min(capacity, FRAME_HEAD + 8 * head.numel())  # each frame's size and header, where it fits
+        heads = read_rows([f[:end].view(torch.int64) for f in frames])
+        sizes = [h[0] for h in heads]
         if max(sizes) <= capacity:
-            return [_unframe(f, payloads, tensors, head.numel()) for f in frames], capacity
+            return [_unframe(f, h[1:], payloads, tensors) for f, h in zip(frames, heads, strict=True)], capacity
         capacity = packing.aligned(max(sizes))
     raise AssertionError("every frame fits the largest size in the second round")
 
 
-def _unframe(frame: Tensor, payloads: list[Payload], like: list[Tensor], header_size: int) -> list[Payload]:
-    start = FRAME_HEAD + 8 * header_size
-    shapes = packing.shapes(frame[FRAME_HEAD:start].view(torch.int64).tolist(), like)
-    return regroup(payloads, packing.unpack(frame[start:], shapes, like))
+def _unframe(frame: Tensor, header: list[int], payloads: list[Payload], like: list[Tensor]) -> list[Payload]:
+    shapes = packing.shapes(header, like)
+    return regroup(payloads, packing.unpack(frame[FRAME_HEAD + 8 * len(header) :], shapes, like))
+
+
+def read_rows(rows: Sequence[Tensor]) -> list[list[int]]:
+    """Integer tensors (headers, sizes) as lists, in one host read for them all."""
+    values = host.values(torch.cat(list(rows)))
+    bounds = [0, *itertools.accumulate(row.numel() for row in rows)]
+    return [values[start:stop] for start, stop in itertools.pairwise(bounds)]
 
 
 def all_to_all_payloads(
@@ -201,7 +210,8 @@ def all_to_all_payloads(
     flat = torch.tensor([size for h in mine for size in h], dtype=torch.int64, device=device)
     headers = exchange.all_to_allv(flat, sizes, expected)
     # shapes[s]: what rank s sends here; None for this rank's own part when it keeps it
-    shapes = [None if s == rank and keeps_own else packing.shapes(h.tolist(), template) for s, h in enumerate(headers)]
+    rows = read_rows(headers)
+    shapes = [None if s == rank and keeps_own else packing.shapes(row, template) for s, row in enumerate(rows)]
     splits = [packing.packed_bytes([t.shape for t in ts], ts) for ts in tensors]
     incoming = [0 if s is None else packing.packed_bytes(s, template) for s in shapes]
     data = torch.cat([packing.pack(ts, device) for ts in tensors])
