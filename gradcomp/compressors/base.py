@@ -138,6 +138,13 @@ class Compressor(ABC):
     """For ratio-based sparsifiers, the keep-ratio from which their payload carries at least the
     uncompressed gradient's bytes (topk: 0.5, values and 4-byte indices): warm-up steps scheduled at
     or above it go uncompressed instead, which is exact and no dearer."""
+    @property
+    def same_shapes(self) -> bool:
+        """True when every rank's payload for a tensor has the same shapes (fixed-size codes, exact
+        top-k): the engine then all-gathers ``gather`` payloads without exchanging their sizes, so
+        with nothing to read on the host. False where the payload's size depends on the values."""
+        return False
+
     payload_shows_non_finite: ClassVar[bool] = False
     """True when a non-finite input, or a contribution (:meth:`contribution`) that would overflow,
     always puts a non-finite value into the payload's floating tensors: error feedback then checks

@@ -172,6 +172,10 @@ class ErrorFeedback(Compressor):
         return ",".join([repr(self.inner), *self.feedback.words()])
 
     @property
+    def same_shapes(self) -> bool:
+        return self.inner.same_shapes
+
+    @property
     def unbiased(self) -> bool:
         return False
 

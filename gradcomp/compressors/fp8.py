@@ -60,6 +60,11 @@ class Fp8(Compressor):
     Config = Fp8Config
     config: Fp8Config
 
+
+    @property
+    def same_shapes(self) -> bool:
+        return True  # codes and peaks: sized by the tensor alone
+
     def compress(
         self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
     ) -> tuple[Payload, Meta]:

@@ -48,6 +48,10 @@ class AffineQuantizer(Compressor):
     aggregation = Aggregation.GATHER
     config: ChunkedConfig
 
+    @property
+    def same_shapes(self) -> bool:
+        return True  # codes and scales: sized by the tensor alone
+
     def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
         super().__init__(config, seed=seed, rank=rank)
         # Rounding noise should be independent between ranks, so that it averages out.

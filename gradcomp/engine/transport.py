@@ -139,6 +139,16 @@ def all_gather_payloads(payloads: list[Payload], device: torch.device, exchange:
     return [regroup(payloads, packing.unpack(raw, s, tensors)) for raw, s in zip(packed, shapes, strict=True)]
 
 
+def all_gather_alike(payloads: list[Payload], device: torch.device, exchange: Transport) -> list[list[Payload]]:
+    """:func:`all_gather_payloads` for payloads of the same shapes on every rank
+    (``Compressor.same_shapes``: fixed-size codes, exact top-k): one equal-size all-gather, no size
+    or shape exchange, and nothing read on the host."""
+    tensors = [t for payload in payloads for t in payload]
+    shapes = [tuple(t.shape) for t in tensors]
+    frames = exchange.all_gather(packing.pack(tensors, device))
+    return [regroup(payloads, packing.unpack(frame, shapes, tensors)) for frame in frames]
+
+
 FRAME_HEAD = 8
 """Bytes before a frame's header: the int64 size of the whole frame this rank needs."""
 
