@@ -206,7 +206,7 @@ class GatherRoute(_Compressed):
         """Every rank's payloads, per tensor then rank."""
         device = payloads[0][0].device if payloads and payloads[0] else torch.device("cpu")
         exchange = transport.GroupTransport(self.group, work.record.add_traffic)
-        if self.algo == "native" and work.settled and self.compressor.same_shapes and any(map(len, payloads)):
+        if self.algo == "native" and work.settled and self.compressor.same_shapes:
             per_rank = transport.all_gather_alike(payloads, device, exchange)
         elif self.algo == "native" and work.settled:
             bucket = tuple(work.keys)

@@ -145,8 +145,10 @@ def all_gather_alike(payloads: list[Payload], device: torch.device, exchange: Tr
     or shape exchange, and nothing read on the host."""
     tensors = [t for payload in payloads for t in payload]
     shapes = [tuple(t.shape) for t in tensors]
-    frames = exchange.all_gather(packing.pack(tensors, device))
-    return [regroup(payloads, packing.unpack(frame, shapes, tensors)) for frame in frames]
+    packed = packing.pack(tensors, device)
+    if not packed.numel():  # empty payloads (tensors of no elements): every rank's are these
+        return [payloads] * exchange.world
+    return [regroup(payloads, packing.unpack(frame, shapes, tensors)) for frame in exchange.all_gather(packed)]
 
 
 FRAME_HEAD = 8
