@@ -26,7 +26,6 @@ import os
 import queue
 import select
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -195,7 +194,7 @@ def _watch(launcher: int) -> None:
                 time.sleep(1.0)
     except ProcessLookupError:  # already gone
         pass
-    print(f"gradcomp: the launcher (pid {launcher}) of this rank ({os.getpid()}) ended; ending it too", file=sys.stderr)
+    logger.error("the launcher (pid %d) of this rank (pid %d) ended; ending it too", launcher, os.getpid())
     os._exit(1)
 
 

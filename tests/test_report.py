@@ -145,6 +145,7 @@ def test_figures_equal_an_independent_computation(sweep: Path) -> None:
             half = stats.t.ppf(0.975, 2) * statistics.stdev(finals) / math.sqrt(3)
             assert method.final_ci == pytest.approx((statistics.fmean(finals) - half, statistics.fmean(finals) + half))
         assert method.wire_mb_per_step == pytest.approx(WIRE[method.hook] / 1e6)
+        assert method.fewer_bytes == pytest.approx(WIRE["torch:allreduce"] / WIRE[method.hook])
         assert method.step_ms == pytest.approx(1e3 * 4.0 * SPEED["1gbit"][method.hook] / STEPS)
     by_hook = {m.hook: m for m in group.methods}
     topk = by_hook["topk:ratio=0.01,ef=true"]

@@ -35,9 +35,8 @@ def host_reads(state: TrainingHookState, timed: int) -> float | None:
     """gradcomp's hooks: the median over the last ``timed`` steps of the host reads per step (each a
     device synchronization on a GPU: :mod:`gradcomp.host`); None for torch's own, which are not observed."""
     recorded = [s.host_reads for s in state.steps()[-timed:]] if timed else []
-    if not recorded or any(r is None for r in recorded) or not isinstance(state, (hooks.HookState, hooks.AutoState)):
-        return None
-    return statistics.median(r for r in recorded if r is not None)
+    counted = [r for r in recorded if r is not None]
+    return statistics.median(counted) if counted and len(counted) == len(recorded) else None
 
 
 def _timed(seconds: float | None) -> float:

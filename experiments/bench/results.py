@@ -48,5 +48,11 @@ def combine(runs: list[Row]) -> Row:
         [t for r in done for t in r.step_ms],
         phases,
         run_ms,
-        None if any(r.host_reads is None for r in done) else statistics.median(r.host_reads or 0.0 for r in done),
+        _median_or_none([r.host_reads for r in done]),
     )
+
+
+def _median_or_none(values: list[float | None]) -> float | None:
+    """The median, or None where any run lacks the figure."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known and len(known) == len(values) else None

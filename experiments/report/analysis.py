@@ -97,6 +97,9 @@ class MethodRuns:
     """Where the mean over seeds meets the target (None: never)."""
     speedup_vs_baseline: float | None = None
     speedup_vs_torch: float | None = None
+    fewer_bytes: float | None = None
+    """The baseline's wire bytes per step over this method's: over whole runs, warm-ups and the steps
+    a synchronization skips included (the runs' ``compression_ratio`` is one exchange's)."""
     time_p: float | None = None
     """Welch's t-test of the time to target against the fastest torch hook's; None where undefined."""
 
@@ -241,6 +244,8 @@ def _group(
     fastest_torch = min(torch_reached, key=lambda m: m.time_to_target or math.inf, default=None)
     group.fastest_torch = fastest_torch.hook if fastest_torch else None
     for method in methods:
+        sent, base = method.wire_mb_per_step, chosen.wire_mb_per_step
+        method.fewer_bytes = base / sent if base is not None and sent else None
         if method.time_to_target is None:
             continue
         if chosen.time_to_target:

@@ -120,21 +120,13 @@ def cells_of(group: Group, method: MethodRuns) -> list[str]:
         _number(method.speedup_vs_torch, "{:.2f}x"),
         _p(method.time_p),
         _number(method.wire_mb_per_step, "{:.3f}"),
-        _number(_fewer_bytes(group, method), "{:.1f}x"),
+        _number(method.fewer_bytes, "{:.1f}x"),
         _number(method.mean("compression_ratio"), "{:.1f}x"),
         _number(method.step_ms, "{:.2f}"),
         _number(method.mean("compute_ms"), "{:.2f}"),
         _number(method.compress_ms, "{:.2f}"),
         _number(method.exposed_ms, "{:.2f}"),
     ]
-
-
-def _fewer_bytes(group: Group, method: MethodRuns) -> float | None:
-    """The baseline's bytes per step over the method's: over whole runs, warm-ups and the steps a
-    synchronization skips included (the ``compression`` column is one exchange's)."""
-    baseline = group.method(group.baseline)
-    sent, base = method.wire_mb_per_step, baseline.wire_mb_per_step if baseline else None
-    return base / sent if base is not None and sent else None
 
 
 def markdown(groups: Sequence[Group]) -> str:

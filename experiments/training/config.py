@@ -49,13 +49,14 @@ class TrainConfig:
     """Global batch per step, split evenly over the ranks (so runs at any world size see the same data)."""
     optimizer: str = "sgd"
     """sgd, nesterov, adam or adamw (``gradcomp.experiments.training.optim``), or AdamW whose momentum
-    travels compressed after an uncompressed warm-up (1-bit Adam's method, ``gradcomp.hooks.CompressedAdamW``):
+    travels compressed after a warm-up (1-bit Adam's method, ``gradcomp.hooks.CompressedAdamW``):
     compressed-adamw:freeze=100,carrier=sign:ef=true,beta1=0.9,beta2=0.999,eps=1e-8,bound=1,variance_every=0,
-    variance_carrier=bf16 (the defaults; freeze: uncompressed steps, after which the variance is frozen;
+    variance_carrier=bf16 (the defaults; freeze: warm-up steps, after which the variance is frozen;
     carrier: the hook spec the momentum travels by; bound: the largest step per coordinate after the
     freeze, in units of lr; variance_every: N > 0 to go on learning the variance, each rank from its own
     gradients, averaged every N steps through variance_carrier). The hook then averages the gradient
-    until the freeze (allreduce, or a spec without error feedback) and sends nothing after it; DDP only
+    until the freeze (allreduce, or a spec without error feedback: quantize:bits=4 sends the warm-up in
+    4 bits) and sends nothing after it; DDP only
     (no fsdp, no sync)."""
     lr: float = 0.1
     """Peak learning rate."""

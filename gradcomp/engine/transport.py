@@ -16,7 +16,6 @@ through one).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gradcomp import collectives, host
+from gradcomp.collectives.exchange import offsets
 from gradcomp.collectives.link import Traffic
 from gradcomp.compressors import Payload
 from gradcomp.engine import packing
@@ -198,8 +198,7 @@ def _unframe(frame: Tensor, header: list[int], payloads: list[Payload], like: li
 def read_rows(rows: Sequence[Tensor]) -> list[list[int]]:
     """Integer tensors (headers, sizes) as lists, in one host read for them all."""
     values = host.values(torch.cat(list(rows)))
-    bounds = [0, *itertools.accumulate(row.numel() for row in rows)]
-    return [values[start:stop] for start, stop in itertools.pairwise(bounds)]
+    return [values[start:stop] for start, stop in offsets([row.numel() for row in rows])]
 
 
 def all_to_all_payloads(
