@@ -10,6 +10,12 @@ nothing more than the conversion; what the count shows is what a GPU would wait 
 
 Use :func:`flag` for a decision (``if host.flag(torch.isfinite(x).all())``), :func:`values` for
 numbers (one read for several: stack them first), :func:`nonzero` for the indices of a mask.
+
+Most of the step decides on the device instead (a masked commit with ``torch.where``, a range
+handled by a power-of-two prescale); a few algorithms are much faster on the CPU with a read than
+without (exact top-k prefiltered by a sampled threshold): they ask :func:`reads_are_free` and take
+the read-free path on an accelerator, and on the CPU too under :func:`as_accelerator` (how tests
+prove the accelerator's path on a CPU).
 """
 
 from __future__ import annotations
@@ -62,6 +68,27 @@ def nonzero(tensor: Tensor) -> Tensor:
     """The flat indices of the tensor's nonzero elements (one read: their number sizes the result)."""
     with _read():
         return torch.nonzero(tensor).view(-1)
+
+
+def reads_are_free(device: torch.device) -> bool:
+    """Whether a read of a tensor on ``device`` costs no synchronization: True on the CPU (outside
+    :func:`as_accelerator`), False on any accelerator."""
+    return device.type == "cpu" and not _as_accelerator
+
+
+_as_accelerator = False
+
+
+@contextlib.contextmanager
+def as_accelerator() -> Iterator[None]:
+    """Meanwhile, in every thread, CPU tensors take the paths an accelerator's would
+    (:func:`reads_are_free` is False): for tests and benchmarks that count reads on a CPU."""
+    global _as_accelerator
+    previous, _as_accelerator = _as_accelerator, True
+    try:
+        yield
+    finally:
+        _as_accelerator = previous
 
 
 def inside() -> bool:

@@ -19,24 +19,25 @@ than the add: ``docs/benchmarks.md``, "Why the kernels look as they do"). Cost p
 (two passes), the rounding add, the byte copy, and for stochastic rounding 1 random byte, its
 conversion and an add; temporaries live in the compressor's workspace.
 
-The arithmetic is float32 (float64 for float64 inputs) unless a chunk's map does not fit float32:
-a step below float32's smallest normal (1.2e-38: its reciprocal overflows, or loses precision) or
-levels that span more than half of float32's range (x - base, or (q - zero) * step, would overflow).
-Then the whole call computes in float64, which holds every such map exactly: any finite input
-keeps the documented bound and decodes to finite values. Deciding costs one look at the per-chunk
-steps on the host (a few microseconds; on a GPU, a synchronization).
+The arithmetic is float32 (float64 for float64 inputs). Where a chunk's map does not fit float32
+(a step below 2**-64, whose reciprocal overflows or loses precision, or levels that span more than
+2**126, where x - base or (q - zero) * step could overflow), the chunk is computed in units scaled
+by a power of two (:func:`prescale`: 2**64 or 2**-8, else exactly 1): scaling by a power of two is
+exact, so any finite input keeps the documented bound and decodes to finite values (the widest
+chunks decode 2**-20 of their values closer to zero, far below their step, so that rounding
+cannot carry the top level past float32's largest value). The choice is
+made per chunk on the device, with nothing read on the host (rule "host reads",
+``docs/architecture.md``); it costs one multiplication pass each way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 
 import torch
 from torch import Tensor
 
-from gradcomp import host
 from gradcomp.compressors import chunks
 from gradcomp.workspace import Workspace
 
@@ -52,9 +53,6 @@ def _low_bytes(y: Tensor) -> Tensor:
     return y.view(torch.uint8)[0 if sys.byteorder == "little" else size - 1 :: size]
 
 
-FLOAT32 = torch.finfo(torch.float32)
-
-
 @dataclasses.dataclass(frozen=True)
 class Affine:
     """x = base + (q - zero) * step, per chunk; no base means 0.
@@ -68,27 +66,21 @@ class Affine:
     levels: int
     zero: int = 0
 
-    def fits_float32(self) -> bool:
-        """Whether float32 arithmetic holds this map for every finite chunk (see the module's notes).
 
-        Non-finite steps (from NaN/Inf inputs) count as fitting: they travel to the decoder as they are.
-        """
-        if not self.step.numel():
-            return True
-        magnitude = self.step.abs()
-        limit = FLOAT32.max / 2 / max(self.zero, self.levels - self.zero)
-        low, high = host.values(torch.stack(torch.aminmax(magnitude)).float())
-        if FLOAT32.tiny <= low and high <= limit:
-            return True  # the common case, in one small reduction (the full test costs 3x more)
-        misfit = ((magnitude < FLOAT32.tiny) & (magnitude > 0)) | ((magnitude > limit) & (magnitude < math.inf))
-        return not host.flag(misfit.any())
+def working_dtype(flat: Tensor) -> torch.dtype:
+    """float32 for every narrower input, float64 for float64 inputs."""
+    return torch.float64 if flat.dtype == torch.float64 else torch.float32
 
 
-def working_dtype(flat: Tensor, affine: Affine) -> torch.dtype:
-    """float32 for every narrower input, float64 for float64 inputs and maps that float32 cannot hold."""
-    if flat.dtype == torch.float64 or not affine.fits_float32():
-        return torch.float64
-    return torch.float32
+def prescale(affine: Affine) -> Tensor:
+    """Per chunk, the power of two the map is computed in units of (float64): 2**64 where the step
+    is below 2**-64, 2**-8 where the levels span more than 2**126, else 1. Either way x * prescale,
+    the step and its reciprocal in those units, and every partial result sit well inside float32's
+    normal range (chunks with such small steps hold only values below 2**-29 in magnitude)."""
+    magnitude = affine.step.double().abs()
+    span = magnitude * max(affine.zero, affine.levels - affine.zero)
+    tiny = (magnitude > 0) & (magnitude < 2.0**-64)
+    return torch.where(tiny, 2.0**64, torch.where(span > 2.0**126, 2.0**-8, 1.0))
 
 
 def inverse_or_zero(scales: Tensor) -> Tensor:
@@ -104,26 +96,27 @@ def encode(flat: Tensor, affine: Affine, chunk: int, generator: torch.Generator 
     Returns a contiguous uint8 workspace buffer: valid until the next call.
     """
     n = flat.numel()
-    dtype = working_dtype(flat, affine)
+    dtype = working_dtype(flat)
     y = workspace.take("affine.y", n, dtype, flat.device)
-    step = affine.step.to(dtype)
+    pre = prescale(affine)
+    step = affine.step.double() * pre
     positive = step > 0
-    inverse = inverse_or_zero(step)
-    base = None if affine.base is None else affine.base.to(dtype)
+    inverse = inverse_or_zero(step).to(dtype)
+    base = None if affine.base is None else affine.base.double() * pre
     if generator is not None:
         # Stochastic rounding is floor(y + u), u uniform in [0, 1), computed as round(y + u - 0.5).
         # u = (r + v) / 256: r, 8 random bits per element, and v, uniform in [0, 1) per chunk.
         # Their sum is exactly uniform, so each code is exactly unbiased, at a quarter of the random
         # bits that 32-bit noise would cost; (v / 256 - 0.5) steps are folded into the chunk's base.
         v = torch.rand(step.numel(), generator=generator, device=flat.device, dtype=torch.float64)
-        shift = (v / 256 - 0.5) * torch.where(positive, step, 0.0).double()
-        base = (-shift if base is None else base.double() - shift).to(dtype)
+        shift = (v / 256 - 0.5) * torch.where(positive, step, 0.0)
+        base = -shift if base is None else base - shift
+    pre, base = pre.to(dtype), None if base is None else base.to(dtype)
     for (view, rows), (y_view, _) in zip(chunks.parts(flat, chunk), chunks.parts(y, chunk), strict=True):
-        if base is None:
-            torch.mul(view, inverse[rows, None], out=y_view)
-        else:
-            torch.sub(view, base[rows, None], out=y_view)
-            y_view.mul_(inverse[rows, None])
+        torch.mul(view, pre[rows, None], out=y_view)
+        if base is not None:
+            y_view.sub_(base[rows, None])
+        y_view.mul_(inverse[rows, None])
     if generator is not None:
         words = workspace.take("affine.random", -(-n // 8), torch.int64, flat.device)
         words.random_(-(2**63), None, generator=generator)  # all 64 bits; the default leaves the top one 0
@@ -149,20 +142,25 @@ def encode(flat: Tensor, affine: Affine, chunk: int, generator: torch.Generator 
 def decode(codes: Tensor, affine: Affine, chunk: int, out: Tensor, workspace: Workspace) -> Tensor:
     """Write ``base + (codes - zero) * step`` per chunk into the flat floating tensor ``out``.
 
-    Computed in the working dtype (:func:`working_dtype`) and rounded once into ``out``.
+    Computed in the working dtype (:func:`working_dtype`), per chunk in the units of
+    :func:`prescale`, and rounded into ``out``.
     """
-    dtype = working_dtype(out, affine)
+    dtype = working_dtype(out)
     exact = out if out.dtype == dtype else None
     values = exact if exact is not None else workspace.take("affine.decoded", out.numel(), dtype, out.device)
     values.copy_(codes)
     if affine.zero:
         values.sub_(affine.zero)
-    step = affine.step.to(dtype)
-    base = None if affine.base is None else affine.base.to(dtype)
+    pre = prescale(affine)
+    shrink = pre * torch.where(pre < 1, 1 - 2.0**-20, 1.0)  # the widest chunks: see the module's notes
+    step = (affine.step.double() * shrink).to(dtype)
+    base = None if affine.base is None else (affine.base.double() * shrink).to(dtype)
+    unscale = (1 / pre).to(dtype)
     for view, rows in chunks.parts(values, chunk):
         view.mul_(step[rows, None])
         if base is not None:
             view.add_(base[rows, None])
+        view.mul_(unscale[rows, None])
     if exact is None:
         out.copy_(values)
     return out

@@ -55,7 +55,6 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from gradcomp import host
 from gradcomp.options import format_value
 from gradcomp.workspace import Workspace
 
@@ -349,15 +348,26 @@ def _shares_memory(tensor: Tensor, payload: Payload) -> bool:
     return any(t.untyped_storage().data_ptr() == storage for t in payload)
 
 
-def payload_finite(payload: Payload) -> bool:
-    """Whether every floating tensor of ``payload`` is finite (integer parts, such as indices, are)."""
-    return all(all_finite(t) for t in payload if t.is_floating_point())
+def payload_finite(payload: Payload) -> Tensor:
+    """Whether every floating tensor of ``payload`` is finite (integer parts, such as indices, are),
+    as a 0-d bool tensor on the payload's device: :func:`finite` of each, combined there."""
+    floating = [finite(t) for t in payload if t.is_floating_point()]
+    if not floating:
+        return torch.ones((), dtype=torch.bool, device=payload[0].device if payload else None)
+    for other in floating[1:]:
+        floating[0] = floating[0] & other
+    return floating[0]
 
 
-def all_finite(tensor: Tensor) -> bool:
-    """Whether every element is finite, in one reduction pass: a finite sum proves it (a NaN or Inf
-    makes the sum non-finite); only a sum that overflows needs the element-wise check."""
-    return host.flag(torch.isfinite(tensor.sum())) or host.flag(torch.isfinite(tensor).all())
+def finite(tensor: Tensor) -> Tensor:
+    """Whether every element is finite, as a 0-d bool tensor on the tensor's device: nothing is read
+    on the host, so a caller commits with ``torch.where(ok, new, old)`` instead of branching (rule
+    "host reads", ``docs/architecture.md``). One reduction pass: the min and max are both finite
+    exactly when every element is (a NaN propagates into both, an Inf into one), and unlike a sum
+    they cannot overflow."""
+    if not tensor.numel():
+        return torch.ones((), dtype=torch.bool, device=tensor.device)
+    return torch.isfinite(torch.stack(torch.aminmax(tensor))).all()
 
 
 def check_gradient(tensor: Tensor) -> Tensor:

@@ -41,8 +41,8 @@ from gradcomp.compressors.base import (
     CompressorConfig,
     Key,
     Payload,
-    all_finite,
     check_gradient,
+    finite,
     payload_finite,
 )
 from gradcomp.options import convert, format_value
@@ -132,12 +132,13 @@ class ErrorFeedback(Compressor):
     of the largest; momentum correction two more per key (the velocity, and its next value until the
     step proves finite), EF21 one more (the global estimate). Compute: the add (fused with the
     engine's division by the world size, :meth:`compress_divided`), then one decompression of the
-    local payload, the subtract and a finiteness check (a pass each); momentum and clipping add a
-    pass or two each. Compressors that fuse the subtraction (``Compressor.subtract_contribution``)
-    skip the decompression: PowerSGD in one pass; the sparsifiers and random-k touch only their k
-    elements, and since their payload shows every non-finite input
-    (``Compressor.payload_shows_non_finite``) the check reads only the payload.
-    A non-finite step leaves the residual (and velocity, and estimates) as they were (:meth:`_update`).
+    local payload, the subtract, a finiteness check and the masked commit (a pass each); momentum
+    and clipping add a pass or two each. Compressors that fuse the subtraction
+    (``Compressor.subtract_contribution``) skip the decompression and the subtract: PowerSGD in one
+    pass; the sparsifiers and random-k touch only their k elements, and since their payload shows
+    every non-finite input (``Compressor.payload_shows_non_finite``) the check reads only the payload.
+    A non-finite step leaves the residual (and velocity, and estimates) as they were (:meth:`_update`),
+    decided on the device: nothing is read on the host.
     Keys: every distinct tensor needs its own key (its identity across steps, e.g. its parameter
     names); the same key with a new shape is an error, not a silent reset.
     """
@@ -264,9 +265,9 @@ class ErrorFeedback(Compressor):
         compensated = self._compensated_buffer(key, residual)
         self._accumulate(tensor, divisor, key, residual, compensated)
         tensor.copy_(compensated)
-        if all_finite(compensated):  # else the step carries the NaN, and the state stays as it was
-            residual.zero_()
-            self._commit_velocity(key, None)
+        ok = finite(compensated)  # else the step carries the NaN, and the state stays as it was
+        residual.copy_(torch.where(ok, 0.0, residual))  # a warm-up step: its allocation is no steady state
+        self._commit_velocity(key, None, ok)
 
     @property
     def _plain(self) -> bool:
@@ -298,15 +299,16 @@ class ErrorFeedback(Compressor):
         else:
             out.add_(state)
 
-    def _commit_velocity(self, key: Key, sent: Tensor | None) -> None:
-        """The step was finite: its velocity replaces the last one, cleared where ``sent`` says
-        (momentum factor masking)."""
+    def _commit_velocity(self, key: Key, sent: Tensor | None, ok: Tensor) -> None:
+        """Where the step was finite (``ok``, on the device), its velocity replaces the last one,
+        cleared where ``sent`` says (momentum factor masking)."""
         if not self.feedback.momentum:
             return
         following = self._next_velocities[key]
-        self._next_velocities[key], self.velocities[key] = self.velocities[key], following
         if sent is not None and self.feedback.mask:
             following.view(-1)[sent] = 0
+        velocity = self.velocities[key]
+        torch.where(ok, following, velocity, out=velocity)
 
     def _compensated_buffer(self, key: Key, residual: Tensor) -> Tensor:
         compensated = self._compensated.get(key)
@@ -340,13 +342,14 @@ class ErrorFeedback(Compressor):
         return payload, ctx
 
     def _update(self, payload: Payload, ctx: FeedbackContext) -> None:
-        """e = c - contribution(payload), with no allocation: fused in c's buffer, which then
-        becomes the residual (the two buffers swap roles), or through a scratch buffer into the
-        residual's own. EF21: h = h + contribution(payload).
+        """e = c - contribution(payload), with no allocation: fused in c's buffer, or through a
+        scratch buffer; then committed into the residual's. EF21: h = h + contribution(payload).
 
         A non-finite step (a NaN or Inf gradient, an overflowing cast, a peer's NaN in PowerSGD's
         factors) leaves the residual as it was: the step itself carries the NaN (so that GradScaler
         skips it), and the next step starts clean (rule "one bad step", ``docs/architecture.md``).
+        The test and the commit run on the device (``torch.where``): a branch would read the test
+        on the host, a synchronization inside backward on a GPU (rule "host reads").
         """
         if self.feedback.variant == "ef21":
             self._update_estimate(payload, ctx)
@@ -355,30 +358,28 @@ class ErrorFeedback(Compressor):
         sent = self.inner.sent_indices(payload, ctx.inner) if self.feedback.momentum else None
         # A compressor whose payload shows every bad step is checked there (a few elements);
         # the others through the contribution or the new residual (a reduction pass).
-        cheap_check = self.inner.payload_shows_non_finite
-        if cheap_check and not payload_finite(payload):
-            return
+        ok = payload_finite(payload) if self.inner.payload_shows_non_finite else None
         if self.inner.subtract_contribution(payload, ctx.inner, ctx.compensated):
-            if cheap_check or all_finite(ctx.compensated):
-                self.residuals[ctx.key], self._compensated[ctx.key] = ctx.compensated, residual
-                self._commit_velocity(ctx.key, sent)
-            return
-        contribution = self.workspace.take("feedback", residual.numel(), residual.dtype, residual.device)
-        self.inner.contribution(payload, ctx.inner, out=contribution.view_as(residual))
-        # By the input policy a non-finite input gives a non-finite contribution: one check covers both.
-        if cheap_check or all_finite(contribution):
-            torch.sub(ctx.compensated, contribution.view_as(residual), out=residual)
-            self._commit_velocity(ctx.key, sent)
+            candidate = ctx.compensated
+        else:
+            candidate = self.workspace.take("feedback", residual.numel(), residual.dtype, residual.device)
+            candidate = candidate.view_as(residual)
+            self.inner.contribution(payload, ctx.inner, out=candidate)
+            # By the input policy a non-finite input gives a non-finite contribution: one check covers both.
+            ok = finite(candidate) if ok is None else ok
+            torch.sub(ctx.compensated, candidate, out=candidate)
+        ok = finite(candidate) if ok is None else ok
+        torch.where(ok, candidate, residual, out=residual)
+        self._commit_velocity(ctx.key, sent, ok)
 
     def _update_estimate(self, payload: Payload, ctx: FeedbackContext) -> None:
         """EF21: this rank's estimate moves by what its payload carries (when finite)."""
         estimate = self.shares[ctx.key]
-        if self.inner.payload_shows_non_finite and not payload_finite(payload):
-            return
         contribution = self.workspace.take("feedback", estimate.numel(), estimate.dtype, estimate.device)
-        self.inner.contribution(payload, ctx.inner, out=contribution.view_as(estimate))
-        if all_finite(contribution):
-            estimate.add_(contribution.view_as(estimate))
+        contribution = contribution.view_as(estimate)
+        self.inner.contribution(payload, ctx.inner, out=contribution)
+        ok = finite(contribution)
+        torch.where(ok, contribution.add_(estimate), estimate, out=estimate)
 
     def decompress(self, payload: Payload, ctx: FeedbackContext, out: Tensor | None = None) -> Tensor:
         return self._estimated(self.inner.decompress(payload, ctx.inner, out=out), ctx.key)
@@ -393,8 +394,7 @@ class ErrorFeedback(Compressor):
             return aggregate
         estimate = self._state(self.estimates, key, aggregate, "estimate")
         aggregate.add_(estimate)
-        if all_finite(aggregate):
-            estimate.copy_(aggregate)
+        torch.where(finite(aggregate), aggregate, estimate, out=estimate)
         return aggregate
 
     def contribution(self, payload: Payload, ctx: FeedbackContext, out: Tensor | None = None) -> Tensor:

@@ -9,7 +9,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from gradcomp import host
 from gradcomp.compressors import chunks
 from gradcomp.compressors.affine import inverse_or_zero
 from gradcomp.compressors.base import (
@@ -49,7 +48,7 @@ class Fp8(Compressor):
     Wire: 1 byte per element + 4 bytes (the float32 max |x|) per chunk. Error: relative 2**-4 (e4m3)
     or 2**-3 (e5m2) of each value, down to the format's smallest subnormal times the scale (values
     far below the chunk's max flush toward zero), at every float32 magnitude: chunks whose scale
-    float32 cannot hold are computed in float64 (:func:`working_dtype`). Deterministic (round to nearest even), biased.
+    float32 cannot hold are computed in units scaled by a power of two (:func:`prescale`). Deterministic (round to nearest even), biased.
     Aggregates by ``gather``: scales differ between ranks.
     When: between fp16 (2 bytes) and 4-bit quantization, with a floating error profile that keeps
     small gradients relatively accurate.
@@ -70,13 +69,16 @@ class Fp8(Compressor):
     ) -> tuple[Payload, Meta]:
         flat = check_gradient(tensor)
         peaks = chunks.amax_abs(flat, self.config.chunk).float()
-        dtype = working_dtype(flat, peaks, self.config.format)
-        inverse = inverse_or_zero(scales(peaks, self.config.format, dtype))
+        dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
+        pre = prescale(peaks)
+        inverse = inverse_or_zero(scales(peaks, self.config.format) * pre).to(dtype)
+        pre = pre.to(dtype)
         scaled = self.workspace.take("scaled", flat.numel(), dtype, flat.device)
         for (view, rows), (target, _) in zip(
             chunks.parts(flat, self.config.chunk), chunks.parts(scaled, self.config.chunk), strict=True
         ):
-            torch.mul(view, inverse[rows, None], out=target)
+            torch.mul(view, pre[rows, None], out=target)
+            target.mul_(inverse[rows, None])
         # Non-finite peaks (NaN/Inf inputs) reach the decoder through ``peaks``.
         codes = torch.empty(flat.numel(), dtype=DTYPES[self.config.format], device=flat.device).copy_(scaled)
         return (codes.view(torch.uint8), peaks), Meta.of(tensor)
@@ -84,15 +86,18 @@ class Fp8(Compressor):
     def decompress(self, payload: Payload, ctx: Meta, out: Tensor | None = None) -> Tensor:
         codes, peaks = payload
         result = flat_out(out, ctx, codes.device)
-        dtype = working_dtype(result, peaks, self.config.format)
+        dtype = torch.float64 if result.dtype == torch.float64 else torch.float32
         exact = result if result.dtype == dtype else None
         values = exact if exact is not None else self.workspace.take("values", ctx.numel, dtype, codes.device)
         values.copy_(as_half(codes, self.config.format, self.workspace))
         # as_half returns e4m3 values times 2**-8: fold the factor into the scale.
         factor = 256.0 if self.config.format == "e4m3" else 1.0
-        multipliers = scales(peaks, self.config.format, dtype) * factor
+        pre = prescale(peaks)
+        multipliers = (scales(peaks, self.config.format) * pre * factor).to(dtype)
+        unscale = (1 / pre).to(dtype)
         for view, rows in chunks.parts(values, self.config.chunk):
             view.mul_(multipliers[rows, None])
+            view.mul_(unscale[rows, None])
         if exact is None:
             result.copy_(values)
         return result.view(ctx.shape)
@@ -101,24 +106,18 @@ class Fp8(Compressor):
         return {}
 
 
-def scales(peaks: Tensor, format: str, dtype: torch.dtype) -> Tensor:
-    """Per chunk, the value of the format's unit: max |x| / the format's largest value, in ``dtype``."""
-    return peaks.to(dtype) / torch.finfo(DTYPES[format]).max
+def scales(peaks: Tensor, format: str) -> Tensor:
+    """Per chunk, the value of the format's unit: max |x| / the format's largest value, in float64."""
+    return peaks.double() / torch.finfo(DTYPES[format]).max
 
 
-def working_dtype(flat: Tensor, peaks: Tensor, format: str) -> torch.dtype:
-    """float32 (float64 for float64 inputs) unless a chunk's scale falls below float32's smallest
-    normal (max |x| < 448 * 1.2e-38 for e4m3, 57344 * 1.2e-38 for e5m2): its reciprocal would
-    overflow float32, or the scale lose precision. Then the call computes in float64, which holds
-    them; deciding costs one look at the per-chunk peaks on the host."""
-    if flat.dtype == torch.float64:
-        return torch.float64
-    smallest = torch.finfo(torch.float32).tiny * torch.finfo(DTYPES[format]).max
-    if not peaks.numel() or host.values(peaks.min()) >= smallest:
-        return torch.float32  # the common case, in one small reduction
-    unit = scales(peaks, format, torch.float32)
-    tiny = (unit < torch.finfo(torch.float32).tiny) & (peaks > 0)
-    return torch.float64 if host.flag(tiny.any()) else torch.float32
+def prescale(peaks: Tensor) -> Tensor:
+    """Per chunk, the power of two the scaling is computed in units of (float64): 2**64 where max |x|
+    is below 2**-60 (its unit, max |x| / 448 or / 57344, would fall below float32's smallest
+    normal: its reciprocal overflows, or it loses precision), else exactly 1. Decided on the device
+    (rule "host reads", ``docs/architecture.md``); scaling by a power of two is exact."""
+    peaks = peaks.double()
+    return torch.where((peaks > 0) & (peaks < 2.0**-60), 2.0**64, 1.0)
 
 
 def as_half(codes: Tensor, format: str, workspace: Workspace) -> Tensor:

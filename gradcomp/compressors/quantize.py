@@ -8,7 +8,6 @@ Their payloads are not summable (each rank has its own scales), so they aggregat
 from __future__ import annotations
 
 import dataclasses
-import math
 from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -16,7 +15,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from gradcomp import host
 from gradcomp.compressors import affine, bitpack, chunks
 from gradcomp.compressors.affine import Affine
 from gradcomp.compressors.base import (
@@ -40,8 +38,8 @@ class AffineQuantizer(Compressor):
     """Base of the quantizers: codes = round((x - offset) / step) per chunk, bit-packed.
 
     Payload: ``(packed codes: uint8[ceil(n * bits / 8)], scales: float32[k, chunks])``.
-    The codec computes in float64 where a chunk's map does not fit float32
-    (:func:`gradcomp.compressors.affine.working_dtype`), so every finite chunk keeps the bound.
+    The codec computes a chunk whose map does not fit float32 in units scaled by a power of two
+    (:func:`gradcomp.compressors.affine.prescale`), so every finite chunk keeps the bound.
     Subclasses choose ``bits``, ``chunk``, the scales and how offset and step follow from them.
     """
 
@@ -115,7 +113,7 @@ class AffineQuantizer(Compressor):
 
 def finite_float32(values: Tensor) -> Tensor:
     """Round float64 chunk statistics to float32 scales: finite stays finite, Inf and NaN stay."""
-    limit = torch.finfo(torch.float32).max
+    limit, values = torch.finfo(torch.float32).max, values.double()
     return torch.where(torch.isfinite(values), values.clamp(-limit, limit), values).float()
 
 
@@ -210,7 +208,8 @@ class QSGD(SymmetricQuantizer):
     Per chunk, x_i travels as ||x||_2 * sign(x_i) * l_i / s with l_i the stochastic rounding of
     s * |x_i| / ||x||_2. Unbiased; variance at most min(d / s**2, sqrt(d) / s) * ||x||**2 per chunk.
     A norm past the input dtype's largest value (float16: 65504) travels as that value, so that the
-    top level decodes to a finite number; the levels are then finer, and still unbiased.
+    top level decodes to a finite number, and a chunk whose norm float32 cannot compute (outside
+    [2**-62, 2**62]) sends its max |x|: the levels are then finer, and still unbiased.
 
     Wire: ``ceil(n * bits / 8)`` bytes + 4 bytes (the float32 norm) per chunk.
     When: unbiased compression without error feedback, with a convergence guarantee.
@@ -231,21 +230,16 @@ class QSGD(SymmetricQuantizer):
     def scales(self, flat: Tensor) -> Tensor:
         norms = chunks.reduce(flat, self.chunk, lambda v: torch.linalg.vector_norm(v, dim=1)).float()
         # float32 squares overflow past |x| ~ 1e19 and turn subnormal below ~1e-19: such chunks (and
-        # zero or non-finite ones, which look the same) are measured again in float64, which tells
-        # overflow from real Inf/NaN. Only those: the float64 reduction is far slower (docs/benchmarks.md).
-        low, high = host.values(torch.stack(torch.aminmax(norms))) if norms.numel() else (1.0, 1.0)
-        if not 2.0**-62 <= low <= high <= 2.0**62:  # one small reduction tells the common case
-            unsure = host.nonzero(~((norms >= 2.0**-62) & (norms <= 2.0**62)))
-            wide = chunks.reduce_rows(
-                flat, self.chunk, unsure, lambda v: torch.linalg.vector_norm(v, dim=1, dtype=torch.float64)
-            )
-            norms[unsure] = finite_float32(wide)
-            high = math.inf
+        # zero or non-finite ones, which look the same) send their max |x| instead, which is at most
+        # the norm and at least every |x|: the levels are finer, and as unbiased. Chosen on the
+        # device per chunk (an exact float64 norm of them would need a host read, or a slow pass
+        # over every chunk: docs/benchmarks.md).
+        usual = (norms >= 2.0**-62) & (norms <= 2.0**62)
+        norms = torch.where(usual, norms, chunks.amax_abs(flat, self.chunk).float())
         # A norm past the input dtype's range would decode (the top level is the norm) to Inf: it
         # travels capped there, which keeps every level unbiased for values the dtype holds.
         limit = min(torch.finfo(flat.dtype).max, torch.finfo(torch.float32).max)
-        if not high <= limit:
-            norms = torch.where(torch.isfinite(norms), norms.clamp(max=limit), norms)
+        norms = torch.where(torch.isfinite(norms), norms.clamp(max=limit), norms)
         return norms.view(1, -1)
 
 

@@ -7,7 +7,6 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from gradcomp import host
 from gradcomp.compressors import chunks
 from gradcomp.compressors.affine import Affine
 from gradcomp.compressors.base import ChunkedConfig, Key
@@ -45,12 +44,9 @@ class Sign(AffineQuantizer):
     def scales(self, flat: Tensor) -> Tensor:
         magnitudes = self.workspace.take("abs", flat.numel(), flat.dtype, flat.device)
         torch.abs(flat, out=magnitudes)
-        means = chunks.reduce(magnitudes, self.chunk, lambda v: v.mean(dim=1, dtype=torch.float32))
-        if not host.flag(torch.isfinite(means).all()):
-            # The float32 sum overflows past |x| ~ 3.4e38 / chunk; float64 tells overflow from real
-            # Inf/NaN. Only then: the float64 reduction is slower.
-            wide = chunks.reduce(magnitudes, self.chunk, lambda v: v.mean(dim=1, dtype=torch.float64))
-            means = finite_float32(wide)
+        # Summed in float64: a float32 sum overflows past |x| ~ 3.4e38 / chunk, and telling that
+        # from a real Inf would need a host read. The reduction pass costs more (docs/benchmarks.md).
+        means = finite_float32(chunks.reduce(magnitudes, self.chunk, lambda v: v.mean(dim=1, dtype=torch.float64)))
         return means.view(1, -1)
 
     def affine(self, scales: Tensor) -> Affine:

@@ -99,6 +99,10 @@ class TopK(SparseCompressor):
             return torch.arange(n, device=magnitudes.device)
         if n <= SMALL or sample_size >= n // 2:
             return torch.topk(magnitudes, k, sorted=False).indices
+        if self.config.method == "exact" and not host.reads_are_free(magnitudes.device):
+            # The prefilter's candidates are counted on the host: on an accelerator that is a
+            # synchronization, where torch.topk (a radix select there) reads nothing.
+            return torch.topk(magnitudes, k, sorted=False).indices
         generator = self.sampler.on(magnitudes.device, key)
         positions = torch.randint(0, n, (sample_size,), generator=generator, device=magnitudes.device)
         sample = magnitudes[positions]

@@ -185,9 +185,9 @@ class GatherRoute(_Compressed):
     """``gather`` payloads: every rank's packed and all-gathered, then summed in rank order
     (``decompress_sum``). On ``algo=native`` in one of the backend's own all-gathers, padded to a
     capacity per bucket that every rank learns from the same gathered frames (kept in
-    :attr:`capacities`, part of the engine's state), or unpadded where every rank's payloads have the
-    same shapes (``Compressor.same_shapes``); otherwise, and during a warm-up, gradcomp's
-    point-to-point all-gather, sizes first."""
+    :attr:`capacities`, part of the engine's state); otherwise, and during a warm-up, gradcomp's
+    point-to-point all-gather, sizes first. Where every rank's payloads have the same shapes
+    (``Compressor.same_shapes``), unpadded and with no sizes, on either."""
 
     def __init__(self, compressor: Compressor, group: dist.ProcessGroup, algo: str) -> None:
         super().__init__(compressor, group, algo)
@@ -206,8 +206,8 @@ class GatherRoute(_Compressed):
         """Every rank's payloads, per tensor then rank."""
         device = payloads[0][0].device if payloads and payloads[0] else torch.device("cpu")
         exchange = transport.GroupTransport(self.group, work.record.add_traffic)
-        if self.algo == "native" and work.settled and self.compressor.same_shapes:
-            per_rank = transport.all_gather_alike(payloads, device, exchange)
+        if work.settled and self.compressor.same_shapes:
+            per_rank = transport.all_gather_alike(payloads, device, exchange, native=self.algo == "native")
         elif self.algo == "native" and work.settled:
             bucket = tuple(work.keys)
             capacity = self.capacities.get(bucket, 0)

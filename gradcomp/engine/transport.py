@@ -139,16 +139,20 @@ def all_gather_payloads(payloads: list[Payload], device: torch.device, exchange:
     return [regroup(payloads, packing.unpack(raw, s, tensors)) for raw, s in zip(packed, shapes, strict=True)]
 
 
-def all_gather_alike(payloads: list[Payload], device: torch.device, exchange: Transport) -> list[list[Payload]]:
+def all_gather_alike(
+    payloads: list[Payload], device: torch.device, exchange: Transport, native: bool = True
+) -> list[list[Payload]]:
     """:func:`all_gather_payloads` for payloads of the same shapes on every rank
-    (``Compressor.same_shapes``: fixed-size codes, exact top-k): one equal-size all-gather, no size
-    or shape exchange, and nothing read on the host."""
+    (``Compressor.same_shapes``: fixed-size codes, exact top-k): one equal-size all-gather (the
+    backend's, or with ``native`` False gradcomp's own), no size or shape exchange, and nothing read
+    on the host."""
     tensors = [t for payload in payloads for t in payload]
     shapes = [tuple(t.shape) for t in tensors]
     packed = packing.pack(tensors, device)
     if not packed.numel():  # empty payloads (tensors of no elements): every rank's are these
         return [payloads] * exchange.world
-    return [regroup(payloads, packing.unpack(frame, shapes, tensors)) for frame in exchange.all_gather(packed)]
+    frames = exchange.all_gather(packed) if native else exchange.all_gatherv(packed, [packed.numel()] * exchange.world)
+    return [regroup(payloads, packing.unpack(frame, shapes, tensors)) for frame in frames]
 
 
 FRAME_HEAD = 8
