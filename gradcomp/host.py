@@ -11,11 +11,12 @@ nothing more than the conversion; what the count shows is what a GPU would wait 
 Use :func:`flag` for a decision (``if host.flag(torch.isfinite(x).all())``), :func:`values` for
 numbers (one read for several: stack them first), :func:`nonzero` for the indices of a mask.
 
-Most of the step decides on the device instead (a masked commit with ``torch.where``, a range
-handled by a power-of-two prescale); a few algorithms are much faster on the CPU with a read than
-without (exact top-k prefiltered by a sampled threshold): they ask :func:`reads_are_free` and take
-the read-free path on an accelerator, and on the CPU too under :func:`as_accelerator` (how tests
-prove the accelerator's path on a CPU).
+On an accelerator the step decides on the device instead (a masked commit with ``torch.where``, a
+range handled by a power-of-two prescale), at the price of work a read could have skipped (the
+commit's pass, the prescale's multiplications). On the CPU a read is free (no device to wait for),
+and that work is not: code asks :func:`reads_are_free` and on the CPU reads (counted) to skip it,
+with :func:`unless` for the common case. Tests prove the accelerator's paths on a CPU under
+:func:`as_accelerator`.
 """
 
 from __future__ import annotations
@@ -74,6 +75,14 @@ def reads_are_free(device: torch.device) -> bool:
     """Whether a read of a tensor on ``device`` costs no synchronization: True on the CPU (outside
     :func:`as_accelerator`), False on any accelerator."""
     return device.type == "cpu" and not _as_accelerator
+
+
+def unless(needless: Tensor) -> bool:
+    """Whether to do work that ``needless`` (a one-element bool tensor) says would change nothing:
+    on the CPU it is read (one read), and the work done only where it is false; on an accelerator
+    nothing is read, and the work always done (written so that it changes nothing where
+    ``needless`` holds). ``if host.unless(all_ones): x.mul_(scales)``"""
+    return not flag(needless) if reads_are_free(needless.device) else True
 
 
 _as_accelerator = False

@@ -17,6 +17,20 @@ def _single_thread() -> None:
     torch.set_num_threads(1)
 
 
+@pytest.fixture(params=["cpu", "accelerator"])
+def both_paths(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Run a test twice: on the CPU's paths (which read the host where that skips work) and on an
+    accelerator's (decided on the device: ``gradcomp.host.as_accelerator``). For a module:
+    ``pytestmark = pytest.mark.usefixtures("both_paths")``."""
+    from gradcomp import host
+
+    if request.param == "cpu":
+        yield
+    else:
+        with host.as_accelerator():
+            yield
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _training_ranks_from_the_pool() -> Iterator[None]:
     """Training runs and benchmarks that tests launch on loopback take their ranks from the session's pools

@@ -12,6 +12,8 @@ from gradcomp.compressors.feedback import ErrorFeedback
 from gradcomp.compressors.simulate import compress_all, simulate
 from tests.helpers import SPECS, with_feedback
 
+pytestmark = pytest.mark.usefixtures("both_paths")  # the CPU's paths and an accelerator's
+
 
 def gradients(steps: int, shape: tuple[int, ...] = (40, 30), seed: int = 0) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)

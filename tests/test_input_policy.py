@@ -8,6 +8,8 @@ import torch
 from gradcomp.compressors import make_compressor, roundtrip
 from tests.helpers import SPECS
 
+pytestmark = pytest.mark.usefixtures("both_paths")  # the CPU's paths and an accelerator's
+
 
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.bool])

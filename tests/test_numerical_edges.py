@@ -23,6 +23,8 @@ from gradcomp.compressors.simulate import sum_payloads
 from gradcomp.compressors.sparse import kept
 from tests.helpers import SPECS
 
+pytestmark = pytest.mark.usefixtures("both_paths")  # the CPU's paths and an accelerator's
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 FP8 = {"e4m3": (2.0**-4, 2.0**-10, 448.0), "e5m2": (2.0**-3, 2.0**-17, 57344.0)}
 """format: (relative error, half the smallest subnormal, largest value)."""

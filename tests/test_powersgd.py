@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from gradcomp.compressors import make_compressor, roundtrip, simulate
-from gradcomp.compressors.powersgd import PowerSGD
+from gradcomp.compressors.powersgd import PowerSGD, batches
 from gradcomp.compressors.simulate import compress_all
 from tests.helpers import relative_error
+
+pytestmark = pytest.mark.usefixtures("both_paths")  # the CPU's paths and an accelerator's
 
 
 def low_rank(rows: int, cols: int, rank: int, seed: int = 0) -> torch.Tensor:
@@ -44,6 +46,25 @@ def test_flat_bucket_is_split_by_shapes() -> None:
     assert torch.equal(result[640:672], bias)  # uncompressed part is exact
     # without the shapes, a flat bucket is one vector: sent whole
     assert torch.equal(roundtrip(make_compressor("powersgd"), flat), flat)
+
+
+def test_matrices_of_one_shape_at_a_constant_distance_are_one_batch() -> None:
+    """A transformer's layers in a bucket: same-shape weights between their biases are one batched
+    view (no copy), computed by one bmm and one batched QR; a distance that changes starts a new
+    batch. The batched result is the projection every matrix gets on its own."""
+    shapes = [(8, 6), (6,), (8, 6), (6,), (8, 6), (5, 5), (8, 6)]
+    parts = [low_rank(*shape, 1) if len(shape) == 2 else torch.randn(shape) for shape in shapes]
+    flat = torch.cat([part.reshape(-1) for part in parts])
+    compressor = PowerSGD(PowerSGD.Config(rank=1))
+    groups = batches(compressor.layout(flat.numel(), flat.shape, [torch.Size(s) for s in shapes]))
+    assert [(g.rows, g.cols, g.count, g.stride) for g in groups] == [(8, 6, 3, 54), (5, 5, 1, 25), (8, 6, 1, 48)]
+    assert groups[0].matrices(flat).data_ptr() == flat.data_ptr()  # a view
+    assert torch.equal(groups[0].matrices(flat)[2], parts[4])
+    result = roundtrip(compressor, flat, shapes=[torch.Size(s) for s in shapes])
+    assert relative_error(result, flat) < 1e-5  # rank-1 matrices are their own projection
+    for start, part in zip([0, 48, 54, 102, 108, 156, 181], parts, strict=True):
+        alone = roundtrip(PowerSGD(PowerSGD.Config(rank=1)), part) if part.dim() == 2 else part
+        assert torch.allclose(result[start : start + part.numel()].view(part.shape), alone, atol=1e-5)
 
 
 def test_matrices_that_would_not_shrink_travel_uncompressed() -> None:

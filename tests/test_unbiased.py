@@ -59,6 +59,7 @@ def test_stochastic_compressors_are_unbiased(spec: str) -> None:
     "spec", ["quantize:bits=1,chunk=64", "quantize:bits=4,chunk=64", "qsgd:bits=4,chunk=64", "terngrad:chunk=64"]
 )
 @pytest.mark.parametrize("magnitude", [2.0**-130, 2.0**124], ids=["tiny", "huge"])
+@pytest.mark.usefixtures("both_paths")
 def test_unbiased_at_float32_extremes(spec: str, magnitude: float) -> None:
     """The same check where the codec leaves float32 (steps below its smallest normal; ranges past
     half its largest value): scaling by a power of two changes nothing else."""

@@ -25,9 +25,10 @@ The arithmetic is float32 (float64 for float64 inputs). Where a chunk's map does
 by a power of two (:func:`prescale`: 2**64 or 2**-8, else exactly 1): scaling by a power of two is
 exact, so any finite input keeps the documented bound and decodes to finite values (the widest
 chunks decode 2**-20 of their values closer to zero, far below their step, so that rounding
-cannot carry the top level past float32's largest value). The choice is
+cannot carry the top level past float32's largest value). On the CPU, where a read is free, a call
+whose chunks all fit skips the prescale's passes (:func:`gradcomp.host.unless`). The choice is
 made per chunk on the device, with nothing read on the host (rule "host reads",
-``docs/architecture.md``); it costs one multiplication pass each way.
+``docs/architecture.md``); on an accelerator it costs one multiplication pass each way.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import sys
 import torch
 from torch import Tensor
 
+from gradcomp import host
 from gradcomp.compressors import chunks
 from gradcomp.workspace import Workspace
 
@@ -111,12 +113,15 @@ def encode(flat: Tensor, affine: Affine, chunk: int, generator: torch.Generator 
         v = torch.rand(step.numel(), generator=generator, device=flat.device, dtype=torch.float64)
         shift = (v / 256 - 0.5) * torch.where(positive, step, 0.0)
         base = -shift if base is None else base - shift
+    scaled = host.unless((pre == 1).all())  # on the CPU, read to skip the prescale where none is needed
     pre, base = pre.to(dtype), None if base is None else base.to(dtype)
     for (view, rows), (y_view, _) in zip(chunks.parts(flat, chunk), chunks.parts(y, chunk), strict=True):
-        torch.mul(view, pre[rows, None], out=y_view)
-        if base is not None:
-            y_view.sub_(base[rows, None])
-        y_view.mul_(inverse[rows, None])
+        source = torch.mul(view, pre[rows, None], out=y_view) if scaled else view
+        if base is None:
+            torch.mul(source, inverse[rows, None], out=y_view)
+        else:
+            torch.sub(source, base[rows, None], out=y_view)
+            y_view.mul_(inverse[rows, None])
     if generator is not None:
         words = workspace.take("affine.random", -(-n // 8), torch.int64, flat.device)
         words.random_(-(2**63), None, generator=generator)  # all 64 bits; the default leaves the top one 0
@@ -155,12 +160,13 @@ def decode(codes: Tensor, affine: Affine, chunk: int, out: Tensor, workspace: Wo
     shrink = pre * torch.where(pre < 1, 1 - 2.0**-20, 1.0)  # the widest chunks: see the module's notes
     step = (affine.step.double() * shrink).to(dtype)
     base = None if affine.base is None else (affine.base.double() * shrink).to(dtype)
-    unscale = (1 / pre).to(dtype)
+    unscale = (1 / pre).to(dtype) if host.unless((pre == 1).all()) else None
     for view, rows in chunks.parts(values, chunk):
         view.mul_(step[rows, None])
         if base is not None:
             view.add_(base[rows, None])
-        view.mul_(unscale[rows, None])
+        if unscale is not None:
+            view.mul_(unscale[rows, None])
     if exact is None:
         out.copy_(values)
     return out

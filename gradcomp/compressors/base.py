@@ -55,6 +55,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from gradcomp import host
 from gradcomp.options import format_value
 from gradcomp.workspace import Workspace
 
@@ -357,6 +358,28 @@ def payload_finite(payload: Payload) -> Tensor:
     for other in floating[1:]:
         floating[0] = floating[0] & other
     return floating[0]
+
+
+def keep_if(ok: Tensor, new: Tensor, old: Tensor) -> Tensor:
+    """A state after a step: ``new`` where the step was finite (``ok``, a 0-d bool tensor), else
+    ``old``. On an accelerator written into ``old`` with ``torch.where`` (no host read) and
+    ``old`` returned; on the CPU, where a read is free, whichever buffer holds it is returned, by
+    one read and no pass (rule "host reads", ``docs/architecture.md``). The caller keeps the
+    returned buffer as the state, and the other as scratch."""
+    if host.reads_are_free(old.device):
+        return new if host.flag(ok) else old
+    torch.where(ok, new, old, out=old)
+    return old
+
+
+def commit(ok: Tensor, new: Tensor, state: Tensor) -> None:
+    """``state`` becomes ``new`` where the step was finite (``ok``): :func:`keep_if` for a state
+    that must stay in its buffer (one copy or masked pass)."""
+    if host.reads_are_free(state.device):
+        if host.flag(ok):
+            state.copy_(new)
+    else:
+        torch.where(ok, new, state, out=state)
 
 
 def finite(tensor: Tensor) -> Tensor:

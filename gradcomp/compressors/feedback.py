@@ -36,13 +36,16 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from gradcomp import host
 from gradcomp.compressors.base import (
     Compressor,
     CompressorConfig,
     Key,
     Payload,
     check_gradient,
+    commit,
     finite,
+    keep_if,
     payload_finite,
 )
 from gradcomp.options import convert, format_value
@@ -132,13 +135,13 @@ class ErrorFeedback(Compressor):
     of the largest; momentum correction two more per key (the velocity, and its next value until the
     step proves finite), EF21 one more (the global estimate). Compute: the add (fused with the
     engine's division by the world size, :meth:`compress_divided`), then one decompression of the
-    local payload, the subtract, a finiteness check and the masked commit (a pass each); momentum
+    local payload, the subtract, a finiteness check and, on an accelerator, the masked commit (a pass each); momentum
     and clipping add a pass or two each. Compressors that fuse the subtraction
     (``Compressor.subtract_contribution``) skip the decompression and the subtract: PowerSGD in one
     pass; the sparsifiers and random-k touch only their k elements, and since their payload shows
     every non-finite input (``Compressor.payload_shows_non_finite``) the check reads only the payload.
     A non-finite step leaves the residual (and velocity, and estimates) as they were (:meth:`_update`),
-    decided on the device: nothing is read on the host.
+    decided on the device on an accelerator: nothing is read on the host there.
     Keys: every distinct tensor needs its own key (its identity across steps, e.g. its parameter
     names); the same key with a new shape is an error, not a silent reset.
     """
@@ -308,7 +311,8 @@ class ErrorFeedback(Compressor):
         if sent is not None and self.feedback.mask:
             following.view(-1)[sent] = 0
         velocity = self.velocities[key]
-        torch.where(ok, following, velocity, out=velocity)
+        if keep_if(ok, following, velocity) is following:  # the buffers swap roles
+            self.velocities[key], self._next_velocities[key] = following, velocity
 
     def _compensated_buffer(self, key: Key, residual: Tensor) -> Tensor:
         compensated = self._compensated.get(key)
@@ -343,13 +347,14 @@ class ErrorFeedback(Compressor):
 
     def _update(self, payload: Payload, ctx: FeedbackContext) -> None:
         """e = c - contribution(payload), with no allocation: fused in c's buffer, or through a
-        scratch buffer; then committed into the residual's. EF21: h = h + contribution(payload).
+        scratch buffer into the residual's. EF21: h = h + contribution(payload).
 
         A non-finite step (a NaN or Inf gradient, an overflowing cast, a peer's NaN in PowerSGD's
         factors) leaves the residual as it was: the step itself carries the NaN (so that GradScaler
         skips it), and the next step starts clean (rule "one bad step", ``docs/architecture.md``).
-        The test and the commit run on the device (``torch.where``): a branch would read the test
-        on the host, a synchronization inside backward on a GPU (rule "host reads").
+        On an accelerator the test and the commit run on the device (``torch.where``: a branch would
+        read the test, a synchronization inside backward); on the CPU, where reading it is free, a
+        branch saves the commit's pass (:func:`gradcomp.compressors.base.keep_if`).
         """
         if self.feedback.variant == "ef21":
             self._update_estimate(payload, ctx)
@@ -360,16 +365,19 @@ class ErrorFeedback(Compressor):
         # the others through the contribution or the new residual (a reduction pass).
         ok = payload_finite(payload) if self.inner.payload_shows_non_finite else None
         if self.inner.subtract_contribution(payload, ctx.inner, ctx.compensated):
-            candidate = ctx.compensated
+            ok = finite(ctx.compensated) if ok is None else ok
+            if keep_if(ok, ctx.compensated, residual) is ctx.compensated:  # the buffers swap roles
+                self.residuals[ctx.key], self._compensated[ctx.key] = ctx.compensated, residual
         else:
-            candidate = self.workspace.take("feedback", residual.numel(), residual.dtype, residual.device)
-            candidate = candidate.view_as(residual)
-            self.inner.contribution(payload, ctx.inner, out=candidate)
+            contribution = self.workspace.take("feedback", residual.numel(), residual.dtype, residual.device)
+            contribution = contribution.view_as(residual)
+            self.inner.contribution(payload, ctx.inner, out=contribution)
             # By the input policy a non-finite input gives a non-finite contribution: one check covers both.
-            ok = finite(candidate) if ok is None else ok
-            torch.sub(ctx.compensated, candidate, out=candidate)
-        ok = finite(candidate) if ok is None else ok
-        torch.where(ok, candidate, residual, out=residual)
+            ok = finite(contribution) if ok is None else ok
+            if not host.reads_are_free(residual.device):
+                torch.where(ok, torch.sub(ctx.compensated, contribution, out=contribution), residual, out=residual)
+            elif host.flag(ok):
+                torch.sub(ctx.compensated, contribution, out=residual)
         self._commit_velocity(ctx.key, sent, ok)
 
     def _update_estimate(self, payload: Payload, ctx: FeedbackContext) -> None:
@@ -378,8 +386,7 @@ class ErrorFeedback(Compressor):
         contribution = self.workspace.take("feedback", estimate.numel(), estimate.dtype, estimate.device)
         contribution = contribution.view_as(estimate)
         self.inner.contribution(payload, ctx.inner, out=contribution)
-        ok = finite(contribution)
-        torch.where(ok, contribution.add_(estimate), estimate, out=estimate)
+        commit(finite(contribution), contribution.add_(estimate), estimate)
 
     def decompress(self, payload: Payload, ctx: FeedbackContext, out: Tensor | None = None) -> Tensor:
         return self._estimated(self.inner.decompress(payload, ctx.inner, out=out), ctx.key)
@@ -394,7 +401,7 @@ class ErrorFeedback(Compressor):
             return aggregate
         estimate = self._state(self.estimates, key, aggregate, "estimate")
         aggregate.add_(estimate)
-        torch.where(finite(aggregate), aggregate, estimate, out=estimate)
+        commit(finite(aggregate), aggregate, estimate)
         return aggregate
 
     def contribution(self, payload: Payload, ctx: FeedbackContext, out: Tensor | None = None) -> Tensor:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from gradcomp import host
 from gradcomp.compressors import chunks
 from gradcomp.compressors.affine import inverse_or_zero
 from gradcomp.compressors.base import (
@@ -48,7 +49,8 @@ class Fp8(Compressor):
     Wire: 1 byte per element + 4 bytes (the float32 max |x|) per chunk. Error: relative 2**-4 (e4m3)
     or 2**-3 (e5m2) of each value, down to the format's smallest subnormal times the scale (values
     far below the chunk's max flush toward zero), at every float32 magnitude: chunks whose scale
-    float32 cannot hold are computed in units scaled by a power of two (:func:`prescale`). Deterministic (round to nearest even), biased.
+    float32 cannot hold are computed in units scaled by a power of two (:func:`prescale`).
+    Deterministic (round to nearest even), biased.
     Aggregates by ``gather``: scales differ between ranks.
     When: between fp16 (2 bytes) and 4-bit quantization, with a floating error profile that keeps
     small gradients relatively accurate.
@@ -72,13 +74,13 @@ class Fp8(Compressor):
         dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
         pre = prescale(peaks)
         inverse = inverse_or_zero(scales(peaks, self.config.format) * pre).to(dtype)
-        pre = pre.to(dtype)
+        multiplier = pre.to(dtype) if host.unless((pre == 1).all()) else None  # the CPU skips a needless one
         scaled = self.workspace.take("scaled", flat.numel(), dtype, flat.device)
         for (view, rows), (target, _) in zip(
             chunks.parts(flat, self.config.chunk), chunks.parts(scaled, self.config.chunk), strict=True
         ):
-            torch.mul(view, pre[rows, None], out=target)
-            target.mul_(inverse[rows, None])
+            source = view if multiplier is None else torch.mul(view, multiplier[rows, None], out=target)
+            torch.mul(source, inverse[rows, None], out=target)
         # Non-finite peaks (NaN/Inf inputs) reach the decoder through ``peaks``.
         codes = torch.empty(flat.numel(), dtype=DTYPES[self.config.format], device=flat.device).copy_(scaled)
         return (codes.view(torch.uint8), peaks), Meta.of(tensor)
@@ -94,10 +96,11 @@ class Fp8(Compressor):
         factor = 256.0 if self.config.format == "e4m3" else 1.0
         pre = prescale(peaks)
         multipliers = (scales(peaks, self.config.format) * pre * factor).to(dtype)
-        unscale = (1 / pre).to(dtype)
+        unscale = (1 / pre).to(dtype) if host.unless((pre == 1).all()) else None
         for view, rows in chunks.parts(values, self.config.chunk):
             view.mul_(multipliers[rows, None])
-            view.mul_(unscale[rows, None])
+            if unscale is not None:
+                view.mul_(unscale[rows, None])
         if exact is None:
             result.copy_(values)
         return result.view(ctx.shape)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradcomp import host
 from gradcomp.compressors.base import (
     Aggregation,
     Compressor,
@@ -76,7 +77,7 @@ class PowerSGDContext:
     segments: list[Segment]
     groups: list[Group]
     flat: Tensor  # the input; read again in the second round and for the local contribution
-    prescales: list[Tensor]  # per group, (count, 1, 1): the power of two each matrix was scaled by
+    prescales: list[Tensor | None]  # per group, (count, 1, 1): the power of two each matrix was scaled by
     ps: list[Tensor] = dataclasses.field(default_factory=list)  # per group, orthonormal P, after round one
     raw_sum: Tensor | None = None  # the aggregated uncompressed part, after round one
     raw_local: Tensor | None = None  # this rank's uncompressed part, once ``flat`` was overwritten
@@ -146,12 +147,9 @@ class PowerSGD(Compressor):
         groups = batches(segments)
         qs = self._initial_qs(key, groups, flat.device)
         matrices = [g.matrices(flat).float() for g in groups]
-        prescales = [prescale(m) for m in matrices]
-        p_local = _cat(
-            [_times(m, q * scale) for m, q, scale in zip(matrices, qs, prescales, strict=True)],
-            torch.float32,
-            flat.device,
-        )
+        firsts = [_first_factor(m, q) for m, q in zip(matrices, qs, strict=True)]
+        p_local = _cat([p for p, _ in firsts], torch.float32, flat.device)
+        prescales = [scale for _, scale in firsts]
         raw = [flat[s.start : s.stop] for s in segments if not s.rank]
         payload = (p_local, _cat(raw, flat.dtype, flat.device))
         return payload, PowerSGDContext(Meta.of(tensor), key, segments, groups, flat, prescales)
@@ -172,8 +170,8 @@ class PowerSGD(Compressor):
         limit = torch.finfo(torch.float32).max / ctx.ranks
         q_local = []
         for g, p, scale in zip(ctx.groups, ctx.ps, ctx.prescales, strict=True):
-            q = _times(g.matrices(ctx.flat).float().transpose(1, 2), p * scale)
-            q_local.append(torch.clamp_(q / scale, -limit, limit))
+            q = _times(g.matrices(ctx.flat).float().transpose(1, 2), p if scale is None else p * scale)
+            q_local.append(torch.clamp_(q if scale is None else q / scale, -limit, limit))
         return (_cat(q_local, torch.float32, ctx.flat.device),), ctx
 
     def decompress(self, payload: Payload, ctx: PowerSGDContext, out: Tensor | None = None) -> Tensor:
@@ -288,6 +286,18 @@ def batches(segments: list[Segment]) -> list[Group]:
         open_groups[shape] = len(groups)
         groups.append(Group(s.start, s.rows * s.cols, 1, s.rows, s.cols, s.rank))
     return groups
+
+
+def _first_factor(matrices: Tensor, qs: Tensor) -> tuple[Tensor, Tensor | None]:
+    """M Q per matrix of a batch, and the prescale it was computed with (None: 1). On an accelerator
+    always prescaled (:func:`prescale`: no host read); on the CPU, where a read is free, only when
+    the plain product overflowed."""
+    if host.reads_are_free(matrices.device):
+        p = _times(matrices, qs)
+        if host.flag(finite(p)):
+            return p, None
+    scale = prescale(matrices)
+    return _times(matrices, qs * scale), scale
 
 
 def prescale(matrices: Tensor) -> Tensor:

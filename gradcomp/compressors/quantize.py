@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from gradcomp import host
 from gradcomp.compressors import affine, bitpack, chunks
 from gradcomp.compressors.affine import Affine
 from gradcomp.compressors.base import (
@@ -235,7 +236,8 @@ class QSGD(SymmetricQuantizer):
         # device per chunk (an exact float64 norm of them would need a host read, or a slow pass
         # over every chunk: docs/benchmarks.md).
         usual = (norms >= 2.0**-62) & (norms <= 2.0**62)
-        norms = torch.where(usual, norms, chunks.amax_abs(flat, self.chunk).float())
+        if host.unless(usual.all()):  # the CPU reads to skip the max |x| pass where no chunk needs it
+            norms = torch.where(usual, norms, chunks.amax_abs(flat, self.chunk).float())
         # A norm past the input dtype's range would decode (the top level is the norm) to Inf: it
         # travels capped there, which keeps every level unbiased for values the dtype holds.
         limit = min(torch.finfo(flat.dtype).max, torch.finfo(torch.float32).max)

@@ -7,6 +7,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from gradcomp import host
 from gradcomp.compressors import chunks
 from gradcomp.compressors.affine import Affine
 from gradcomp.compressors.base import ChunkedConfig, Key
@@ -44,8 +45,12 @@ class Sign(AffineQuantizer):
     def scales(self, flat: Tensor) -> Tensor:
         magnitudes = self.workspace.take("abs", flat.numel(), flat.dtype, flat.device)
         torch.abs(flat, out=magnitudes)
-        # Summed in float64: a float32 sum overflows past |x| ~ 3.4e38 / chunk, and telling that
-        # from a real Inf would need a host read. The reduction pass costs more (docs/benchmarks.md).
+        if host.reads_are_free(flat.device):
+            means = chunks.reduce(magnitudes, self.chunk, lambda v: v.mean(dim=1, dtype=torch.float32))
+            if host.flag(torch.isfinite(means).all()):
+                return means.view(1, -1)
+        # Summed in float64: a float32 sum overflows past |x| ~ 3.4e38 / chunk, and only a read (free
+        # on the CPU, above) tells that from a real Inf. The float64 pass costs more (docs/benchmarks.md).
         means = finite_float32(chunks.reduce(magnitudes, self.chunk, lambda v: v.mean(dim=1, dtype=torch.float64)))
         return means.view(1, -1)
 
