@@ -11,7 +11,8 @@ backward; ``--compute-ms`` is then required), a preset of ``gradcomp bench ddp``
 ``pkg.module:factory`` (its parameters' shapes; ``--compute-ms`` required). The link between nodes is
 ``--net`` (a rate, with ``--latency``) or, without it, the one a calibration profile fitted; the
 compressors' kernel costs come from ``--calibration`` (``gradcomp calibrate``) or are timed on this
-machine now. The output says which.
+machine now, or for ``--device h100`` (``h200``, ``a100``, ``l4``) are estimated by a roofline from
+the bytes their kernels move (:mod:`gradcomp.cost.roofline`). The output says which.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from gradcomp.cost import plan
 from gradcomp.cost.cluster import Cluster
 from gradcomp.cost.kernels import KernelTable
 from gradcomp.cost.profile import Profile
+from gradcomp.cost.roofline import DEVICES, RooflineTable
 from gradcomp.cost.step import Method, Workload, method_of
 from gradcomp.experiments.report.analysis import short_name
 from gradcomp.hooks.torch_hooks import TorchHookSpec, is_torch_spec
@@ -59,9 +61,12 @@ class Setting:
     inter: LinkCosts
     intra: LinkCosts | None
     link_source: str
-    kernels: KernelTable
+    kernels: KernelTable | RooflineTable
     kernel_source: str
     gather: LinkCosts | None = None
+    kernel_kind: str = "timed"
+    device: str = "cpu"
+    """``calibrated`` (a profile's), ``timed`` (here, now) or ``estimate`` (a roofline: ``--device``)."""
 
     def cluster(self, ranks: int | None = None) -> Cluster:
         """The cluster at ``ranks`` (default: the one asked about): nodes of ``local_size`` ranks,
@@ -158,9 +163,31 @@ def setting(args: argparse.Namespace) -> Setting:
             raise ValueError("--intra describes the link inside a node: give --nodes too")
         intra = LinkCosts(parse_duration(args.intra_latency), 1 / parse_bandwidth(args.intra))
     workload, model = _workload(args)
-    kernels = KernelTable(profile.kernels if profile else {})
-    kernel_source = f"profile {profile.name} ({args.calibration})" if profile else "timed on this machine now"
-    return Setting(workload, model, args.ranks, local, inter, intra, link_source, kernels, kernel_source, gather)
+    kernels, kernel_source, kernel_kind = _kernels(args.device, profile, args.calibration)
+    return Setting(
+        workload, model, args.ranks, local, inter, intra, link_source, kernels, kernel_source, gather, kernel_kind,
+        args.device,
+    )  # fmt: skip
+
+
+def _kernels(device: str, profile: Profile | None, path: str | None) -> tuple[KernelTable | RooflineTable, str, str]:
+    """The kernel costs for ``device``, where they come from, and their kind (``calibrated``,
+    ``timed`` here now, or ``estimate``)."""
+    if device == "cpu":
+        if profile is not None:
+            return KernelTable(profile.kernels), f"profile {profile.name} ({path})", "calibrated"
+        return KernelTable(), "timed on this machine now", "timed"
+    if device not in DEVICES:
+        raise ValueError(f"--device must be cpu or one of {', '.join(DEVICES)}, got {device!r}")
+    known = DEVICES[device]
+    source = (
+        f"estimated for {known.description} by a roofline ({known.bandwidth / 1e12:.2f} TB/s streamed, "
+        f"{known.launch_s * 1e6:.0f} us per kernel) from the kernels each compressor launches and the bytes "
+        "they move: an estimate until calibrated on the device"
+    )
+    if profile is not None:
+        source += f" (profile {profile.name}'s kernels are this CPU's: not used)"
+    return RooflineTable(known), source, "estimate"
 
 
 def methods_of(candidates: Sequence[str], torch_hooks: Sequence[str]) -> list[Method]:
@@ -250,6 +277,8 @@ def _figures(
         "inter": dataclasses.asdict(chosen.inter),
         "intra": dataclasses.asdict(chosen.intra) if chosen.intra else None,
         "kernels": chosen.kernel_source,
+        "kernels_kind": chosen.kernel_kind,
+        "device": chosen.device,
         "timed_here": list(chosen.kernels.timed_here),
         "options": [option(o) for o in found],
         "recommendation": {"method": choice.method.label, "route": choice.route, "reason": reason},
@@ -278,6 +307,12 @@ def add_command(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--calibration", metavar="PROFILE", help="a gradcomp calibrate profile: kernels (and the link without --net)"
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help=f"what computes: cpu (this machine's kernels, timed or from --calibration) or {', '.join(DEVICES)} "
+        "(a roofline estimate from the bytes the kernels move); default %(default)s",
     )
     parser.add_argument("--candidates", default=";".join(plan.CANDIDATES), help="gradcomp hook specs, ';'-separated")
     parser.add_argument(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -137,13 +137,24 @@ def _time_side(compressor: Compressor, side: int, seed: int, repeats: int) -> li
 
 
 def time_tensor(
-    compressor: Compressor, x: Tensor, key: Key, repeats: int = 3, peers: Sequence[int] = PEERS
+    compressor: Compressor,
+    x: Tensor,
+    key: Key,
+    repeats: int = 3,
+    peers: Sequence[int] = PEERS,
+    clock: Callable[[Callable[[], None]], float] | None = None,
 ) -> list[Sample]:
     """Time ``compressor`` on the tensor ``x`` (keyed ``key`` for its state): compress, the later
     rounds, and decompress (of 1 and of ``peers`` payloads for ``gather`` compressors). ``x`` is not
-    modified. Used on real gradients by the ``auto`` hook."""
+    modified. Used on real gradients by the ``auto`` hook. ``clock`` prices one run of a phase
+    instead of timing it (the roofline's: :mod:`gradcomp.cost.roofline`)."""
     out = torch.empty_like(x)
     state: dict[str, Any] = {}
+
+    def timed(run: Callable[[], None], runs: int = repeats, warmup: int = 1) -> float:
+        if clock is not None:
+            return clock(run)
+        return median_seconds(run, x.device, repeats=runs, warmup=warmup)
 
     def compress() -> None:
         state["payload"], state["ctx"] = compressor.compress(x, key=key)
@@ -161,17 +172,17 @@ def time_tensor(
             compressor.decompress_sum([state["payload"]] * count, state["ctx"], out=out)
 
     compress()
-    samples = [Sample("compress", x.numel(), 1, median_seconds(compress, x.device, repeats))]
+    samples = [Sample("compress", x.numel(), 1, timed(compress))]
     if compressor.rounds > 1:
         # the later rounds read the first round's context: time them on fresh ones, outside the clock
         rounds = []
         for _ in range(repeats + 1):
             compress()
-            rounds.append(median_seconds(later_rounds, x.device, repeats=1, warmup=0))
+            rounds.append(timed(later_rounds, runs=1, warmup=0))
         samples.append(Sample("next_round", x.numel(), 1, statistics.median(rounds[1:])))
         state["payload"], state["ctx"] = state["final"], state["final_ctx"]
     for count in sorted({1, *peers}) if compressor.aggregation is Aggregation.GATHER else (1,):
-        seconds = median_seconds(functools.partial(decompress, count), x.device, repeats)
+        seconds = timed(functools.partial(decompress, count))
         samples.append(Sample("decompress", x.numel(), count, seconds))
     return samples
 
