@@ -21,6 +21,13 @@ from gradcomp.state import TrainingHookState
 
 Hook = Callable[["HookState", GradBucket], torch.futures.Future[Tensor]]
 
+PER_PARAMETER = (
+    "each parameter's (grad, param) instead of buckets: DDP's Python reducer, for compiled autograd "
+    "(torch._dynamo.config.optimize_ddp = 'python_reducer'), does that with every communication hook. "
+    "Keep optimize_ddp at its default ('ddp_optimizer'): torch.compile then runs the model compiled and "
+    "the hook per bucket, as in eager mode (docs/hooks.md, 'torch.compile')"
+)
+
 
 class ParameterKeys:
     """A stable key per parameter: its index, numbered in the order the parameters are first seen.
@@ -95,6 +102,8 @@ def check_saved(state: Any, spec: str, world: int, kind: str) -> None:
 
 def gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
     """The hook :func:`make` returns: ``bucket`` averaged through ``state``'s engine."""
+    if not isinstance(bucket, GradBucket):
+        raise TypeError(f"a gradcomp hook averages DDP's gradient buckets; DDP handed it {PER_PARAMETER}")
     engine = state.engine
     if engine is None:  # noop: the compute floor
         return unchanged(bucket)
@@ -181,7 +190,10 @@ def make(
 def register(model: torch.nn.parallel.DistributedDataParallel, spec: HookSpecLike, **options: Any) -> HookState:
     """``make`` and ``model.register_comm_hook`` in one call, averaging over the group DDP communicates
     on (its ``process_group``) unless ``group`` is given; returns the state (for checkpoints)."""
+    if getattr(model, "_use_python_reducer", False):
+        raise ValueError(f"this DDP model will hand its hooks {PER_PARAMETER}")
     options.setdefault("group", model.process_group)
     state, hook = make(spec, **options)
     model.register_comm_hook(state, hook)
     return state
+
