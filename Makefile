@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow soak lint install clean
+.PHONY: demo test test-slow soak gpu-check lint install clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,16 @@ test-slow: $(STAMP)
 # 2000 steps at 2 ranks per compressor family: memory flat past the statistics' cap, nothing left behind.
 soak: $(STAMP)
 	$(BIN)/python -m pytest -q -m soak
+
+# On a GPU host, everything the CPU cannot show, in one command: the CUDA tests (no host
+# synchronization in any compressor's steady state, CPU parity, the caller's stream; DDP over NCCL
+# with two GPUs), then bench ddp on the GPUs (NCCL with a GPU per rank, else gloo), its host reads
+# per step in the table and every figure in gpu-bench.json.
+gpu-check: $(STAMP)
+	$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA device here')"
+	$(BIN)/python -m pytest -q -m cuda tests/test_cuda.py
+	$(BIN)/gradcomp bench ddp --model mlp --ranks 2 --device cuda --runs 3 --json gpu-bench.json \
+		--backend $$($(BIN)/python -c "import torch; print('nccl' if torch.cuda.device_count() >= 2 else 'gloo')")
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

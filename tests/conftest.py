@@ -11,6 +11,16 @@ from tests.rank_pool import spawn_pooled
 from tests.training_runs import TrainingRun, train_straight
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` skip, saying why, on a machine without a CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device: `make gpu-check` runs these on a GPU host")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _single_thread() -> None:
     # Small tensors: threads only add noise, and CI has 2 cores.

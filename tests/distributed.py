@@ -43,6 +43,7 @@ def spawn_ranks(
     group_timeout: float = 60.0,
     network: str = "loopback",
     fresh: bool = False,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Every rank's result of ``target(rank, world, *args)``, in rank order, within ``timeout`` seconds.
 
@@ -53,9 +54,9 @@ def spawn_ranks(
     Raises :class:`gradcomp.launch.RankError` if a rank raises, dies or misses the deadline.
     """
     assert 0 < timeout <= MAX_TIMEOUT, f"a group of ranks needs a deadline of at most {MAX_TIMEOUT:.0f} s"
-    if network == "loopback" and not fresh and poolable():
+    if network == "loopback" and backend == "gloo" and not fresh and poolable():
         return run_in_pool(world, target, args, timeout, group_timeout)
-    return spawn(world, target, args, timeout=timeout, group_timeout=group_timeout, network=network)
+    return spawn(world, target, args, timeout=timeout, group_timeout=group_timeout, network=network, backend=backend)
 
 
 def failures_of(results: Sequence[Any]) -> list[str]:

@@ -70,6 +70,29 @@ def test_the_variants_are_the_anchors_then_torchs_then_each_spec_once() -> None:
     assert fsdp.variants == [NOOP, "torch:reduce_scatter", "torch:bf16", "none", "bf16"]
 
 
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--device", "tpu"], "--device must be cpu or cuda"),
+        (["--backend", "mpi"], "--backend must be gloo or nccl"),
+        (["--backend", "nccl"], "--backend nccl needs --device cuda"),
+    ],
+)
+def test_the_device_and_backend_are_checked_before_any_rank_starts(
+    arguments: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "ddp", "--hooks", "fp16", *arguments])
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
+def test_cuda_is_refused_where_there_is_none(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "ddp", "--hooks", "fp16", "--device", "cuda"])
+    assert "this machine has no CUDA device" in capsys.readouterr().err
+
+
 def test_the_command_refuses_an_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "ddp", "--model", "vgg"])

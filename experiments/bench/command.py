@@ -63,6 +63,17 @@ def add_parser(commands: argparse._SubParsersAction, mode: Mode, help: str) -> N
         "--runs", type=int, default=1, help="independent runs (fresh ranks each); figures are medians over them"
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument(
+        "--device", default="cpu", help="where ranks compute: cpu, or cuda (rank r on GPU r mod the GPUs; default cpu)"
+    )
+    parser.add_argument(
+        "--backend", default="gloo", help="the process group's backend: gloo, or nccl with --device cuda (default gloo)"
+    )
+    parser.add_argument(
+        "--accelerator-paths",
+        action="store_true",
+        help="on the CPU, take the paths GPU tensors take (decided on the device, no host reads): their cost here",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="also write every figure and the machine to FILE")
     parser.set_defaults(run=functools.partial(_command, mode=mode))
@@ -79,6 +90,7 @@ def settings_of(args: argparse.Namespace, mode: Mode, network: str) -> BenchSett
     return BenchSettings(
         model, args.ranks, network, tuple(split_hooks(args.hooks)), torch_hooks, steps=args.steps,
         warmup=args.warmup, rounds=args.rounds, seed=args.seed, threads=args.threads, runs=args.runs, mode=mode,
+        device=args.device, backend=args.backend, accelerator_paths=args.accelerator_paths,
     )  # fmt: skip
 
 
@@ -90,6 +102,12 @@ def _command(args: argparse.Namespace, mode: Mode = DDP) -> int:
     for network in networks:
         check(network)  # an emulated network this machine cannot build fails before any rank starts
     settings = settings_of(args, mode, networks[0])
+    import torch
+
+    if settings.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this machine has no CUDA device (make gpu-check runs where one is)")
+    if settings.backend == "nccl" and torch.cuda.device_count() < settings.ranks:
+        raise ValueError(f"--backend nccl needs a GPU per rank: {settings.ranks} ranks, {torch.cuda.device_count()} GPUs")
     host, rows = machine(), []
     for network in networks:
         on_network = dataclasses.replace(settings, network=network)

@@ -52,8 +52,11 @@ class Mode(Protocol):
     def torch_canonical(self, spec: str) -> str:
         """One of torch's own (it must start with ``torch:``), in its canonical text (a bad one fails)."""
 
-    def make(self, build: Callable[[], nn.Module], variant: str, seed: int) -> tuple[nn.Module, TrainingHookState]:
-        """A fresh model for ``variant``, spread and hooked (the same initial weights for every variant)."""
+    def make(
+        self, build: Callable[[], nn.Module], variant: str, seed: int, device: torch.device
+    ) -> tuple[nn.Module, TrainingHookState]:
+        """A fresh model for ``variant`` on ``device``, spread and hooked (the same initial weights for
+        every variant)."""
 
     def isolated(self, variant: str) -> bool:
         """Whether ``variant`` runs in ranks of its own (one that may hang or abort its ranks)."""
@@ -79,9 +82,12 @@ class Replicas:
     def torch_canonical(self, spec: str) -> str:
         return str(TorchHookSpec.parse(spec))
 
-    def make(self, build: Callable[[], nn.Module], variant: str, seed: int) -> tuple[nn.Module, TrainingHookState]:
+    def make(
+        self, build: Callable[[], nn.Module], variant: str, seed: int, device: torch.device
+    ) -> tuple[nn.Module, TrainingHookState]:
         torch.manual_seed(seed)
-        model = DistributedDataParallel(build())  # DDP broadcasts rank 0's weights anyway
+        ids = [device.index] if device.type == "cuda" else None
+        model = DistributedDataParallel(build().to(device), device_ids=ids)  # DDP broadcasts rank 0's weights
         if is_torch_spec(variant):
             return model, torch_hooks.register(model, variant, seed=seed)
         return model, hooks.register(model, variant, seed=seed)
@@ -113,10 +119,12 @@ class Shards:
     def torch_canonical(self, spec: str) -> str:
         return str(hooks.TorchFSDPSpec.parse(spec))
 
-    def make(self, build: Callable[[], nn.Module], variant: str, seed: int) -> tuple[nn.Module, TrainingHookState]:
+    def make(
+        self, build: Callable[[], nn.Module], variant: str, seed: int, device: torch.device
+    ) -> tuple[nn.Module, TrainingHookState]:
         torch.manual_seed(seed)
         spec = hooks.parse_sharded(variant, seed=seed)
-        sharded = parallel.make("fsdp", build(), torch.device("cpu"), spec)
+        sharded = parallel.make("fsdp", build().to(device), device, spec)
         return sharded.forward, hooks.register(sharded.forward, spec)
 
     def isolated(self, variant: str) -> bool:

@@ -3,6 +3,7 @@ per variant, trained in rounds, each step timed; a step's time is its slowest ra
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from gradcomp import host
 from gradcomp.experiments.bench import records
 from gradcomp.experiments.bench.settings import BenchSettings
 from gradcomp.experiments.bench.workloads import UserModel
@@ -41,7 +43,19 @@ class Measured:
 def measure(rank: int, world: int, settings: BenchSettings, variants: Sequence[str]) -> dict[str, Measured]:
     """Inside every rank: per variant of ``variants`` (some of ``settings.variants``), every timed step's
     time (slowest rank), wire bytes, and for gradcomp's hooks the engine's phases per step."""
-    setups, batch = _setups(rank, settings, variants)
+    device = torch.device("cpu")
+    if settings.device == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    paths = host.as_accelerator() if settings.accelerator_paths else contextlib.nullcontext()
+    with paths:
+        return _measure(rank, world, settings, variants, device)
+
+
+def _measure(
+    rank: int, world: int, settings: BenchSettings, variants: Sequence[str], device: torch.device
+) -> dict[str, Measured]:
+    setups, batch = _setups(rank, settings, variants, device)
     optimizers = {v: torch.optim.SGD(m.parameters(), lr=1e-3) for v, (m, _) in setups.items()}
     times: dict[str, list[float]] = {v: [] for v in variants}
     per_round = max(1, settings.steps // settings.rounds)
@@ -54,6 +68,8 @@ def measure(rank: int, world: int, settings: BenchSettings, variants: Sequence[s
             for _ in range(count):
                 start = time.perf_counter()
                 _step(model, optimizers[variant], batch)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)  # a step ends when its kernels have run
                 if round_:
                     times[variant].append(time.perf_counter() - start)
     slowest = _slowest(times, world)
@@ -64,15 +80,19 @@ def measure(rank: int, world: int, settings: BenchSettings, variants: Sequence[s
     }
 
 
-def _setups(rank: int, settings: BenchSettings, variants: Sequence[str]) -> tuple[Setups, Batch]:
-    """Every variant's model, spread and hooked, and this rank's batch."""
+def _setups(
+    rank: int, settings: BenchSettings, variants: Sequence[str], device: torch.device
+) -> tuple[Setups, Batch]:
+    """Every variant's model, spread and hooked, and this rank's batch, on ``device``."""
     workload, mode, seed = settings.workload, settings.mode, settings.seed
     if isinstance(workload, UserModel):
-        return {v: mode.make(workload.build, v, seed) for v in variants}, (workload.batch(rank, seed), None)
+        setups = {v: mode.make(workload.build, v, seed, device) for v in variants}
+        return setups, (workload.batch(rank, seed).to(device), None)
     task = build_task("synthetic")
     # the models first: building one generates the task's inputs for it (images, tokens)
-    setups = {v: mode.make(functools.partial(task.build_model, workload.model), v, seed) for v in variants}
-    return setups, task.batch(rank, workload.batch_size, seed)  # each rank its own samples of the pool
+    setups = {v: mode.make(functools.partial(task.build_model, workload.model), v, seed, device) for v in variants}
+    inputs, targets = task.batch(rank, workload.batch_size, seed)  # each rank its own samples of the pool
+    return setups, (inputs.to(device), targets.to(device))
 
 
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> None:

@@ -28,7 +28,7 @@ def _run_once(settings: BenchSettings, variants: Sequence[str]) -> dict[str, Row
     shared = [v for v in variants if v not in isolated]
     started = time.monotonic()
     measured = spawn(settings.ranks, measure, (settings, shared), timeout=settings.timeout, threads=settings.threads,
-                     network=settings.network)[0]  # fmt: skip
+                     network=settings.network, backend=settings.backend)[0]  # fmt: skip
     rows = {v: _row(v, settings.network, measured[v]) for v in shared}
     # In ranks of their own, with a deadline of a few times the average variant's time: on gloo
     # with several buckets torch's PowerSGD is refused (it would hang: its callbacks issue collectives).
@@ -36,7 +36,7 @@ def _run_once(settings: BenchSettings, variants: Sequence[str]) -> dict[str, Row
     for variant in isolated:
         try:
             alone = spawn(settings.ranks, measure, (settings, [variant]), timeout=deadline, threads=settings.threads,
-                          network=settings.network, group_timeout=deadline)[0]  # fmt: skip
+                          network=settings.network, group_timeout=deadline, backend=settings.backend)[0]  # fmt: skip
             rows[variant] = _row(variant, settings.network, alone[variant])
         except RankError as error:
             rows[variant] = Row(variant, settings.network, None, None, failure(error, deadline), run_ms=[None])

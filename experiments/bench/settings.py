@@ -44,6 +44,13 @@ class BenchSettings:
     """Independent runs on fresh ranks (>= 1); each figure is the median over them."""
     mode: Mode = DDP
     """DDP's replicas (``gradcomp bench ddp``) or FSDP2's shards (``gradcomp bench fsdp``)."""
+    device: str = "cpu"
+    """Where each rank computes: ``cpu``, or ``cuda`` (rank r on GPU r modulo the GPUs there are)."""
+    backend: str = "gloo"
+    """The process group's backend: ``gloo`` (any device) or ``nccl`` (``cuda``, a GPU per rank)."""
+    accelerator_paths: bool = False
+    """On the CPU, take the paths an accelerator's tensors take (``gradcomp.host.as_accelerator``:
+    decided on the device, with no host read), to see their cost and their reads here."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, UserModel) and self.model not in PRESETS:
@@ -56,6 +63,12 @@ class BenchSettings:
             )
         if self.runs < 1:
             raise ValueError(f"--runs must be >= 1, got {self.runs}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"--backend must be gloo or nccl, got {self.backend!r}")
+        if self.backend == "nccl" and self.device != "cuda":
+            raise ValueError("--backend nccl needs --device cuda (NCCL moves GPU memory)")
         _ = self.variants  # parses every spec: a bad one fails here, before any rank starts
 
     @property
