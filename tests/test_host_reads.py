@@ -26,6 +26,7 @@ feedback and momentum correction, on the backend's collectives and on gradcomp's
 VARIABLE = {
     "topk:ratio=0.1,method=sampled,ef=true": 1,
     "threshold:tau=0.01,ef=true": 1,
+    "threshold:tau=0.01": 1,
     "topk:ratio=0.1,ef=true,aggregation=two_phase": 2,
 }
 """Payloads whose size depends on the values, and the reads per bucket their sizes cost: one for
@@ -76,5 +77,48 @@ def test_every_host_read_in_the_step_goes_through_the_gate_and_is_counted(accele
     assert all(per_bucket[text] == 0 for text in ("allreduce", "fp16", "bf16"))  # casts read nothing
     if accelerator:
         assert {text: per_bucket[text] for text in FIXED if per_bucket[text]} == {}
+        assert {text: reads for text, reads in per_bucket.items() if reads > VARIABLE.get(text, 0)} == {}
     else:  # on the CPU, exact top-k's prefilter counts its candidates on the host: reads are free there
         assert per_bucket["topk:ratio=0.1,ef=true"] > 0
+
+
+PATHS_AGREE = ["threshold:tau=0.01,ef=true", "threshold:tau=0.01", "topk:ratio=0.1,method=sampled,ef=true",
+               "topk:ratio=0.1,ef=true", "quantize:bits=2,ef=true,momentum=0.9", "powersgd:rank=2,ef=true",
+               "qsgd"]  # fmt: skip
+"""Specs whose two paths compute the same numbers (sign's mean differs in its last bit: float64 there)."""
+
+
+def both_paths_trained(rank: int, world: int) -> list[str]:
+    import contextlib
+
+    from gradcomp import host
+    from tests.distributed import identical_on_all_ranks
+    from tests.toy_ddp import wrap
+
+    failures = Failures()
+    generator = torch.Generator().manual_seed(100 + rank)
+    batches = [(torch.randn(16, 40, generator=generator), torch.randint(0, 10, (16,), generator=generator))
+               for _ in range(4)]  # fmt: skip
+    for text in [*PATHS_AGREE, "sign:ef=true"]:
+        finals = []
+        for accelerator in (False, True):
+            ddp, _ = wrap(audit_model(), text, bucket_cap_mb=0.1)
+            optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            with host.as_accelerator() if accelerator else contextlib.nullcontext():
+                for x, y in batches:
+                    optimizer.zero_grad()
+                    F.cross_entropy(ddp(x), y).backward()
+                    optimizer.step()
+            finals.append(torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]))
+        cpu, accelerator_ = finals
+        same = torch.equal(cpu, accelerator_) if text in PATHS_AGREE else torch.allclose(cpu, accelerator_, atol=1e-6)
+        failures.expect(same, f"{text}: the accelerator's paths trained elsewhere")
+        failures.expect(identical_on_all_ranks(accelerator_), f"{text}: replicas differ on the accelerator's paths")
+    return failures
+
+
+@pytest.mark.timeout(240)
+def test_the_accelerators_paths_train_as_the_cpus() -> None:
+    """Measured payloads (sized by one read per bucket) and masked commits give the parameters the
+    CPU's paths give, bitwise, and the replicas stay identical."""
+    run_checks(2, both_paths_trained, timeout=200)

@@ -298,6 +298,39 @@ class Compressor(ABC):
         (two passes fewer). The default cannot: it returns False and leaves ``tensor`` alone."""
         return False
 
+    # -- payloads sized by their values --------------------------------------------------------------
+
+    @property
+    def measures(self) -> bool:
+        """True when the payload's size depends on the values and :meth:`measure` counts it on the
+        device beforehand: on an accelerator the engine then gathers every rank's counts of a
+        bucket, reads them in one host read, and compresses with :meth:`compress_measured`, instead
+        of a read per tensor for its own size and more for every rank's (rule "host reads")."""
+        return False
+
+    def measure(self, tensor: Tensor, key: Key = None) -> Tensor:
+        """What :meth:`compress_measured` needs to size ``tensor``'s payload: a count, as a 0-d int64
+        tensor computed on the device (nothing read on the host)."""
+        raise TypeError(f"{self.name}'s payload has a size the tensor alone decides: nothing to measure")
+
+    def measure_divided(self, tensor: Tensor, divisor: float, key: Key = None) -> Tensor:
+        """:meth:`measure` of ``tensor / divisor`` (divided in place, as :meth:`compress_divided`
+        does): ``tensor`` then holds what :meth:`compress_measured` compresses."""
+        return self.measure(tensor.div_(divisor), key)
+
+    def compress_measured(
+        self, tensor: Tensor, count: int, key: Key = None, shapes: Sequence[torch.Size] | None = None
+    ) -> tuple[Payload, Any]:
+        """:meth:`compress` of a tensor that :meth:`measure` counted ``count`` for (now read on the
+        host): the same payload, sized without a read. Its tensors are 1-D, of
+        :meth:`payload_length` elements."""
+        raise TypeError(f"{self.name}'s payload has a size the tensor alone decides: nothing to measure")
+
+    def payload_length(self, count: int, key: Key = None) -> int:
+        """The length of each payload tensor of a tensor measured ``count``, on any rank (the same
+        ``key``: the same tensor's shape there)."""
+        return count
+
     # -- accounting and state ----------------------------------------------------------------------
 
     @staticmethod

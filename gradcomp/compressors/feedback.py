@@ -228,6 +228,10 @@ class ErrorFeedback(Compressor):
     def compress_divided(
         self, tensor: Tensor, divisor: float, key: Key = None, shapes: Sequence[torch.Size] | None = None
     ) -> tuple[Payload, FeedbackContext]:
+        return self._compress_compensated(self._compensate(tensor, divisor, key), key, shapes)
+
+    def _compensate(self, tensor: Tensor, divisor: float, key: Key) -> Tensor:
+        """The compensated gradient ``tensor / divisor + residual`` (through the options), in its buffer."""
         check_gradient(tensor)
         residual = self.carried(key, tensor)
         compensated = self._compensated_buffer(key, residual)
@@ -235,7 +239,26 @@ class ErrorFeedback(Compressor):
             torch.addcdiv(residual, tensor, self._divisor(divisor, tensor), out=compensated)
         else:
             self._accumulate(tensor, divisor, key, residual, compensated)
-        return self._compress_compensated(compensated, key, shapes)
+        return compensated
+
+    @property
+    def measures(self) -> bool:
+        return self.inner.measures
+
+    def measure_divided(self, tensor: Tensor, divisor: float, key: Key = None) -> Tensor:
+        """The compensated gradient is formed here (as :meth:`compress_divided` forms it) and kept
+        for :meth:`compress_measured`; the wrapped compressor counts it."""
+        return self.inner.measure(self._compensate(tensor, divisor, key), key)
+
+    def compress_measured(
+        self, tensor: Tensor, count: int, key: Key = None, shapes: Sequence[torch.Size] | None = None
+    ) -> tuple[Payload, FeedbackContext]:
+        compensated = self._compensated[key]
+        payload, inner_ctx = self.inner.compress_measured(compensated, count, key, shapes)
+        return self._feedback(payload, inner_ctx, compensated, key)
+
+    def payload_length(self, count: int, key: Key = None) -> int:
+        return self.inner.payload_length(count, key)
 
     def take_residual(self, key: Key) -> Tensor | None:
         """What ``key`` has not sent yet, handed over; every state of ``key`` forgotten (a tensor that
@@ -333,6 +356,11 @@ class ErrorFeedback(Compressor):
         self, compensated: Tensor, key: Key, shapes: Sequence[torch.Size] | None
     ) -> tuple[Payload, FeedbackContext]:
         payload, inner_ctx = self.inner.compress(compensated, key, shapes)
+        return self._feedback(payload, inner_ctx, compensated, key)
+
+    def _feedback(
+        self, payload: Payload, inner_ctx: Any, compensated: Tensor, key: Key
+    ) -> tuple[Payload, FeedbackContext]:
         ctx = FeedbackContext(key, inner_ctx, compensated)
         if self.rounds == 1:
             self._update(payload, ctx)

@@ -40,13 +40,30 @@ class Threshold(SparseCompressor):
     Config = ThresholdConfig
     config: ThresholdConfig
 
+    @property
+    def measures(self) -> bool:
+        return True
+
     def compress(
         self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
     ) -> tuple[Payload, Meta]:
         flat = check_gradient(tensor)
+        return self.sparse_payload(flat, host.nonzero(self._selected(flat))), Meta.of(tensor)
+
+    def measure(self, tensor: Tensor, key: Key = None) -> Tensor:
+        return self._selected(check_gradient(tensor)).sum()
+
+    def compress_measured(
+        self, tensor: Tensor, count: int, key: Key = None, shapes: Sequence[torch.Size] | None = None
+    ) -> tuple[Payload, Meta]:
+        flat = check_gradient(tensor)
+        indices = torch.nonzero_static(self._selected(flat), size=count).view(-1)
+        return self.sparse_payload(flat, indices), Meta.of(tensor)
+
+    def _selected(self, flat: Tensor) -> Tensor:
+        """Where |x| >= tau, as a workspace mask (valid until the next call)."""
         below = self.workspace.take("below", flat.numel(), torch.bool, flat.device)
         magnitudes = self.workspace.take("abs", flat.numel(), flat.dtype, flat.device)
         torch.lt(torch.abs(flat, out=magnitudes), self.config.tau, out=below)
         # "not below" rather than ">=": NaN compares false either way, and must be selected.
-        indices = host.nonzero(below.logical_not_())
-        return self.sparse_payload(flat, indices), Meta.of(tensor)
+        return below.logical_not_()

@@ -58,7 +58,10 @@ class TopK(SparseCompressor):
     candidates down to k with a small ``torch.topk``. ``exact`` sets the threshold a few standard
     deviations low so that the candidates contain the true top k, and falls back to ``torch.topk``
     over everything in the rare case they do not; ``sampled`` uses the estimate as it is and may
-    send fewer than k. Either is several times faster than ``torch.topk`` on large tensors.
+    send fewer than k. Either is several times faster than ``torch.topk`` on large tensors on the
+    CPU. Counting the candidates is a host read: on an accelerator ``exact`` is ``torch.topk`` (a
+    radix select there, no read), and ``sampled`` counts them on the device for the engine, which
+    reads every tensor's count of a bucket at once (``Compressor.measure``).
 
     Wire: k * (value bytes + index bytes), indices in the smallest integer type that fits n
     (``sampled``: up to k). NaN elements always count as the largest. Biased: use with error
@@ -81,42 +84,101 @@ class TopK(SparseCompressor):
         super().__init__(config, seed=seed, rank=rank)
         self.sampler = Generators(rank_seed(seed, rank))
         self.ratio = self.config.ratio
+        self._measured: dict[Key, tuple[Tensor | None, int]] = {}
+        """Per key, its last measure: the sampled threshold and k (for compress_measured and payload_length)."""
+
+    @property
+    def measures(self) -> bool:
+        return self.config.method == "sampled"
 
     def compress(
         self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
     ) -> tuple[Payload, Meta]:
         flat = check_gradient(tensor)
-        magnitudes = self.workspace.take("abs", flat.numel(), flat.dtype, flat.device)
-        torch.abs(flat, out=magnitudes)
+        magnitudes = self._magnitudes(flat)
         indices = self.select(magnitudes, kept(self.ratio, flat.numel()), key)
         return self.sparse_payload(flat, indices), Meta.of(tensor)
 
     def select(self, magnitudes: Tensor, k: int, key: Key = None) -> Tensor:
         """int64 indices of (about, for ``sampled``) the k largest ``magnitudes``."""
-        n = magnitudes.numel()
-        sample_size = math.ceil(SAMPLE_HITS * n / max(k, 1))
-        if k == n:
-            return torch.arange(n, device=magnitudes.device)
-        if n <= SMALL or sample_size >= n // 2:
-            return torch.topk(magnitudes, k, sorted=False).indices
         if self.config.method == "exact" and not host.reads_are_free(magnitudes.device):
             # The prefilter's candidates are counted on the host: on an accelerator that is a
             # synchronization, where torch.topk (a radix select there) reads nothing.
-            return torch.topk(magnitudes, k, sorted=False).indices
+            return self._largest(magnitudes, k)
+        threshold = self._threshold(magnitudes, k, key)
+        if threshold is None:
+            return self._largest(magnitudes, k)
+        candidates = host.nonzero(self._passing(magnitudes, threshold))
+        return self._cut(magnitudes, candidates, k)
+
+    def measure(self, tensor: Tensor, key: Key = None) -> Tensor:
+        """The candidates the sampled threshold passes (the threshold remembered for ``key``)."""
+        flat = check_gradient(tensor)
+        magnitudes = self._magnitudes(flat)
+        k = kept(self.ratio, flat.numel())
+        threshold = self._threshold(magnitudes, k, key)
+        self._measured[key] = (threshold, k)
+        if threshold is None:
+            return torch.full((), k, dtype=torch.int64, device=flat.device)
+        return self._passing(magnitudes, threshold).sum()
+
+    def compress_measured(
+        self, tensor: Tensor, count: int, key: Key = None, shapes: Sequence[torch.Size] | None = None
+    ) -> tuple[Payload, Meta]:
+        flat = check_gradient(tensor)
+        magnitudes = self._magnitudes(flat)
+        threshold, k = self._measured[key]
+        if threshold is None or count < self._fewest(k):
+            indices = self._largest(magnitudes, k)
+        else:
+            candidates = torch.nonzero_static(self._passing(magnitudes, threshold), size=count).view(-1)
+            indices = self._cut(magnitudes, candidates, k)
+        return self.sparse_payload(flat, indices), Meta.of(tensor)
+
+    def payload_length(self, count: int, key: Key = None) -> int:
+        _, k = self._measured[key]
+        return k if count < self._fewest(k) else min(count, k)
+
+    def _magnitudes(self, flat: Tensor) -> Tensor:
+        magnitudes = self.workspace.take("abs", flat.numel(), flat.dtype, flat.device)
+        return torch.abs(flat, out=magnitudes)
+
+    def _threshold(self, magnitudes: Tensor, k: int, key: Key) -> Tensor | None:
+        """The k-th largest magnitude estimated from a random sample (lowered for ``exact``), as a
+        0-d tensor; None where a plain ``torch.topk`` is as fast (small tensors, large ratios)."""
+        n = magnitudes.numel()
+        sample_size = math.ceil(SAMPLE_HITS * n / max(k, 1))
+        if k == n or n <= SMALL or sample_size >= n // 2:
+            return None
         generator = self.sampler.on(magnitudes.device, key)
         positions = torch.randint(0, n, (sample_size,), generator=generator, device=magnitudes.device)
         sample = magnitudes[positions]
         hits = k * sample_size / n
         if self.config.method == "exact":
             hits += EXACT_MARGIN * math.sqrt(hits)
-        threshold = torch.topk(sample, min(sample_size, math.ceil(hits)), sorted=False).values.min()
-        below = self.workspace.take("below", n, torch.bool, magnitudes.device)
+        return torch.topk(sample, min(sample_size, math.ceil(hits)), sorted=False).values.min()
+
+    def _passing(self, magnitudes: Tensor, threshold: Tensor) -> Tensor:
+        """Where the threshold passes, as a workspace mask (valid until the next call)."""
+        below = self.workspace.take("below", magnitudes.numel(), torch.bool, magnitudes.device)
         torch.lt(magnitudes, threshold, out=below)
         # "not below" rather than ">=": NaN compares false either way, and must be a candidate.
-        candidates = host.nonzero(below.logical_not_())
-        fewest = k if self.config.method == "exact" else math.ceil((1 - self.config.tolerance) * k)
-        if candidates.numel() < fewest:
-            return torch.topk(magnitudes, k, sorted=False).indices
+        return below.logical_not_()
+
+    @staticmethod
+    def _largest(magnitudes: Tensor, k: int) -> Tensor:
+        """The k largest, by ``torch.topk`` (everything, in order, when k is every element)."""
+        if k == magnitudes.numel():
+            return torch.arange(k, device=magnitudes.device)
+        return torch.topk(magnitudes, k, sorted=False).indices
+
+    def _fewest(self, k: int) -> int:
+        return k if self.config.method == "exact" else math.ceil((1 - self.config.tolerance) * k)
+
+    def _cut(self, magnitudes: Tensor, candidates: Tensor, k: int) -> Tensor:
+        """The k largest of the candidates, or everything's when fewer than the method allows passed."""
+        if candidates.numel() < self._fewest(k):
+            return self._largest(magnitudes, k)
         if candidates.numel() > k:
             candidates = candidates[torch.topk(magnitudes[candidates], k, sorted=False).indices]
         return candidates

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradcomp import collectives
+from gradcomp import collectives, host
 from gradcomp.collectives.cost_model import ring_traffic
 from gradcomp.collectives.executor import match_torch_threads
 from gradcomp.compressors import Aggregation, Compressor, Key, Payload
@@ -61,6 +61,9 @@ class BucketWork:
     when the per-tensor policy leaves some of the buffer's tensors to another route)."""
     states: list[tuple[Payload, Any]] = dataclasses.field(default_factory=list)
     """Per part, the payload of the current round and the local context."""
+    counts: list[Tensor] = dataclasses.field(default_factory=list)
+    """Per part, its measured payload size on the device (``Compressor.measures``, on an accelerator):
+    compression then waits for :meth:`GatherRoute.send`, which reads every rank's counts at once."""
     landing: list[Tensor] = dataclasses.field(default_factory=list)
     """Where the averaged tensors go once they land, when :attr:`buffer` is a copy of them (the
     per-tensor policy's uncompressed tensors); empty when the buffer is their home."""
@@ -194,10 +197,58 @@ class GatherRoute(_Compressed):
         self.capacities: dict[tuple[Key, ...], int] = {}
         """Padded all-gather bytes per bucket (its keys)."""
 
+    def prepare(self, work: BucketWork) -> None:
+        """As every route, or for payloads whose size depends on the values, on an accelerator, past
+        the warm-up: each tensor divided, compensated and counted on the device, nothing read yet."""
+        if not (self.compressor.measures and work.settled) or host.reads_are_free(work.buffer.device):
+            super().prepare(work)
+            return
+        if work.ratio is not None:
+            self.compressor.set_ratio(work.ratio)
+        with work.record.phase("compress"):
+            if not work.parts:  # a bucket without keys (an element-wise compressor) is measured whole
+                work.parts = views(work.buffer, work.shapes) if work.keys else [work.buffer]
+            pairs = zip(work.parts, self._keys(work), strict=True)
+            work.counts = [self.compressor.measure_divided(part, self.world, key) for part, key in pairs]
+
+    @staticmethod
+    def _keys(work: BucketWork) -> list[Key]:
+        return work.keys or [None] * len(work.parts)
+
     def send(self, work: BucketWork) -> None:
+        if work.counts:
+            self._send_measured(work)
+            return
         finals = self._later_rounds(work)
         with work.record.phase("communicate"):
             gathered = self._gather(finals, work)
+        self._decompress_sum(gathered, work)
+
+    def _send_measured(self, work: BucketWork) -> None:
+        """Every rank's counts in one small all-gather and one host read for the bucket; then each
+        tensor compressed at its size, and the payloads gathered at sizes every rank knows."""
+        compressor, record = self.compressor, work.record
+        device = work.buffer.device
+        exchange = transport.GroupTransport(self.group, record.add_traffic)
+        with record.phase("communicate"):
+            counts = torch.stack(work.counts)
+            if self.algo == "native":
+                gathered = exchange.all_gather(counts)
+            else:
+                gathered = exchange.all_gatherv(counts, [counts.numel()] * self.world)
+            everyone = host.values(torch.stack(gathered))  # the bucket's one read
+        keys = self._keys(work)
+        with record.phase("compress"):
+            parts = zip(work.parts, everyone[self.rank], keys, strict=True)
+            work.states = [compressor.compress_measured(part, count, key) for part, count, key in parts]
+        finals = [payload for payload, _ in work.states]
+        record.payload_bytes += sum(compressor.wire_bytes(p) for p in finals)
+        lengths = [[compressor.payload_length(c, k) for c, k in zip(row, keys, strict=True)] for row in everyone]
+        with record.phase("communicate"):
+            per_rank = transport.all_gather_sized(finals, lengths, device, exchange)
+        self._decompress_sum([list(parts) for parts in zip(*per_rank, strict=True)], work)
+
+    def _decompress_sum(self, gathered: list[list[Payload]], work: BucketWork) -> None:
         with work.record.phase("decompress"):
             for everyone, (_, ctx), part in zip(gathered, work.states, work.parts, strict=True):
                 self.compressor.decompress_sum(everyone, ctx, out=part)
