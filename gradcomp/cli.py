@@ -92,6 +92,9 @@ def command_parser() -> argparse.ArgumentParser:
     calibrate.add_argument(
         "--specs", default=None, help="semicolon-separated compressor specs (default: the usual ones)"
     )
+    calibrate.add_argument(
+        "--device", default="cpu", help="where the kernels are timed: cpu (default) or cuda (a GPU per rank)"
+    )
     calibrate.set_defaults(run=_calibrate)
 
     network = commands.add_parser("netem", help="emulated networks (network namespaces shaped with tc)")
@@ -211,7 +214,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     sizes = [size.as_bytes() for size in parse_sizes(args.sizes)]
     specs = [s.strip() for s in args.specs.split(";") if s.strip()] if args.specs else list(calibrate.KERNEL_SPECS)
     profile = calibrate.calibrate(
-        profiles[0], args.ranks, name=args.name, sizes=sizes, repeats=args.repeats, specs=specs
+        profiles[0], args.ranks, name=args.name, sizes=sizes, repeats=args.repeats, specs=specs, device=args.device
     )
     profile.save(args.output)
     sys.stdout.write(f"{calibrate.describe(profile)}\nwritten to {args.output}\n")

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from gradcomp import cli
 from gradcomp.cost import calibrate
@@ -64,6 +65,11 @@ def test_bad_calibrations_are_refused_before_any_rank_starts() -> None:
         calibrate.calibrate("loopback", 2, sizes=(4096,))
     with pytest.raises(ValueError, match="unknown compressor"):
         calibrate.calibrate("loopback", 2, specs=["zip"])
+    with pytest.raises(ValueError, match="--device must be cpu or cuda"):
+        calibrate.calibrate("loopback", 2, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            calibrate.calibrate("loopback", 2, device="cuda")
 
 
 def test_the_calibrate_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -52,3 +52,21 @@ def test_plan_on_h100_prices_a_cast_below_the_all_reduce_it_halves(tmp_path, cap
     native = {o["method"]: o["step_s"] for o in figures["options"] if o["route"] == "native"}
     assert native["fp16"] < native["allreduce"]
     assert figures["recommendation"]["method"] == "fp16"
+
+
+def test_a_profile_calibrated_on_a_gpu_gives_the_kernels_for_a_gpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``gradcomp calibrate --device cuda`` times the kernels on the GPU: the plan then takes them
+    (calibrated), not the roofline; a profile timed on a CPU gives the link only."""
+    from gradcomp.collectives.cost_model import LinkCosts
+    from gradcomp.cost.kernels import KernelCost
+    from gradcomp.cost.profile import LinkFit, Profile
+    from gradcomp.experiments.plan.command import _kernels
+
+    kernel = KernelCost((1, 1 << 20), (1e-5, 1e-4), (0.0, 0.0), (1e-5, 1e-4), (0.0, 0.0))
+    links = {"all_reduce": LinkFit(LinkCosts(1e-4, 8e-9), 0, 0, 0)}
+    on_gpu = Profile("gpu", "loopback", 2, links, {"fp16": kernel}, {"kernel_device": "cuda: NVIDIA H100"})
+    table, source, kind = _kernels("h100", on_gpu, "gpu.json")
+    assert kind == "calibrated" and "NVIDIA H100" in source and table("fp16") == kernel
+    on_cpu = Profile("cpu", "loopback", 2, links, {"fp16": kernel}, {"kernel_device": "cpu"})
+    table, source, kind = _kernels("h100", on_cpu, "cpu.json")
+    assert kind == "estimate" and "timed on a CPU: not used" in source and table("fp16") != kernel

@@ -172,13 +172,17 @@ def setting(args: argparse.Namespace) -> Setting:
 
 def _kernels(device: str, profile: Profile | None, path: str | None) -> tuple[KernelTable | RooflineTable, str, str]:
     """The kernel costs for ``device``, where they come from, and their kind (``calibrated``,
-    ``timed`` here now, or ``estimate``)."""
+    ``timed`` here now, or ``estimate``). For a GPU, a profile calibrated with ``--device cuda``
+    gives them; else the roofline does."""
     if device == "cpu":
         if profile is not None:
             return KernelTable(profile.kernels), f"profile {profile.name} ({path})", "calibrated"
         return KernelTable(), "timed on this machine now", "timed"
     if device not in DEVICES:
         raise ValueError(f"--device must be cpu or one of {', '.join(DEVICES)}, got {device!r}")
+    timed_on = profile.machine.get("kernel_device", "cpu") if profile is not None else "cpu"
+    if profile is not None and timed_on != "cpu":
+        return KernelTable(profile.kernels), f"profile {profile.name} ({path}), timed on {timed_on}", "calibrated"
     known = DEVICES[device]
     source = (
         f"estimated for {known.description} by a roofline ({known.bandwidth / 1e12:.2f} TB/s streamed, "
@@ -186,7 +190,7 @@ def _kernels(device: str, profile: Profile | None, path: str | None) -> tuple[Ke
         "they move: an estimate until calibrated on the device"
     )
     if profile is not None:
-        source += f" (profile {profile.name}'s kernels are this CPU's: not used)"
+        source += f" (profile {profile.name}'s kernels were timed on a CPU: not used)"
     return RooflineTable(known), source, "estimate"
 
 

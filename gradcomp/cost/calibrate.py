@@ -120,16 +120,33 @@ def _slowest_median(
 
 
 def time_kernels(
-    rank: int, world: int, specs: Sequence[str], repeats: int, sides: Sequence[int] = kernels.SIDES
+    rank: int,
+    world: int,
+    specs: Sequence[str],
+    repeats: int,
+    sides: Sequence[int] = kernels.SIDES,
+    device: str = "cpu",
 ) -> dict[str, list[list[Any]]]:
     """Inside every rank: every spec's kernel timings (:func:`gradcomp.cost.kernels.measure`), all
     ranks timing the same kernel at once, as they compress at once in training (sharing the
-    machine's caches, memory bandwidth and cores)."""
+    machine's caches, memory bandwidth and cores); with ``device`` ``cuda``, rank r on GPU r modulo
+    the GPUs there are."""
+    where = rank_device(rank, device)
     timings = {}
     for spec in specs:
         dist.barrier()
-        timings[spec] = [list(dataclasses.astuple(s)) for s in kernels.measure(spec, sides, repeats=repeats)]
+        samples = kernels.measure(spec, sides, repeats=repeats, device=where)
+        timings[spec] = [list(dataclasses.astuple(s)) for s in samples]
     return timings
+
+
+def rank_device(rank: int, device: str) -> torch.device:
+    """Where rank ``rank`` computes for ``device`` (``cpu``, or ``cuda``: GPU rank modulo the GPUs)."""
+    if device == "cpu":
+        return torch.device("cpu")
+    where = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(where)
+    return where
 
 
 def time_engine(
@@ -176,13 +193,15 @@ def time_everything(
     specs: Sequence[str],
     kernel_repeats: int,
     sides: tuple[Sequence[int], Sequence[int]],
+    device: str = "cpu",
 ) -> tuple[dict[str, list[list[float]]], dict[str, list[list[Any]]], dict[str, list[list[float]]]]:
     """Inside every rank: :func:`time_collectives`, :func:`time_kernels`, then :func:`time_engine`
-    (``sides``: the kernels' and the engine's matrix sides)."""
+    (``sides``: the kernels' and the engine's matrix sides). With ``device`` ``cuda`` the kernels
+    run on the GPUs and the engine's overhead is not timed (it runs the CPU's tensors here)."""
     return (
         time_collectives(rank, world, sizes, repeats),
-        time_kernels(rank, world, specs, kernel_repeats, sides[0]),
-        time_engine(rank, world, specs, kernel_repeats, sides[1]),
+        time_kernels(rank, world, specs, kernel_repeats, sides[0], device),
+        time_engine(rank, world, specs, kernel_repeats, sides[1]) if device == "cpu" else {},
     )
 
 
@@ -215,9 +234,15 @@ def calibrate(
     kernel_sides: Sequence[int] = kernels.SIDES,
     engine_sides: Sequence[int] = ENGINE_SIDES,
     timeout: float = 1800.0,
+    device: str = "cpu",
 ) -> Profile:
     """Measure and fit: the backend's collectives among ``ranks`` ranks on ``network`` (a netem
-    profile), and the kernels of ``specs``. Bad arguments fail before anything runs."""
+    profile), and the kernels of ``specs`` on ``device`` (``cpu``, or ``cuda``: each rank on a GPU,
+    the engine's overhead then not timed). Bad arguments fail before anything runs."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this machine has no CUDA device")
     if ranks < 2:
         raise ValueError(f"--ranks must be >= 2 (a link needs two ends), got {ranks}")
     if repeats < 1 or kernel_repeats < 1:
@@ -225,7 +250,7 @@ def calibrate(
     if len(set(sizes)) < 2 or min(sizes) < 4 or any(s % 4 for s in sizes):
         raise ValueError(f"need two or more distinct sizes, multiples of 4 bytes, got {list(sizes)}")
     canonical = list(dict.fromkeys(str(parse_spec(s)) for s in specs))  # a bad spec fails here
-    arguments = (list(sizes), repeats, canonical, kernel_repeats, (list(kernel_sides), list(engine_sides)))
+    arguments = (list(sizes), repeats, canonical, kernel_repeats, (list(kernel_sides), list(engine_sides)), device)
     results = spawn(ranks, time_everything, arguments, timeout=timeout, network=network)
     measured, engine = results[0][0], results[0][2]
     links = fit_links(measured, ranks)
@@ -243,10 +268,15 @@ def calibrate(
         ranks,
         links,
         {spec: kernels.fit([kernels.Sample(*row) for row in rows]) for spec, rows in timed.items()},
-        machine(),
+        {**machine(), "kernel_device": kernel_device(device)},
         {**measured, "kernels": timed, "engine": engine},
     )
     return overheads(fitted, engine)
+
+
+def kernel_device(device: str) -> str:
+    """What timed a profile's kernels, as its ``machine["kernel_device"]`` says: ``cpu`` or the GPU's name."""
+    return "cpu" if device == "cpu" else f"cuda: {torch.cuda.get_device_name()}"
 
 
 def _same(kernel: KernelCost, _: str) -> KernelCost:

@@ -124,15 +124,18 @@ class Sample:
     seconds: float
 
 
-def measure(spec: str, sides: Sequence[int] = SIDES, repeats: int = 5, seed: int = 0) -> list[Sample]:
+def measure(
+    spec: str, sides: Sequence[int] = SIDES, repeats: int = 5, seed: int = 0, device: torch.device | str = "cpu"
+) -> list[Sample]:
     """Time ``spec``'s compression (its first round, then its later rounds) and decompression on
-    square float32 matrices of ``sides``, decompressing 1 and 4 payloads for ``gather`` compressors."""
+    square float32 matrices of ``sides`` on ``device``, decompressing 1 and 4 payloads for ``gather``
+    compressors."""
     compressor = make_compressor(parse_spec(spec), seed=seed)
-    return [sample for side in sides for sample in _time_side(compressor, side, seed, repeats)]
+    return [sample for side in sides for sample in _time_side(compressor, side, seed, repeats, torch.device(device))]
 
 
-def _time_side(compressor: Compressor, side: int, seed: int, repeats: int) -> list[Sample]:
-    x = gradient(side * side, seed)
+def _time_side(compressor: Compressor, side: int, seed: int, repeats: int, device: torch.device) -> list[Sample]:
+    x = gradient(side * side, seed).to(device)
     return time_tensor(compressor, x.view(side, side) if x.dim() == 1 else x, ("calibrate", side), repeats)
 
 
