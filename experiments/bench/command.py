@@ -107,7 +107,8 @@ def _command(args: argparse.Namespace, mode: Mode = DDP) -> int:
     if settings.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: this machine has no CUDA device (make gpu-check runs where one is)")
     if settings.backend == "nccl" and torch.cuda.device_count() < settings.ranks:
-        raise ValueError(f"--backend nccl needs a GPU per rank: {settings.ranks} ranks, {torch.cuda.device_count()} GPUs")
+        gpus = torch.cuda.device_count()
+        raise ValueError(f"--backend nccl needs a GPU per rank: {settings.ranks} ranks, {gpus} GPUs")
     host, rows = machine(), []
     for network in networks:
         on_network = dataclasses.replace(settings, network=network)
