@@ -184,6 +184,11 @@ def test_a_real_run_measures_every_variant_and_counts_bytes_exactly() -> None:
         assert figures is not None and 0 <= figures["tail"] <= max(r.ms_per_step or 0 for r in rows)
     table = format_phases(rows).splitlines()
     assert [line.split("|")[1].strip() for line in table[2:]] == list(specs)
+    # Each gradcomp hook's kernels timed alone on the step's gradients; none for torch's or the floor.
+    alone = {r.variant: r.kernels_ms for r in rows}
+    assert alone[NOOP] is None and alone[TORCH_ALLREDUCE] is None and alone[TORCH_FP16] is None
+    assert all(alone[spec] and alone[spec] > 0 for spec in specs)
+    assert alone["topk:ratio=0.01,ef=true"] > alone["fp16"]  # a selection costs more than a cast
 
 
 @pytest.mark.parametrize("preset", ["transformer", "cnn"])

@@ -38,6 +38,8 @@ class Measured:
     """gradcomp's hooks: the engine's phases, medians per step in ms (:func:`records.phases`)."""
     host_reads: float | None = None
     """gradcomp's hooks: host reads per step, the median (:func:`records.host_reads`)."""
+    kernels_ms: float | None = None
+    """gradcomp's fixed hooks: the compressor's kernels alone on a step's gradients (:func:`records.kernels_alone`)."""
 
 
 def measure(rank: int, world: int, settings: BenchSettings, variants: Sequence[str]) -> dict[str, Measured]:
@@ -73,9 +75,13 @@ def _measure(
                 if round_:
                     times[variant].append(time.perf_counter() - start)
     slowest = _slowest(times, world)
+    alone: dict[str, float | None] = dict.fromkeys(setups)
+    for variant, (model, _) in setups.items() if settings.mode.name == "ddp" else ():
+        dist.barrier()  # every rank at once, as they compress in the step
+        alone[variant] = records.kernels_alone(variant, model, rank, world, settings.seed)
     return {
         v: Measured(slowest[v], records.wire(state, len(times[v])), records.phases(state, len(times[v])),
-                    records.host_reads(state, len(times[v])))
+                    records.host_reads(state, len(times[v])), alone[v])
         for v, (_, state) in setups.items()
     }
 

@@ -1,12 +1,20 @@
 """What the benchmark reads of a hooked model's per-step records (``state.steps()``): the bytes one
-rank sent and the engine's phases. The only place in ``gradcomp bench ddp``/``fsdp`` that reads
-them, so a change of their layout changes here alone."""
+rank sent, the engine's phases and host reads (the only place in ``gradcomp bench ddp``/``fsdp``
+that reads them, so a change of their layout changes here alone); and what the hook's kernels cost
+alone, outside the step."""
 
 from __future__ import annotations
 
 import statistics
 
+from torch import nn
+
 from gradcomp import hooks
+from gradcomp.compressors import Aggregation, make_compressor
+from gradcomp.cost.kernels import time_tensor
+from gradcomp.engine.spec import HookSpec
+from gradcomp.hooks.auto_spec import is_auto_spec
+from gradcomp.hooks.torch_hooks import is_torch_spec
 from gradcomp.state import TrainingHookState
 
 PHASES = ("compress", "decompress", "communicate", "tail")
@@ -42,3 +50,24 @@ def host_reads(state: TrainingHookState, timed: int) -> float | None:
 def _timed(seconds: float | None) -> float:
     assert seconds is not None, "gradcomp's hooks time every phase"
     return seconds
+
+
+def kernels_alone(variant: str, model: nn.Module, rank: int, world: int, seed: int) -> float | None:
+    """gradcomp's fixed hooks: ms of the hook's compressor kernels alone on this rank's last
+    gradients, outside the step (compress, its later rounds, and decompressing as the step does:
+    every rank's payloads for ``gather`` compressors, the sum for ``sum`` ones), each tensor on its
+    own (the engine compresses element-wise casts a bucket at once); None for the others."""
+    if is_torch_spec(variant) or is_auto_spec(variant) or variant == "noop":
+        return None
+    spec = hooks.parse(variant)
+    if not isinstance(spec, HookSpec) or spec.compressor is None:
+        return None
+    compressor = make_compressor(spec.compressor, seed=seed, rank=rank)
+    payloads = world if compressor.aggregation is Aggregation.GATHER else 1
+    total = 0.0
+    gradients = [p.grad for p in model.parameters() if p.grad is not None]
+    for index, gradient in enumerate(g.detach().clone() for g in gradients):
+        for sample in time_tensor(compressor, gradient, ("alone", index), peers=(payloads,)):
+            if sample.phase != "decompress" or sample.payloads == payloads:
+                total += sample.seconds
+    return total * 1e3

@@ -26,6 +26,9 @@ class Row:
     """Each independent run's median (None where the variant failed in that run)."""
     host_reads: float | None = None
     """gradcomp hooks: host reads per step, the median (each a synchronization on a GPU)."""
+    kernels_ms: float | None = None
+    """gradcomp's fixed hooks: the compressor's kernels alone on a step's gradients, ms (the step's
+    ``compress`` and ``decompress`` phases against them show what the step adds to the kernels)."""
 
 
 def combine(runs: list[Row]) -> Row:
@@ -49,6 +52,7 @@ def combine(runs: list[Row]) -> Row:
         phases,
         run_ms,
         _median_or_none([r.host_reads for r in done]),
+        _median_or_none([r.kernels_ms for r in done]),
     )
 
 

@@ -47,7 +47,7 @@ def _row(variant: str, network: str, figures: Measured) -> Row:
     step_ms = [t * 1e3 for t in figures.step_s]
     median = statistics.median(step_ms)
     return Row(variant, network, median, figures.wire_bytes / 1e6, "ok", step_ms, figures.phases_ms, [median],
-               figures.host_reads)
+               figures.host_reads, figures.kernels_ms)
 
 
 def failure(error: RankError, deadline: float) -> str:

@@ -67,13 +67,24 @@ def format_phases(rows: Sequence[Row]) -> str:
     """Markdown: per gradcomp hook, its step's excess over the noop floor beside the engine's phases
     (medians per step, ms). Compression runs in backward's thread, so it adds to the step; the
     communication overlaps backward but for the tail; decompression runs once a collective lands. The
-    host reads per step are what a GPU would wait for (`gradcomp.host`)."""
+    host reads per step are what a GPU would wait for (`gradcomp.host`). ``kernels alone`` is the
+    compressor's kernels timed outside the step on the same gradients, and ``x alone`` the step's
+    compress and decompress phases against them: what running inside the step adds."""
     floor = next(r.ms_per_step for r in rows if r.variant == NOOP)
-    header = ("hook", "ms/step", "over noop", *(f"{name} ms" for name in PHASES), "host reads")
+    header = ("hook", "ms/step", "over noop", *(f"{name} ms" for name in PHASES), "host reads",
+              "kernels alone ms", "x alone")  # fmt: skip
     lines = [
         (row.variant, f"{row.ms_per_step:.1f}", f"{row.ms_per_step - floor:.1f}" if floor is not None else "-",
-         *(f"{row.phases_ms[name]:.1f}" for name in PHASES), "-" if row.host_reads is None else f"{row.host_reads:g}")
+         *(f"{row.phases_ms[name]:.1f}" for name in PHASES), "-" if row.host_reads is None else f"{row.host_reads:g}",
+         *_alone(row))
         for row in rows
         if row.phases_ms is not None and row.ms_per_step is not None
     ]  # fmt: skip
-    return markdown_table(header, lines, right=[False] + [True] * (3 + len(PHASES)))
+    return markdown_table(header, lines, right=[False] + [True] * (5 + len(PHASES)))
+
+
+def _alone(row: Row) -> tuple[str, str]:
+    if not row.kernels_ms or row.phases_ms is None:
+        return "-", "-"
+    inside = row.phases_ms["compress"] + row.phases_ms["decompress"]
+    return f"{row.kernels_ms:.1f}", f"{inside / row.kernels_ms:.2f}"
