@@ -61,7 +61,6 @@ class Fp8(Compressor):
     Config = Fp8Config
     config: Fp8Config
 
-
     @property
     def same_shapes(self) -> bool:
         return True  # codes and peaks: sized by the tensor alone

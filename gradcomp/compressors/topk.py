@@ -75,7 +75,6 @@ class TopK(SparseCompressor):
     ratio_based = True
     dense_from = 0.5  # k values and k 4-byte indices: 2 k * 4 bytes against 4 n
 
-
     @property
     def same_shapes(self) -> bool:
         return self.config.method == "exact"  # k values and indices; sampled keeps what passes its threshold

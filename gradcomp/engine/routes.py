@@ -93,22 +93,21 @@ class _Compressed:
 
     def prepare(self, work: BucketWork) -> None:
         """Split into the bucket's tensors and compress each divided by the world size (round one;
-        compressors that can fold the division into their first pass do). Element-wise, stateless
-        compressors (the casts) compress the bucket whole, into one payload."""
-        compressor = self.compressor
+        compressors that can fold the division into their first pass do)."""
         if work.ratio is not None:
-            compressor.set_ratio(work.ratio)
+            self.compressor.set_ratio(work.ratio)
         with work.record.phase("compress"):
-            if compressor.elementwise and not work.parts:
-                work.parts = [work.buffer]
-                work.states = [compressor.compress_divided(work.buffer, self.world)]
-                return
-            work.parts = work.parts or views(work.buffer, work.shapes)
-            if compressor.elementwise:  # some of the bucket's tensors go elsewhere: the others one by one
-                work.states = [compressor.compress_divided(part, self.world) for part in work.parts]
-                return
-            pairs = zip(work.parts, work.keys, strict=True)
-            work.states = [compressor.compress_divided(part, self.world, key) for part, key in pairs]
+            work.states = [self.compressor.compress_divided(part, self.world, key) for part, key in self._split(work)]
+
+    def _split(self, work: BucketWork) -> list[tuple[Tensor, Key]]:
+        """The parts compression reads, with their keys (setting ``work.parts`` the first time):
+        element-wise, stateless compressors (the casts) take the bucket whole, into one payload (or
+        the parts the per-tensor policy left them), keyless; the others each tensor, keyed."""
+        if self.compressor.elementwise:
+            work.parts = work.parts or [work.buffer]
+            return [(part, None) for part in work.parts]
+        work.parts = work.parts or views(work.buffer, work.shapes)
+        return list(zip(work.parts, work.keys, strict=True))
 
     def _later_rounds(self, work: BucketWork) -> list[Payload]:
         """All-reduce and advance every round but the last; the final payloads, counted."""
@@ -206,14 +205,7 @@ class GatherRoute(_Compressed):
         if work.ratio is not None:
             self.compressor.set_ratio(work.ratio)
         with work.record.phase("compress"):
-            if not work.parts:  # a bucket without keys (an element-wise compressor) is measured whole
-                work.parts = views(work.buffer, work.shapes) if work.keys else [work.buffer]
-            pairs = zip(work.parts, self._keys(work), strict=True)
-            work.counts = [self.compressor.measure_divided(part, self.world, key) for part, key in pairs]
-
-    @staticmethod
-    def _keys(work: BucketWork) -> list[Key]:
-        return work.keys or [None] * len(work.parts)
+            work.counts = [self.compressor.measure_divided(part, self.world, key) for part, key in self._split(work)]
 
     def send(self, work: BucketWork) -> None:
         if work.counts:
@@ -237,10 +229,11 @@ class GatherRoute(_Compressed):
             else:
                 gathered = exchange.all_gatherv(counts, [counts.numel()] * self.world)
             everyone = host.values(torch.stack(gathered))  # the bucket's one read
-        keys = self._keys(work)
+        split = self._split(work)
+        keys = [key for _, key in split]
         with record.phase("compress"):
-            parts = zip(work.parts, everyone[self.rank], keys, strict=True)
-            work.states = [compressor.compress_measured(part, count, key) for part, count, key in parts]
+            counted = zip(split, everyone[self.rank], strict=True)
+            work.states = [compressor.compress_measured(part, count, key) for (part, key), count in counted]
         finals = [payload for payload, _ in work.states]
         record.payload_bytes += sum(compressor.wire_bytes(p) for p in finals)
         lengths = [[compressor.payload_length(c, k) for c, k in zip(row, keys, strict=True)] for row in everyone]
