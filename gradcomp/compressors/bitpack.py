@@ -41,8 +41,10 @@ def _check_bits(bits: int) -> None:
 def pack(codes: Tensor, bits: int, scratch: Tensor | None = None) -> Tensor:
     """Pack a 1-D uint8 tensor of codes below 2**bits into ``packed_size(n, bits)`` bytes.
 
-    The result is always a new tensor: it travels while the caller reuses ``codes``. ``scratch``
-    (n contiguous bytes) spares an allocation when codes have several parts (3, 5, 6, 7 bits).
+    A few kernels per part whatever the width (a broadcast shift and a sum over the codes sharing a
+    byte), not one per code in a byte: launches are what small tensors and GPUs pay for. The result is
+    always a new tensor: it travels while the caller reuses ``codes``, which is left unchanged.
+    ``scratch`` (n contiguous bytes) spares the allocation of the shifted codes.
     """
     _check_bits(bits)
     n = codes.numel()
@@ -53,20 +55,30 @@ def pack(codes: Tensor, bits: int, scratch: Tensor | None = None) -> Tensor:
         per_byte = 8 // width
         length = body // per_byte
         plane = out[start : start + length]
-        part = codes[:body]
-        if width < bits:  # isolate this part's bits once, contiguously
-            isolated = torch.empty_like(part) if scratch is None else scratch[:body]
-            if shift == 0:
-                torch.bitwise_and(part, (1 << width) - 1, out=isolated)
-            else:
-                torch.bitwise_right_shift(part, shift, out=isolated)
-                if shift + width < bits:
-                    isolated.bitwise_and_((1 << width) - 1)
-            part = isolated
-        # Horner's scheme, in place: ((p[k-1] << w | p[k-2]) << w | ...) | p[0]
-        plane.copy_(part[(per_byte - 1) * length :])
-        for i in range(per_byte - 2, -1, -1):
-            plane.bitwise_left_shift_(width).bitwise_or_(part[i * length : (i + 1) * length])
+        if width == 8:  # whole bytes: the codes are the plane
+            plane.copy_(codes[:body])
+            start += length
+            continue
+        if per_byte == 2:  # width 4, always the lowest part: a shift and an or beat a reduction here
+            torch.bitwise_left_shift(codes[length:body], 4, out=plane)  # uint8 drops the bits above 4
+            low = codes[:length]
+            if bits > 4:
+                low = torch.bitwise_and(low, 15, out=_buffer(scratch, length, codes.device))
+            plane.bitwise_or_(low)
+            start += length
+            shift += width
+            continue
+        shifted = _buffer(scratch, body, codes.device).view(per_byte, length)
+        part = codes[:body].view(per_byte, length)
+        if width < bits:  # isolate this part's bits first
+            torch.bitwise_right_shift(part, shift, out=shifted)
+            if shift + width < bits:
+                shifted.bitwise_and_((1 << width) - 1)
+            shifted.bitwise_left_shift_(_offsets(width, codes.device))
+        else:
+            torch.bitwise_left_shift(part, _offsets(width, codes.device), out=shifted)
+        # the parts sharing a byte hold disjoint bits: their sum is their bitwise or
+        torch.sum(shifted, dim=0, dtype=torch.uint8, out=plane)
         start += length
         shift += width
     if n > body:
@@ -77,7 +89,7 @@ def pack(codes: Tensor, bits: int, scratch: Tensor | None = None) -> Tensor:
 def unpack(packed: Tensor, bits: int, numel: int, out: Tensor | None = None, scratch: Tensor | None = None) -> Tensor:
     """Inverse of :func:`pack`: ``numel`` uint8 codes, written into ``out`` (contiguous) when given.
 
-    ``scratch`` (at least numel / 2 bytes) spares allocations when codes have several parts.
+    ``scratch`` (numel bytes) spares allocations when codes have several parts (3, 5, 6, 7 bits).
     """
     _check_bits(bits)
     if packed.numel() != packed_size(numel, bits):
@@ -88,23 +100,38 @@ def unpack(packed: Tensor, bits: int, numel: int, out: Tensor | None = None, scr
     for width in _PARTS[bits]:
         per_byte = 8 // width
         length = body // per_byte
-        plane = packed[start : start + length]
-        mask = (1 << width) - 1
-        for i in range(per_byte):
-            target = codes[i * length : (i + 1) * length]
-            if shift == 0:
-                torch.bitwise_right_shift(plane, i * width, out=target)
-                if width < 8:
-                    target.bitwise_and_(mask)
-            else:
-                piece = torch.empty_like(plane) if scratch is None else scratch[:length]
-                torch.bitwise_right_shift(plane, i * width, out=piece)
-                target.bitwise_or_(piece.bitwise_and_(mask).bitwise_left_shift_(shift))
+        plane = packed[start : start + length].expand(per_byte, length)
+        target = codes[:body].view(per_byte, length)
+        if shift == 0:
+            torch.bitwise_right_shift(plane, _offsets(width, packed.device), out=target)
+            if width < 8:
+                target.bitwise_and_((1 << width) - 1)
+        else:
+            piece = _buffer(scratch, body, packed.device).view(per_byte, length)
+            torch.bitwise_right_shift(plane, _offsets(width, packed.device), out=piece)
+            target.bitwise_or_(piece.bitwise_and_((1 << width) - 1).bitwise_left_shift_(shift))
         start += length
         shift += width
     if numel > body:
         codes[body:] = _unpack_tail(packed[start:], bits, numel - body)
     return codes
+
+
+def _buffer(scratch: Tensor | None, size: int, device: torch.device) -> Tensor:
+    """The first ``size`` bytes of ``scratch``, or new ones without it."""
+    return torch.empty(size, dtype=torch.uint8, device=device) if scratch is None else scratch[:size]
+
+
+_OFFSETS: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def _offsets(width: int, device: torch.device) -> Tensor:
+    """The bit offsets of the codes sharing a byte, as a column (0, w, 2w, ...): made once per device."""
+    key = (width, device)
+    offsets = _OFFSETS.get(key)
+    if offsets is None:
+        offsets = _OFFSETS[key] = torch.arange(0, 8, width, dtype=torch.uint8, device=device).view(-1, 1)
+    return offsets
 
 
 def _pack_tail(codes: Tensor, bits: int) -> Tensor:

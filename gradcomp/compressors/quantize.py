@@ -100,7 +100,7 @@ class AffineQuantizer(Compressor):
         packed, scales = payload
         result = flat_out(out, ctx, packed.device)
         codes = self.workspace.take("codes", ctx.numel, torch.uint8, packed.device)
-        scratch = self.workspace.take("unpack", ctx.numel // 2, torch.uint8, packed.device)
+        scratch = self.workspace.take("unpack", ctx.numel, torch.uint8, packed.device)
         bitpack.unpack(packed, self.bits, ctx.numel, out=codes, scratch=scratch)
         affine.decode(codes, self.affine(scales), self.chunk, result, self.workspace)
         return result.view(ctx.shape)
