@@ -11,7 +11,8 @@
 =====================  ===========================================================================
 :class:`SumRoute`      ``sum`` payloads (casts, random-k, PowerSGD, ``allreduce``): all-reduced per
                        dtype with the spec's algorithm, every round, then decompressed from the sum
-:class:`GatherRoute`   the other payloads: packed and all-gathered, summed in rank order
+:class:`GatherRoute`   the other payloads: packed and all-gathered, summed in rank order (on
+                       ``algo=native``, payloads of the same shapes on every rank in flight)
 :class:`TwoPhaseRoute` a compressed reduce-scatter, then an all-gather (``two_phase.py``)
 :class:`DenseRoute`    a warm-up step: each tensor's share of an uncompressed all-reduce
 =====================  ===========================================================================
@@ -131,6 +132,39 @@ class _Compressed:
         return regroup(joined)
 
 
+    def _landing(
+        self,
+        futures: list[torch.futures.Future[Any]],
+        issued: float,
+        what: str,
+        work: BucketWork,
+        finish: Callable[[], None],
+    ) -> Future[None]:
+        """The bucket's future while the backend's collectives ``futures`` (``what``, issued at
+        ``issued``) are in flight: once they complete, ``finish`` decompresses on the backend's
+        completion thread, which issues nothing. It fails with gradcomp's error for the backend's
+        (torch's futures would turn it into a RuntimeError)."""
+        landed: Future[None] = Future()
+
+        def land(collected: torch.futures.Future[list[torch.futures.Future[Any]]]) -> None:
+            try:
+                match_torch_threads()  # the backend's thread: decompress with the process's thread count
+                try:
+                    for future in collected.value():
+                        future.value()  # raises the backend's error (``work.wait()`` here would deadlock)
+                except RuntimeError as error:
+                    raise backend_failure(what, self.rank, self.world, error) from error
+                finally:
+                    work.record.add_span("communicate", issued, time.perf_counter())
+                finish()
+                landed.set_result(None)
+            except BaseException as error:  # reaches whoever waits on the bucket
+                landed.set_exception(error)
+
+        torch.futures.collect_all(futures).then(land)
+        return landed
+
+
 class SumRoute(_Compressed):
     """``sum`` payloads: all-reduced, every round, and decompressed from the sum. On ``algo=native``
     the final all-reduce is the backend's, left in flight: the bucket is decompressed on the
@@ -162,25 +196,9 @@ class SumRoute(_Compressed):
             works = [dist.all_reduce(tensor, group=self.group, async_op=True) for tensor in joined]
         except RuntimeError as error:
             raise backend_failure(_ALL_REDUCE, self.rank, self.world, error) from error
-        landed: Future[None] = Future()
-
-        def land(collected: torch.futures.Future[list[torch.futures.Future[Any]]]) -> None:
-            try:
-                match_torch_threads()  # the backend's thread: decompress with the process's thread count
-                try:
-                    for future in collected.value():
-                        future.value()  # raises the backend's error (``work.wait()`` here would deadlock)
-                except RuntimeError as error:
-                    raise backend_failure(_ALL_REDUCE, self.rank, self.world, error) from error
-                finally:
-                    work.record.add_span("communicate", issued, time.perf_counter())
-                self._decompress(regroup(joined), work)
-                landed.set_result(None)
-            except BaseException as error:  # reaches whoever waits on the bucket
-                landed.set_exception(error)
-
-        torch.futures.collect_all([w.get_future() for w in works]).then(land)
-        return landed
+        return self._landing(
+            [w.get_future() for w in works], issued, _ALL_REDUCE, work, lambda: self._decompress(regroup(joined), work)
+        )
 
 
 class GatherRoute(_Compressed):
@@ -189,7 +207,8 @@ class GatherRoute(_Compressed):
     capacity per bucket that every rank learns from the same gathered frames (kept in
     :attr:`capacities`, part of the engine's state); otherwise, and during a warm-up, gradcomp's
     point-to-point all-gather, sizes first. Where every rank's payloads have the same shapes
-    (``Compressor.same_shapes``), unpadded and with no sizes, on either."""
+    (``Compressor.same_shapes``), unpadded and with no sizes, on either; on the backend's, left in
+    flight and summed on its completion thread, as :class:`SumRoute`'s final all-reduce."""
 
     def __init__(self, compressor: Compressor, group: dist.ProcessGroup, algo: str) -> None:
         super().__init__(compressor, group, algo)
@@ -207,14 +226,33 @@ class GatherRoute(_Compressed):
         with work.record.phase("compress"):
             work.counts = [self.compressor.measure_divided(part, self.world, key) for part, key in self._split(work)]
 
-    def send(self, work: BucketWork) -> None:
+    def send(self, work: BucketWork) -> Future[None] | None:
         if work.counts:
             self._send_measured(work)
-            return
+            return None
         finals = self._later_rounds(work)
+        if self.algo == "native" and work.settled and self.compressor.same_shapes:
+            return self._in_flight(finals, work)
         with work.record.phase("communicate"):
             gathered = self._gather(finals, work)
         self._decompress_sum(gathered, work)
+        return None
+
+    def _in_flight(self, finals: list[Payload], work: BucketWork) -> Future[None] | None:
+        """Payloads of the same shapes on every rank in the backend's all-gather, left in flight: the
+        executor moves on to the next bucket's collectives while this one lands and is summed on the
+        backend's completion thread (the gathered path, minus the wait)."""
+        exchange = transport.GroupTransport(self.group, work.record.add_traffic)
+        issued = time.perf_counter()  # the landing's "communicate" span counts the packing too
+        futures, gathered = transport.all_gather_alike_in_flight(finals, _device(finals), exchange)
+
+        def finish() -> None:
+            self._decompress_sum([list(parts) for parts in zip(*gathered(), strict=True)], work)
+
+        if not futures:  # nothing travels
+            finish()
+            return None
+        return self._landing(futures, issued, transport.ALL_GATHER, work, finish)
 
     def _send_measured(self, work: BucketWork) -> None:
         """Every rank's counts in one small all-gather and one host read for the bucket; then each
@@ -248,7 +286,7 @@ class GatherRoute(_Compressed):
 
     def _gather(self, payloads: list[Payload], work: BucketWork) -> list[list[Payload]]:
         """Every rank's payloads, per tensor then rank."""
-        device = payloads[0][0].device if payloads and payloads[0] else torch.device("cpu")
+        device = _device(payloads)
         exchange = transport.GroupTransport(self.group, work.record.add_traffic)
         if work.settled and self.compressor.same_shapes:
             per_rank = transport.all_gather_alike(payloads, device, exchange, native=self.algo == "native")
@@ -321,6 +359,10 @@ def join_by_dtype(payloads: list[Payload]) -> tuple[list[Tensor], Callable[[list
         return transport.regroup(payloads, [pieces[i] for i in range(len(tensors))])
 
     return joined, regroup
+
+
+def _device(payloads: list[Payload]) -> torch.device:
+    return payloads[0][0].device if payloads and payloads[0] else torch.device("cpu")
 
 
 _ALL_REDUCE = "the backend's all-reduce of a bucket"

@@ -16,8 +16,8 @@ through one).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -88,15 +88,24 @@ class GroupTransport:
         return handle.wait()
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        return self._issue_all_gather(tensor, async_op=False)[0]
+
+    def all_gather_in_flight(self, tensor: Tensor) -> tuple[list[Tensor], torch.futures.Future[Any]]:
+        """:meth:`all_gather` issued and left in flight: the rows it fills, and the backend's future,
+        complete once they hold every rank's ``tensor`` (its ``value()`` raises the backend's error)."""
+        rows, work = self._issue_all_gather(tensor, async_op=True)
+        return rows, work.get_future()
+
+    def _issue_all_gather(self, tensor: Tensor, async_op: bool) -> tuple[list[Tensor], Any]:
         out = torch.empty(self.world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         try:
-            all_gather_single(out, tensor, group=self.group)
+            work = all_gather_single(out, tensor, group=self.group, async_op=async_op)
         except RuntimeError as error:
-            raise backend_failure("the backend's all-gather of a bucket", self.rank, self.world, error) from error
+            raise backend_failure(ALL_GATHER, self.rank, self.world, error) from error
         # gloo's and NCCL's all-gathers are rings: each rank forwards p - 1 blocks and receives as many
         nbytes = (self.world - 1) * tensor.numel() * tensor.element_size()
         self.meter(Traffic(nbytes, nbytes))
-        return list(out.view(self.world, -1))
+        return list(out.view(self.world, -1)), work
 
     def all_to_allv(self, tensor: Tensor, splits: Sequence[int], incoming: Sequence[int]) -> list[Tensor]:
         if self.native:
@@ -146,12 +155,29 @@ def all_gather_alike(
     (``Compressor.same_shapes``: fixed-size codes, exact top-k): one equal-size all-gather (the
     backend's, or with ``native`` False gradcomp's own), no size or shape exchange, and nothing read
     on the host."""
-    tensors = [t for payload in payloads for t in payload]
-    shapes = [tuple(t.shape) for t in tensors]
-    packed = packing.pack(tensors, device)
+    packed = packing.pack([t for payload in payloads for t in payload], device)
     if not packed.numel():  # empty payloads (tensors of no elements): every rank's are these
         return [payloads] * exchange.world
     frames = exchange.all_gather(packed) if native else exchange.all_gatherv(packed, [packed.numel()] * exchange.world)
+    return unpack_alike(frames, payloads)
+
+
+def all_gather_alike_in_flight(
+    payloads: list[Payload], device: torch.device, exchange: GroupTransport
+) -> tuple[list[torch.futures.Future[Any]], Callable[[], list[list[Payload]]]]:
+    """:func:`all_gather_alike` on the backend's all-gather, issued and left in flight: the backend's
+    futures (none when nothing travels) and what gives every rank's payloads once they complete."""
+    packed = packing.pack([t for payload in payloads for t in payload], device)
+    if not packed.numel():
+        return [], lambda: [payloads] * exchange.world
+    frames, future = exchange.all_gather_in_flight(packed)
+    return [future], lambda: unpack_alike(frames, payloads)
+
+
+def unpack_alike(frames: list[Tensor], payloads: list[Payload]) -> list[list[Payload]]:
+    """Every rank's payloads from its gathered frame, all shaped as this rank's ``payloads``."""
+    tensors = [t for payload in payloads for t in payload]
+    shapes = [tuple(t.shape) for t in tensors]
     return [regroup(payloads, packing.unpack(frame, shapes, tensors)) for frame in frames]
 
 
@@ -167,6 +193,8 @@ def all_gather_sized(
     frames = exchange.all_gatherv(packing.pack(tensors, device), sizes)
     return [regroup(payloads, packing.unpack(frame, s, tensors)) for frame, s in zip(frames, shapes, strict=True)]
 
+
+ALL_GATHER = "the backend's all-gather of a bucket"
 
 FRAME_HEAD = 8
 """Bytes before a frame's header: the int64 size of the whole frame this rank needs."""
