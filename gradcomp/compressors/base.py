@@ -98,6 +98,12 @@ class ChunkedConfig(CompressorConfig):
             raise ValueError(f"chunk must be >= 1, got {self.chunk}")
 
 
+def piece_multiple(config: CompressorConfig) -> int:
+    """Elements a piece of a tensor holds a multiple of, for a :attr:`Compressor.local` compressor
+    with ``config`` to compress it as it compresses the whole: its chunk, or 1."""
+    return config.chunk if isinstance(config, ChunkedConfig) else 1
+
+
 def spec_text(name: str, config: CompressorConfig, extra: Sequence[str] = ()) -> str:
     """``name:key=value,...``: the spec string of a compressor and its config."""
     options = [f"{f.name}={format_value(getattr(config, f.name))}" for f in dataclasses.fields(config)]
@@ -125,6 +131,11 @@ class Compressor(ABC):
     elementwise: ClassVar[bool] = False
     """True when compressing a concatenation gives the concatenation of the payloads, with no
     state (the casts): the engine then compresses a bucket as one tensor, into one payload."""
+    local: ClassVar[bool] = False
+    """True when compression is local to each element (the casts) or to each chunk of the config's
+    ``chunk`` consecutive elements (the quantizers, sign, fp8): a tensor compressed in pieces cut at
+    multiples of :func:`piece_multiple` is then the tensor compressed whole (bitwise for the
+    deterministic ones), which ``HookSpec.pieces`` needs."""
     needs_shapes: ClassVar[bool] = False
     """True when compression relies on the tensors' shapes (PowerSGD's low rank of each matrix): a
     flat shard of sharded data parallelism has none, and sharded training refuses such compressors."""

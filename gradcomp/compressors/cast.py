@@ -38,6 +38,7 @@ class Identity(Compressor):
     aggregation = Aggregation.SUM
     Config = NoOptions
     elementwise = True
+    local = True
 
     @property
     def unbiased(self) -> bool:
@@ -64,6 +65,7 @@ class Cast(Compressor):
     aggregation = Aggregation.SUM
     Config = NoOptions
     elementwise = True
+    local = True
     wire_dtype: ClassVar[torch.dtype]
 
     def compress(

@@ -58,6 +58,7 @@ class Fp8(Compressor):
 
     name = "fp8"
     aggregation = Aggregation.GATHER
+    local = True
     Config = Fp8Config
     config: Fp8Config
 

@@ -45,6 +45,7 @@ class AffineQuantizer(Compressor):
     """
 
     aggregation = Aggregation.GATHER
+    local = True
     config: ChunkedConfig
 
     @property

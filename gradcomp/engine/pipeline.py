@@ -31,6 +31,9 @@ every rank and nothing communicates from a backend's callback thread (rule "one 
   uncompressed, each rank's share of one all-reduce per bucket (a warm-up step's, bitwise the
   all-reduce hook's average), beside the others' route; their bytes are counted apart
   (``BucketRecord.uncompressed_bytes``).
+- With ``HookSpec.pieces`` the step's last bucket travels in parts, each compressed while the one
+  before it is sent, and large tensors are compressed as pieces of their rows in every bucket
+  (:mod:`gradcomp.engine.pieces`).
 - The first call checks that every rank uses the same spec, and fails with every rank's spec named.
 - A warm-up (``HookSpec.warmup``) sends the first steps uncompressed, as the all-reduce hook does
   (error feedback's momentum correction and clipping still apply: :meth:`Compressor.dense_share`),
@@ -45,6 +48,8 @@ from __future__ import annotations
 
 import collections
 import datetime
+import itertools
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -60,10 +65,12 @@ from gradcomp.collectives.executor import Handle, executor
 from gradcomp.collectives.groups import private
 from gradcomp.collectives.link import Traffic
 from gradcomp.compressors import Compressor, Key, make_compressor
+from gradcomp.compressors.base import piece_multiple
+from gradcomp.engine import pieces
 from gradcomp.engine.routes import BucketWork, DenseRoute, GatherRoute, RouteSteps, SumRoute, TwoPhaseRoute
 from gradcomp.engine.spec import TWO_PHASE_FROM, HookSpec, HookSpecLike, Route
 from gradcomp.engine.stats import BucketRecord
-from gradcomp.engine.warmup import Warmup
+from gradcomp.engine.warmup import Warmup, WarmupStep
 from gradcomp.errors import PeerError, SpecMismatchError
 from gradcomp.flat import numel, views
 
@@ -149,11 +156,23 @@ class Engine:
         """
         work = self._work(buffer, keys, shapes, bucket)
         plan = self.warmup.at(self.steps_done)
+        parts = self._parts(work) if last and self.spec.pieces > 1 and not plan.dense else [work]
+        # each part compressed here, in the caller's thread, while the one before it travels
+        landings = [self._send(part, plan) for part in parts]
+        self.step, self.steps_done = self.step + last, self.steps_done + last
+        if len(landings) == 1:
+            return Handle(landings[0])
+        done: Future[tuple[Tensor, Traffic | None]] = Future()
+        _when_all(landings, lambda error: done.set_exception(error) if error else done.set_result((buffer, None)))
+        return Handle(done)
+
+    def _send(self, work: BucketWork, plan: WarmupStep) -> Future[tuple[Tensor, Traffic | None]]:
+        """Compress ``work`` here, in the caller's thread (it overlaps the previous bucket's
+        communication), and queue its communication on the ordered executor."""
         work.ratio, work.settled = plan.ratio, plan.settled
         sends: list[tuple[RouteSteps, BucketWork]] = [(self._dense, work)] if plan.dense else self._by_policy(work)
-        for route, part in sends:  # here, in the caller's thread: it overlaps the previous bucket's communication
+        for route, part in sends:
             route.prepare(part)
-        self.step, self.steps_done = self.step + last, self.steps_done + last
         done: Future[tuple[Tensor, Traffic | None]] = Future()
 
         def operation() -> tuple[None, None]:  # on the ordered executor
@@ -169,7 +188,35 @@ class Engine:
 
         issues_only = self._checked and all(route.issues_only for route, _ in sends)
         executor().submit(operation, issues_only=issues_only)
-        return Handle(done)
+        return done
+
+    def _parts(self, work: BucketWork) -> list[BucketWork]:
+        """The step's last bucket in up to ``spec.pieces`` parts of whole tensors or pieces (cut in
+        :meth:`_work`), or of the buffer when it travels whole (:mod:`gradcomp.engine.pieces`), each
+        with its own record (numbered ``part``) handed over when the bucket was."""
+        if not work.shapes:
+            multiple = piece_multiple(self.spec.compressor.config) if self.spec.compressor else 1
+            cuts = pieces.spans(work.buffer.numel(), self.spec.pieces, multiple)
+            groups: list[tuple[int, int, list[Key], list[torch.Size]]] = [(start, stop, [], []) for start, stop in cuts]
+        else:
+            sizes = [math.prod(shape) for shape in work.shapes]
+            starts = [0, *itertools.accumulate(sizes)]
+            groups = [
+                (starts[g.start], starts[g.stop], work.keys[g.start : g.stop], work.shapes[g.start : g.stop])
+                for g in pieces.parts(sizes, self.spec.pieces)
+            ]
+        if len(groups) < 2:
+            return [work]
+        record, size = work.record, work.buffer.element_size()
+        return [
+            BucketWork(
+                work.buffer[start:stop],
+                list(keys),
+                list(shapes),
+                BucketRecord(record.step, record.bucket, (stop - start) * size, record.queued, part=index),
+            )
+            for index, (start, stop, keys, shapes) in enumerate(groups)
+        ]
 
     def _by_policy(self, work: BucketWork) -> list[tuple[RouteSteps, BucketWork]]:
         """The bucket's tensors by the spec's per-tensor policy: those it sends uncompressed (copied
@@ -226,6 +273,9 @@ class Engine:
                 f"{len(keys)} keys and shapes holding {numel(shapes)} elements "
                 f"do not describe a buffer of {buffer.numel()}"
             )
+        if self.spec.pieces > 1 and self.spec.compressor is not None:  # in every bucket: rule "state per tensor"
+            multiple = piece_multiple(self.spec.compressor.config)
+            keys, shapes = pieces.cut(keys, shapes, self.spec.pieces, multiple, self.spec.min_numel)
         return BucketWork(buffer, list(keys), list(shapes), record)
 
     def _check_spec(self, device: torch.device) -> None:
@@ -291,7 +341,7 @@ def check_same_spec(spec: str, group: dist.ProcessGroup, device: torch.device) -
         raise SpecMismatchError(f"ranks were given different hook specs: {listing}")
 
 
-def _when_all(landings: list[Future[None]], then: Callable[[BaseException | None], None]) -> None:
+def _when_all(landings: Sequence[Future[Any]], then: Callable[[BaseException | None], None]) -> None:
     """Call ``then(error)`` once every future of ``landings`` is done (at once if none), with the
     first error among them or None."""
     if not landings:

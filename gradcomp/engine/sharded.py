@@ -86,6 +86,8 @@ class ShardSpec:
             )
         if self.hook.warmup:
             raise ValueError("warmup is built for DDP's hooks, not yet for the sharded reduce-scatter: leave it out")
+        if self.hook.pieces > 1:
+            raise ValueError("pieces is built for DDP's hooks, not yet for the sharded reduce-scatter: leave it out")
         if self.hook.keeps_some_dense:
             raise ValueError(
                 "min_numel and vectors are built for DDP's hooks, not yet for the sharded reduce-scatter: "

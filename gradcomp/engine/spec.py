@@ -34,7 +34,7 @@ AGGREGATIONS = ("auto", "gather", "two_phase")
 """How ``gather`` payloads travel: all-gathered, two-phase, or ``auto`` (the engine decides by world size)."""
 ALLREDUCE, NOOP = "allreduce", "noop"
 """Hook names beside the compressors: the uncompressed gradient (compressor ``none``), and nothing at all."""
-ENGINE_OPTIONS = ("algo", "aggregation", "seed", "warmup", "min_numel", "vectors")
+ENGINE_OPTIONS = ("algo", "aggregation", "seed", "warmup", "min_numel", "vectors", "pieces")
 VECTORS = ("compressed", "dense")
 """What the engine does with 1-D tensors (biases, norms' scales): compress them as any other, or
 send them uncompressed (:attr:`HookSpec.vectors`)."""
@@ -83,6 +83,11 @@ class HookSpec:
     vectors: str = "compressed"
     """``dense``: 1-D tensors (biases, normalization scales) travel uncompressed too, as PowerSGD's
     vectors and most production setups leave them; ``compressed``: as any other tensor."""
+    pieces: int = 1
+    """The step's last bucket travels in up to this many parts, each compressed while the one before
+    it is on the wire (:mod:`gradcomp.engine.pieces`), with tensors of at least ``pieces`` x 256K
+    elements compressed as pieces of their rows in every bucket. For compressors local to elements or
+    chunks (casts, quantizers, sign, fp8), whose pieces compress as the whole tensor does; 1: whole."""
 
     def __post_init__(self) -> None:
         if self.algo not in ALGORITHMS:
@@ -95,11 +100,21 @@ class HookSpec:
             value = getattr(self, option)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{option} must be an integer >= 0, got {value!r}")
+        if isinstance(self.pieces, bool) or not isinstance(self.pieces, int) or self.pieces < 1:
+            raise ValueError(f"pieces must be an integer >= 1, got {self.pieces!r}")
         if self.vectors not in VECTORS:
             raise ValueError(f"vectors must be one of {', '.join(VECTORS)}, got {self.vectors!r}")
         if self.compressor is None and self.keeps_some_dense:
             raise ValueError("noop sends nothing: min_numel and vectors choose what travels uncompressed")
         name = self.compressor.name if self.compressor else NOOP
+        if self.pieces > 1 and self.compressor is None:
+            raise ValueError("noop sends nothing: pieces has nothing to cut")
+        if self.pieces > 1 and not REGISTRY[name].local:
+            raise ValueError(
+                f"pieces: {name} compresses each tensor as a whole, so its pieces would compress otherwise; "
+                "pieces takes compressors local to elements or chunks: the casts, quantize, qsgd, terngrad, "
+                "sign, fp8"
+            )
         if self.aggregation == "two_phase" and self.compressor and REGISTRY[name].aggregation is Aggregation.SUM:
             raise ValueError(f"two_phase is for gather compressors; {name} sums its payloads (all-reduce)")
         if self.compressor is not None and self.compressor.feedback.variant == "ef21":
@@ -120,7 +135,7 @@ class HookSpec:
             raise TypeError(f"unknown engine option(s) {unknown}; valid: {', '.join(ENGINE_OPTIONS)}")
         name, options = split_hook_spec(spec)
         engine = {**defaults, **{key: options.pop(key) for key in ENGINE_OPTIONS if key in options}}
-        for key in ("seed", "warmup", "min_numel"):
+        for key in ("seed", "warmup", "min_numel", "pieces"):
             if key in engine:
                 try:
                     engine[key] = convert(key, engine[key], int)

@@ -46,6 +46,9 @@ class BucketRecord:
     decompress_s: float = 0.0
     host_reads: int = 0
     """Reads of tensor values on the host in the bucket's phases (:mod:`gradcomp.host`)."""
+    part: int = 0
+    """Which part of the bucket this is, when the bucket travels in parts (``HookSpec.pieces``):
+    each part has its own record, and the step counts the bucket once."""
     spans: list[tuple[str, float, float]] = dataclasses.field(default_factory=list)
 
     @contextlib.contextmanager
@@ -211,7 +214,7 @@ def per_step(records: Iterable[BucketRecord]) -> list[StepStats]:
 
 def _summed(step: int, records: list[BucketRecord]) -> StepStats:
     parts = (
-        StepStats(step, buckets=1, input_bytes=r.input_bytes, uncompressed_bytes=r.uncompressed_bytes,
+        StepStats(step, buckets=int(r.part == 0), input_bytes=r.input_bytes, uncompressed_bytes=r.uncompressed_bytes,
                   payload_bytes=r.payload_bytes,
                   sent_bytes=r.sent_bytes, received_bytes=r.received_bytes, sent_estimate=r.sent_estimate,
                   compress_s=r.compress_s, communicate_s=r.communicate_s, decompress_s=r.decompress_s,
@@ -232,7 +235,7 @@ def write_trace(records: Iterable[BucketRecord], path: str | os.PathLike[str], r
         return seconds * 1e6
 
     for r in records:
-        label = f"step {r.step} bucket {r.bucket}"
+        label = f"step {r.step} bucket {r.bucket}" + (f" part {r.part}" if r.part else "")
         args = {"step": r.step, "bucket": r.bucket, "input_bytes": r.input_bytes, "payload_bytes": r.payload_bytes,
                 "host_reads": r.host_reads}
         events.append({"name": f"ready {label}", "ph": "i", "s": "t", "ts": us(r.queued), "pid": rank, "tid": "ddp"})
