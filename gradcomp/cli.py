@@ -183,7 +183,7 @@ def _bench_collectives(args: argparse.Namespace) -> int:
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
     networks = netem.parse_profiles(args.net)
     for network in networks:
-        netem.check(network)  # an emulated network this machine cannot build fails before any rank starts
+        netem.check(network, args.ranks)  # a network this machine cannot build fails before any rank starts
     local_size = args.local_size or (2 if args.ranks % 2 == 0 else 1)
     host = machine()
     rows = []
@@ -191,7 +191,7 @@ def _bench_collectives(args: argparse.Namespace) -> int:
         measured = bench.run(
             args.ranks, sizes, algos, repeats=args.repeats, local_size=args.local_size, network=network
         )
-        link = netem.describe(netem.Profile.parse(network))
+        link = netem.describe(netem.parse(network))
         sys.stdout.write(
             f"gradcomp bench collectives: {args.ranks} ranks, network {network} ({link}), "
             f"gloo, {host['cpu']}, torch {host['torch']}, median of {args.repeats}\n\n"
@@ -210,7 +210,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     profiles = netem.parse_profiles(args.net)
     if len(profiles) != 1:
         raise ValueError(f"calibrate takes one network profile at a time, got {profiles}")
-    netem.check(profiles[0])
+    netem.check(profiles[0], args.ranks)
     sizes = [size.as_bytes() for size in parse_sizes(args.sizes)]
     specs = [s.strip() for s in args.specs.split(";") if s.strip()] if args.specs else list(calibrate.KERNEL_SPECS)
     profile = calibrate.calibrate(

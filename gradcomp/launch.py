@@ -67,10 +67,14 @@ class RankError(RuntimeError):
 
 
 class Place(NamedTuple):
-    """Where a rank runs: its network namespace (None: this machine's) and the interface gloo uses."""
+    """Where a rank runs: its network namespace (None: this machine's), the interface gloo uses, and
+    on an emulated cluster its node and the ranks per node (torchrun's ``GROUP_RANK``,
+    ``LOCAL_WORLD_SIZE``; None on one switch, where the caller's environment says)."""
 
     namespace: str | None
     interface: str
+    node: int | None = None
+    per_node: int | None = None
 
 
 LOOPBACK = "lo"
@@ -85,19 +89,21 @@ def spawn(
     backend: str = "gloo",
     group_timeout: float = 60.0,
     threads: int = 1,
-    network: str | netem.Profile = "loopback",
+    network: str | netem.Network = "loopback",
 ) -> list[Any]:
     """Run ``target(rank, world_size, *args)`` on ``world_size`` ranks; return results in rank order.
 
     ``target`` must be importable by name (a module-level function): ranks import it.
     ``group_timeout`` bounds every collective inside the ranks; ``timeout`` bounds the whole run.
-    ``network`` is a :class:`gradcomp.netem.Profile` or its text (``loopback``, ``1gbit``, ...).
+    ``network`` is a :class:`gradcomp.netem.Profile` or :class:`~gradcomp.netem.Cluster`, or its text
+    (``loopback``, ``1gbit``, ``nodes=2x2,intra=10gbit,inter=100mbit``, ...). On a cluster each rank
+    finds its node's layout where torchrun puts it: ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``.
     Raises :class:`RankError` with the rank's traceback if any rank fails, dies or times out, and
     :class:`gradcomp.netem.NetemError` if the network cannot be built here.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    profile = network if isinstance(network, netem.Profile) else netem.Profile.parse(network)
+    profile = netem.parse(network) if isinstance(network, str) else network
     options = (timeout, backend, group_timeout, threads)
     with tempfile.TemporaryDirectory(prefix="gradcomp-store-") as directory:
         store = os.path.join(directory, "store")  # private to this user (0700), removed at the end
@@ -105,6 +111,8 @@ def spawn(
             return _spawn(world_size, target, tuple(args), [Place(None, LOOPBACK)] * world_size, store, *options)
         with netem.EmulatedNetwork(world_size, profile) as net:
             places = [Place(net.namespace(r), netem.INTERFACE) for r in range(world_size)]
+            if isinstance(profile, netem.Cluster):
+                places = [p._replace(node=profile.node(r), per_node=profile.per_node) for r, p in enumerate(places)]
             return _spawn(world_size, target, tuple(args), places, store, *options)
 
 
@@ -226,6 +234,9 @@ def _rank_main(
         if place.namespace is not None:
             netem.enter(place.namespace)
         os.environ["GLOO_SOCKET_IFNAME"] = place.interface
+        if place.node is not None and place.per_node is not None:  # the node's layout, as torchrun gives it
+            os.environ.update(LOCAL_RANK=str(rank % place.per_node), LOCAL_WORLD_SIZE=str(place.per_node),
+                              GROUP_RANK=str(place.node))  # fmt: skip
         end_with(launcher)
         import torch
         import torch.distributed as dist

@@ -33,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import threading
+from collections.abc import Iterable
 from types import FrameType, TracebackType
 
 from gradcomp.options import split_list
@@ -107,9 +108,85 @@ class Profile:
         return cls(text.strip(), _rate(rate, text), _time(delay, text) if delay else 0.0)
 
 
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """Nodes of ranks: ``per_node`` ranks on each node's own switch through ``intra`` links, and the
+    nodes joined through one ``inter`` uplink per node, which the node's ranks share as they share
+    a node's NIC (shaped both ways: a node sends and receives across nodes at ``inter`` in all).
+
+    Written ``nodes=2x2,intra=10gbit,inter=100mbit`` (N nodes x L ranks; ``intra`` and ``inter`` each
+    a rate or ``rate-delay``, e.g. ``inter=1gbit-2ms``; ``intra`` defaults to unshaped). A NIC per
+    rank (a rail-optimized cluster, a NIC per GPU) at rate R is, for the collectives here, where every
+    rank of a node sends across nodes at once, an ``inter`` of L x R."""
+
+    name: str
+    nodes: int
+    per_node: int
+    intra: Profile
+    inter: Profile
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.per_node < 1:
+            raise ValueError(f"a cluster needs at least 1 node of 1 rank, got {self.nodes}x{self.per_node}")
+        if self.world_size > MAX_RANKS:
+            raise ValueError(f"a cluster holds at most {MAX_RANKS} ranks, got {self.world_size}")
+
+    emulated = True
+    """A cluster is always emulated (its nodes are namespaces)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.per_node
+
+    def node(self, rank: int) -> int:
+        """The node rank ``rank`` runs on: ranks fill nodes in order, as torchrun numbers them."""
+        return rank // self.per_node
+
+    @classmethod
+    def parse(cls, text: str) -> Cluster:
+        """``nodes=NxL,intra=RATE[-DELAY],inter=RATE[-DELAY]``."""
+        fields: dict[str, str] = {}
+        for part in text.strip().lower().split(","):
+            key, sep, value = (item.strip() for item in part.partition("="))
+            if not sep or key not in CLUSTER_FIELDS or key in fields:
+                raise ValueError(
+                    f"bad cluster {text!r}: expected nodes=NxL,intra=RATE,inter=RATE (each once; e.g. "
+                    "nodes=2x2,intra=10gbit,inter=100mbit)"
+                )
+            fields[key] = value
+        if "nodes" not in fields or "inter" not in fields:
+            raise ValueError(f"bad cluster {text!r}: nodes=NxL and inter=RATE are required")
+        match = re.fullmatch(r"(\d+)x(\d+)", fields["nodes"])
+        if not match:
+            raise ValueError(f"bad cluster {text!r}: nodes=NxL counts nodes and ranks per node, e.g. nodes=2x4")
+        links = {}
+        for key in ("intra", "inter"):
+            link = Profile.parse(fields.get(key, "loopback"))
+            if "=" in fields.get(key, "") or (key == "inter" and not link.emulated):
+                raise ValueError(f"bad cluster {text!r}: {key} is a rate or rate-delay, e.g. 1gbit or 1gbit-2ms")
+            links[key] = link
+        return cls(text.strip(), int(match[1]), int(match[2]), links["intra"], links["inter"])
+
+
+CLUSTER_FIELDS = ("nodes", "intra", "inter")
+
+Network = Profile | Cluster
+"""What ``--net`` names: one switch for every rank (:class:`Profile`), or nodes (:class:`Cluster`)."""
+
+
+def parse(text: str) -> Network:
+    """A network profile (:meth:`Profile.parse`) or, starting with ``nodes=``, a :class:`Cluster`."""
+    if text.strip().lower().startswith("nodes="):
+        return Cluster.parse(text)
+    return Profile.parse(text)
+
+
 def _continues_profile(profile: str, piece: str) -> bool:
-    """Whether ``piece`` is a ``delay=`` or ``jitter=`` that the free-form ``profile`` lacks yet."""
+    """Whether ``piece`` continues ``profile``: a ``delay=`` or ``jitter=`` that a free-form profile
+    lacks yet, or an ``intra=`` or ``inter=`` of a cluster's."""
     key = piece.partition("=")[0].strip().lower() if "=" in piece else None
+    if profile.strip().lower().startswith("nodes="):
+        return key in CLUSTER_FIELDS and f"{key}=" not in profile.lower()
     return key in ("delay", "jitter") and "=" in profile and f"{key}=" not in profile.lower()
 
 
@@ -117,14 +194,15 @@ def parse_profiles(text: str) -> list[str]:
     """``"loopback,1gbit"`` -> both, each checked: a bad profile fails before anything runs.
 
     Commas separate profiles, except inside a free-form one: ``rate=1gbit,delay=2ms,jitter=1ms,loopback``
-    is two profiles (a ``delay=`` or ``jitter=`` continues the free-form profile before it). A
-    semicolon always separates: ``delay=1ms;delay=2ms``.
+    is two profiles (a ``delay=`` or ``jitter=`` continues the free-form profile before it), and
+    inside a cluster (an ``intra=`` or ``inter=`` continues a ``nodes=``). A semicolon always
+    separates: ``delay=1ms;delay=2ms``.
     """
     profiles = split_list(text, _continues_profile)
     if not profiles:
         raise ValueError("--net needs at least one network profile")
     for profile in profiles:
-        Profile.parse(profile)
+        parse(profile)
     return profiles
 
 
@@ -156,22 +234,32 @@ def unavailable() -> str | None:
     return None
 
 
-def check(profile: str) -> Profile:
-    """The parsed profile, or a ValueError if it does not parse or names an emulated network this
-    machine cannot build (that needs root and iproute2; a delay needs the kernel's netem qdisc). An
-    emulated profile is built once, for two ranks, and torn down (a fraction of a second) to find out:
-    commands call this before starting any rank."""
+def check(profile: str, ranks: int | Iterable[int] = ()) -> Network:
+    """The parsed profile, or a ValueError if it does not parse, names an emulated network this
+    machine cannot build (that needs root and iproute2; a delay needs the kernel's netem qdisc), or
+    is a cluster of another size than ``ranks``. An emulated profile is built once, for two ranks (a
+    cluster: two nodes of one), and torn down (a fraction of a second) to find out: commands call
+    this before starting any rank."""
     try:
-        parsed = Profile.parse(profile)
+        parsed = parse(profile)
     except ValueError as error:
         raise ValueError(f"network {profile!r}: {error}") from None
+    for count in [ranks] if isinstance(ranks, int) else ranks:
+        if isinstance(parsed, Cluster) and count != parsed.world_size:
+            raise ValueError(
+                f"network {profile!r} holds {parsed.world_size} ranks ({parsed.nodes} nodes x {parsed.per_node}), "
+                f"not {count}: give as many ranks as its nodes hold"
+            )
     if not parsed.emulated:
         return parsed
     reason = unavailable()
     if reason:
         raise ValueError(f"network {profile!r}: {reason}")
+    small: Network = parsed
+    if isinstance(parsed, Cluster):  # every kind of link it has, at the smallest size
+        small = dataclasses.replace(parsed, nodes=min(parsed.nodes, 2), per_node=1)
     try:
-        with EmulatedNetwork(2, parsed):
+        with EmulatedNetwork(small.world_size if isinstance(small, Cluster) else 2, small):
             pass
     except NetemError as error:
         raise ValueError(f"network {profile!r}: {error}") from None
@@ -185,13 +273,18 @@ class EmulatedNetwork:
     process, before it starts any thread), and :data:`INTERFACE` for ``GLOO_SOCKET_IFNAME``.
     """
 
-    def __init__(self, world_size: int, profile: str | Profile) -> None:
+    def __init__(self, world_size: int, profile: str | Network) -> None:
         if not 1 <= world_size <= MAX_RANKS:
             raise ValueError(f"world_size must be in 1..{MAX_RANKS}, got {world_size}")
         self.world_size = world_size
-        self.profile = profile if isinstance(profile, Profile) else Profile.parse(profile)
+        self.profile = parse(profile) if isinstance(profile, str) else profile
         if not self.profile.emulated:
             raise ValueError("loopback is not an emulated network: run the ranks on 127.0.0.1")
+        if isinstance(self.profile, Cluster) and self.profile.world_size != world_size:
+            raise ValueError(
+                f"the cluster {self.profile.name!r} holds {self.profile.world_size} ranks "
+                f"({self.profile.nodes} nodes x {self.profile.per_node}), not {world_size}"
+            )
         self.tag = f"{PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
         self._created: list[str] = []
         self._previous_handlers: dict[int, object] = {}
@@ -201,7 +294,12 @@ class EmulatedNetwork:
 
     @property
     def hub(self) -> str:
+        """The switch every rank's port hangs on; on a cluster, the one joining the nodes' uplinks."""
         return f"{self.tag}-hub"
+
+    def node_switch(self, node: int) -> str:
+        """A cluster's node: the namespace of its switch and its uplink."""
+        return f"{self.tag}-node{node}"
 
     def address(self, rank: int) -> str:
         host = rank + 1  # .0 and .255 are never hosts
@@ -217,7 +315,7 @@ class EmulatedNetwork:
         except BaseException:
             self.close()
             raise
-        logger.info("emulated network %s: %d ranks on a %s star", self.tag, self.world_size, self.profile.name)
+        logger.info("emulated network %s: %d ranks on %s", self.tag, self.world_size, self.profile.name)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
@@ -231,26 +329,48 @@ class EmulatedNetwork:
         self._restore_signals()
 
     def _build(self) -> None:
-        self._add_namespace(self.hub)
-        _run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
-        _run("ip", "-n", self.hub, "link", "set", "br0", "up")
+        self._add_switch(self.hub)
+        cluster = self.profile if isinstance(self.profile, Cluster) else None
+        flat = self.profile if isinstance(self.profile, Profile) else None
+        if cluster is not None:  # each node a switch of its own, its uplink a port of the hub's
+            for node in range(cluster.nodes):
+                switch, port = self.node_switch(node), f"n{node}"
+                self._add_switch(switch)
+                self._link(switch, "uplink", self.hub, port)
+                _run("ip", "-n", switch, "link", "set", "uplink", "master", "br0")
+                self._shape(switch, "uplink", cluster.inter, uplink=True)
+                self._shape(self.hub, port, cluster.inter, uplink=False)
         for rank in range(self.world_size):
             name, port = self.namespace(rank), f"p{rank}"
+            switch = self.hub if cluster is None else self.node_switch(cluster.node(rank))
+            link = cluster.intra if cluster is not None else flat
+            assert link is not None
             self._add_namespace(name)
-            _run("ip", "link", "add", INTERFACE, "netns", name, "type", "veth", "peer", port, "netns", self.hub)
-            _run("ip", "-n", self.hub, "link", "set", port, "master", "br0", "up")
+            self._link(name, INTERFACE, switch, port)
             _run("ip", "-n", name, "addr", "add", f"{self.address(rank)}/16", "dev", INTERFACE)
-            _run("ip", "-n", name, "link", "set", INTERFACE, "up")
             _run("ip", "-n", name, "link", "set", "lo", "up")
-            self._shape(name, INTERFACE, uplink=True)
-            self._shape(self.hub, port, uplink=False)
+            self._shape(name, INTERFACE, link, uplink=True)
+            self._shape(switch, port, link, uplink=False)
+
+    def _add_switch(self, name: str) -> None:
+        """A namespace holding a bridge, ``br0``."""
+        self._add_namespace(name)
+        _run("ip", "-n", name, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", name, "link", "set", "br0", "up")
+
+    def _link(self, namespace: str, device: str, switch: str, port: str) -> None:
+        """A veth from ``device`` in ``namespace`` to ``port`` of ``switch``'s bridge, both up."""
+        _run("ip", "link", "add", device, "netns", namespace, "type", "veth", "peer", port, "netns", switch)
+        _run("ip", "-n", switch, "link", "set", port, "master", "br0", "up")
+        _run("ip", "-n", namespace, "link", "set", device, "up")
 
     def _add_namespace(self, name: str) -> None:
         _run("ip", "netns", "add", name)
         self._created.append(name)
 
-    def _shape(self, namespace: str, device: str, *, uplink: bool) -> None:
-        profile, parent = self.profile, ["root"]
+    def _shape(self, namespace: str, device: str, profile: Profile, *, uplink: bool) -> None:
+        """Shape ``device``'s egress to ``profile``: its rate, and on an ``uplink`` its delay."""
+        parent = ["root"]
         if uplink and profile.delay > 0:
             delay = ["delay", f"{profile.delay * 1e6:.0f}us"]
             if profile.jitter > 0:
@@ -346,8 +466,11 @@ def _run(*command: str, check: bool = True) -> str:
     return done.stdout
 
 
-def describe(profile: Profile) -> str:
-    """One line for tables: ``loopback`` or the rate and delay."""
+def describe(profile: Network) -> str:
+    """One line for tables: ``loopback``, the rate and delay, or a cluster's nodes and links."""
+    if isinstance(profile, Cluster):
+        return (f"{profile.nodes} nodes x {profile.per_node} ranks, {describe(profile.intra)} inside a node, "
+                f"{describe(profile.inter)} across")  # fmt: skip
     if not profile.emulated:
         return "loopback"
     parts = [] if profile.rate_bits is None else [_format_rate(profile.rate_bits)]

@@ -251,7 +251,83 @@ def test_a_training_run_behind_a_shaped_link(tmp_path: Path) -> None:
         ("rate=1gbit,delay=2ms,jitter=1ms,loopback", ["rate=1gbit,delay=2ms,jitter=1ms", "loopback"]),
         ("delay=1ms;delay=2ms", ["delay=1ms", "delay=2ms"]),
         (" 1gbit-2ms ; rate=10mbit ", ["1gbit-2ms", "rate=10mbit"]),
+        ("lo,nodes=2x2,intra=10gbit,inter=1gbit,1gbit", ["lo", "nodes=2x2,intra=10gbit,inter=1gbit", "1gbit"]),
+        ("nodes=2x2,inter=1gbit;nodes=4x1,inter=1gbit", ["nodes=2x2,inter=1gbit", "nodes=4x1,inter=1gbit"]),
     ],
 )
 def test_free_form_profiles_stay_whole_in_a_list(text: str, profiles: list[str]) -> None:
     assert netem.parse_profiles(text) == profiles
+
+
+def test_clusters_parse() -> None:
+    cluster = netem.parse("nodes=2x4,intra=10gbit,inter=100mbit-2ms")
+    assert isinstance(cluster, netem.Cluster)
+    assert (cluster.nodes, cluster.per_node, cluster.world_size) == (2, 4, 8)
+    assert cluster.intra == Profile.parse("10gbit") and cluster.inter == Profile.parse("100mbit-2ms")
+    assert [cluster.node(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert netem.describe(cluster) == "2 nodes x 4 ranks, 10 Gbit/s inside a node, 100 Mbit/s, 2 ms across"
+    unshaped = netem.parse("nodes=3x1,inter=1gbit")
+    assert isinstance(unshaped, netem.Cluster) and not unshaped.intra.emulated and unshaped.emulated
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("nodes=2,inter=1gbit", "counts nodes and ranks per node"),
+        ("nodes=2x2", "inter=RATE are required"),
+        ("nodes=2x2,inter=loopback", "inter is a rate"),
+        ("nodes=2x2,inter=rate=1gbit", "inter is a rate"),
+        ("nodes=2x2,inter=1gbit,inter=2gbit", "each once"),
+        ("nodes=2x2,inter=1gbit,speed=1", "expected nodes=NxL"),
+        ("nodes=0x2,inter=1gbit", "at least 1 node"),
+        ("nodes=2x2,inter=fast", "bad rate"),
+    ],
+)
+def test_bad_clusters_are_refused(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        netem.parse(text)
+
+
+def test_a_cluster_of_another_size_than_the_ranks_is_refused_before_any_rank_starts() -> None:
+    with pytest.raises(ValueError, match=r"holds 4 ranks \(2 nodes x 2\), not 2"):
+        netem.check("nodes=2x2,inter=1gbit", 2)
+    with pytest.raises(ValueError, match="holds 4 ranks"):
+        EmulatedNetwork(2, "nodes=2x2,inter=1gbit")
+
+
+def _transfers(rank: int, world: int, pairs: list[tuple[int, int]], nbytes: int, repeats: int) -> dict[str, object]:
+    """The fastest of ``repeats`` rounds of every ``(sender, receiver)`` pair sending ``nbytes`` at
+    once, in seconds (the slowest rank's), and the node layout the launcher gave this rank."""
+    payload = torch.ones(nbytes // 4)
+    times = []
+    for _ in range(repeats + 1):  # the first round opens the connections
+        dist.barrier()
+        start = time.perf_counter()
+        works = [dist.isend(payload, dst) for src, dst in pairs if src == rank]
+        works += [dist.irecv(torch.empty_like(payload), src) for src, dst in pairs if dst == rank]
+        for work in works:
+            work.wait()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(float(elapsed))
+    layout = {key: os.environ.get(key) for key in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    return {"seconds": min(times[1:]), "layout": layout}
+
+
+@needs_root
+def test_a_cluster_shapes_the_nodes_uplinks_and_not_their_switches() -> None:
+    """On 2 nodes x 2 ranks joined at 50 Mbit/s (unshaped inside a node): a transfer inside a node
+    is far quicker than the uplink; one across nodes takes the uplink's time; two at once across
+    nodes share it (the node's NIC), taking twice as long; every rank knows its node's layout."""
+    network, nbytes = "nodes=2x2,inter=50mbit", 1 << 20
+    link = nbytes * 8 / 50e6  # seconds at the uplink's rate
+    inside = spawn_ranks(4, _transfers, ([(0, 1)], nbytes, 3), network=network, timeout=120)
+    across = spawn_ranks(4, _transfers, ([(0, 2)], nbytes, 3), network=network, timeout=120)[0]["seconds"]
+    shared = spawn_ranks(4, _transfers, ([(0, 2), (1, 3)], nbytes, 3), network=network, timeout=120)[0]["seconds"]
+    assert inside[0]["seconds"] < link / 4
+    assert across == pytest.approx(link, rel=0.25) and across >= 0.95 * link
+    assert shared >= 1.8 * link, "two ranks of a node share its uplink"
+    assert [r["layout"] for r in inside] == [
+        {"LOCAL_RANK": str(r % 2), "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(r // 2)} for r in range(4)
+    ]
+    assert _ours() == []

@@ -252,7 +252,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _shipped(name: str, out: Path, monkeypatch: pytest.MonkeyPatch) -> list[Run]:
     """The runs of a shipped config, its emulated networks taken as buildable (that needs root)."""
-    monkeypatch.setattr(netem, "check", lambda profile: None)
+    monkeypatch.setattr(netem, "check", lambda profile, ranks=(): None)
     return plan.load(str(ROOT / f"experiments/configs/{name}.toml"), str(out))
 
 
@@ -301,7 +301,7 @@ def test_the_fidelity_sweep_trains_every_method_with_momentum_on_both_study_task
 def test_networks_this_machine_cannot_build_are_left_out_when_asked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def check(profile: str) -> None:
+    def check(profile: str, ranks: object = ()) -> None:
         if profile != "loopback":
             raise ValueError(f"network {profile!r}: emulated networks need root")
 

@@ -196,7 +196,7 @@ def test_the_local_sgd_sweep_puts_synchronizations_beside_the_hooks_on_both_stud
 ) -> None:
     from gradcomp import netem
 
-    monkeypatch.setattr(netem, "check", lambda profile: None)  # 100mbit needs root and tc
+    monkeypatch.setattr(netem, "check", lambda profile, ranks=(): None)  # 100mbit needs root and tc
     runs = plan.load(plan.find_config("local-sgd"), str(tmp_path))
     methods: dict[str, set[str]] = {}
     for run in runs:

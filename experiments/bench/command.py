@@ -99,9 +99,9 @@ def _command(args: argparse.Namespace, mode: Mode = DDP) -> int:
     from gradcomp.netem import check, parse_profiles
 
     networks = parse_profiles(args.net)
-    for network in networks:
-        check(network)  # an emulated network this machine cannot build fails before any rank starts
     settings = settings_of(args, mode, networks[0])
+    for network in networks:
+        check(network, settings.ranks)  # a network this machine cannot build fails before any rank starts
     import torch
 
     if settings.device == "cuda" and not torch.cuda.is_available():

@@ -220,12 +220,12 @@ def _command(args: argparse.Namespace) -> int:
     from gradcomp.netem import check, parse_profiles
 
     networks = parse_profiles(args.net)
-    for network in networks:
-        check(network)
     try:
         ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
     except ValueError:
         raise ValueError(f"--ranks takes comma-separated integers, got {args.ranks!r}") from None
+    for network in networks:
+        check(network, ranks)
     if not ranks or min(ranks) < 2:
         raise ValueError(f"--ranks must be >= 2, got {args.ranks!r}")
     models = [m.strip() for m in args.model.split(",") if m.strip()]

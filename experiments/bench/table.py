@@ -18,13 +18,13 @@ from gradcomp.experiments.bench.settings import BenchSettings
 def format_run(settings: BenchSettings, rows: Sequence[Row], host: dict[str, Any]) -> str:
     """One network's output: what ran on what (``host``: :func:`gradcomp.bench.report.machine`), then
     both tables."""
-    from gradcomp.netem import Profile, describe
+    from gradcomp.netem import describe, parse
 
     workload = settings.workload
     runs = f" (medians over {settings.runs} runs; ratios with their range)" if settings.runs > 1 else ""
     return (
         f"gradcomp bench {settings.mode.name}: {workload.about}, batch {workload.batch_size} per rank, "
-        f"{settings.ranks} ranks, network {settings.network} ({describe(Profile.parse(settings.network))}), gloo, "
+        f"{settings.ranks} ranks, network {settings.network} ({describe(parse(settings.network))}), gloo, "
         f"{host['cpu']}, torch {host['torch']}, {settings.threads} thread(s) per rank, "
         f"median of {settings.steps} steps{runs}\n\n"
         f"{format_table(rows, settings.mode.anchor)}\n\n"

@@ -134,9 +134,9 @@ def expand(
     runinfo.check_out(out)
     for network in dict.fromkeys(run.config.network for run in runs):
         try:
-            netem.check(network)
+            netem.check(network, {run.config.ranks for run in runs if run.config.network == network})
         except ValueError as error:
-            if unavailable_networks is None or not netem.Profile.parse(network).emulated:
+            if unavailable_networks is None or not netem.parse(network).emulated:
                 raise
             unavailable_networks[network] = str(error)
     runs = [run for run in runs if run.config.network not in (unavailable_networks or {})]

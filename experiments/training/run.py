@@ -303,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = from_args(args)
         under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
         if not under_torchrun:
-            netem.check(config.network)
+            netem.check(config.network, config.ranks)
             record = launch(config, verbose=args.verbose)
         else:
             if int(os.environ["RANK"]) == 0:
