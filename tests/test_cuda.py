@@ -1,5 +1,6 @@
 """On a CUDA device (``make gpu-check``; skipped with the reason elsewhere): no compressor synchronizes
-the host with the device in steady state (CUDA's own sync check, set to raise), results match the
+the host with the device in steady state (CUDA's own sync check, set to raise) or allocates device
+memory (the caching allocator's count of cudaMalloc calls), results match the
 CPU's, and work queued on the caller's stream stays correct; with two GPUs, DDP over NCCL under every
 fixed-size hook makes no host read."""
 
@@ -44,6 +45,22 @@ def test_steady_state_steps_never_synchronize_the_host(spec: str) -> None:
             simulate(ranks, step, key="w", shapes=SHAPES)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("spec", FIXED)
+def test_steady_state_steps_take_no_new_device_memory(spec: str) -> None:
+    """A steady step allocates the same sizes every time (``tests/test_allocations.py``, on the CPU):
+    CUDA's caching allocator serves them all from its cache, with no device allocation (cudaMalloc)."""
+    ranks = [make_compressor(spec, rank=r) for r in range(2)]
+    steps = gradients("cuda", 6)
+    for step in steps[:2]:  # state, workspaces and the cache settle
+        simulate(ranks, step, key="w", shapes=SHAPES)
+    torch.cuda.synchronize()
+    segments = torch.cuda.memory_stats()["segment.all.allocated"]  # device allocations so far
+    for step in steps[2:]:
+        simulate(ranks, step, key="w", shapes=SHAPES)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["segment.all.allocated"] == segments
 
 
 @pytest.mark.parametrize("spec", DETERMINISTIC)
