@@ -66,7 +66,7 @@ from gradcomp.collectives.groups import private
 from gradcomp.collectives.link import Traffic
 from gradcomp.compressors import Compressor, Key, make_compressor
 from gradcomp.compressors.base import piece_multiple
-from gradcomp.engine import pieces
+from gradcomp.engine import hierarchical, pieces
 from gradcomp.engine.routes import BucketWork, DenseRoute, GatherRoute, RouteSteps, SumRoute, TwoPhaseRoute
 from gradcomp.engine.spec import TWO_PHASE_FROM, HookSpec, HookSpecLike, Route
 from gradcomp.engine.stats import BucketRecord
@@ -121,8 +121,9 @@ class Engine:
         # DDP's group they would interleave with the engine's differently on each rank (gloo aborts
         # with "Received data size doesn't match expected size").
         self.group = private(group, timeout)
-        self.route: RouteSteps = _ROUTES[self.spec.route(self.world)](self.compressor, self.group, self.spec.algo)
-        """How the spec's payloads travel (:mod:`gradcomp.engine.routes`)."""
+        self.route: RouteSteps = self._route()
+        """How the spec's payloads travel (:mod:`gradcomp.engine.routes`; across nodes,
+        :mod:`gradcomp.engine.hierarchical`)."""
         exact = make_compressor("none")
         self._dense = DenseRoute(self.compressor, self.group, self.spec.algo, exact)
         # The per-tensor policy's uncompressed tensors: each rank's share as a warm-up step's (EF21
@@ -138,6 +139,16 @@ class Engine:
         self.steps_done = 0
         """Steps handed over in the whole run, resumed ones included (the warm-up's clock, saved)."""
         self._checked = False
+
+    def _route(self) -> RouteSteps:
+        """The spec's route over the group, or with ``local_size`` across nodes inside a hierarchy."""
+        local = self.spec.local_size
+        if local <= 1:
+            return _ROUTES[self.spec.route(self.world)](self.compressor, self.group, self.spec.algo)
+        hierarchical.check_local_size(local, self.world)
+        intra, inter = hierarchical.groups(self.group, local)
+        inner = _ROUTES[self.spec.route(self.world // local)](self.compressor, inter, self.spec.algo)
+        return hierarchical.HierarchicalRoute(inner, intra, local, self.compressor.elementwise)
 
     def reduce(
         self,

@@ -29,12 +29,12 @@ from gradcomp.compressors.registry import SpecLike
 from gradcomp.options import convert, split_spec
 
 ALGORITHMS = ("native", *FLAT_ALGORITHMS)
-"""All-reduce algorithms for ``sum`` payloads (hierarchical needs a local size: not offered here)."""
+"""All-reduce algorithms for ``sum`` payloads (across nodes, with ``local_size``: the same)."""
 AGGREGATIONS = ("auto", "gather", "two_phase")
 """How ``gather`` payloads travel: all-gathered, two-phase, or ``auto`` (the engine decides by world size)."""
 ALLREDUCE, NOOP = "allreduce", "noop"
 """Hook names beside the compressors: the uncompressed gradient (compressor ``none``), and nothing at all."""
-ENGINE_OPTIONS = ("algo", "aggregation", "seed", "warmup", "min_numel", "vectors", "pieces")
+ENGINE_OPTIONS = ("algo", "aggregation", "seed", "warmup", "min_numel", "vectors", "pieces", "local_size")
 VECTORS = ("compressed", "dense")
 """What the engine does with 1-D tensors (biases, norms' scales): compress them as any other, or
 send them uncompressed (:attr:`HookSpec.vectors`)."""
@@ -83,6 +83,10 @@ class HookSpec:
     vectors: str = "compressed"
     """``dense``: 1-D tensors (biases, normalization scales) travel uncompressed too, as PowerSGD's
     vectors and most production setups leave them; ``compressed``: as any other tensor."""
+    local_size: int = 0
+    """Ranks per node (torchrun's ``LOCAL_WORLD_SIZE``): with L > 1 a bucket is reduce-scattered
+    uncompressed inside each node, each local rank's shard compressed across nodes, and all-gathered
+    inside the node (:mod:`gradcomp.engine.hierarchical`); 0: one flat group (as 1)."""
     pieces: int = 1
     """The step's last bucket travels in up to this many parts, each compressed while the one before
     it is on the wire (:mod:`gradcomp.engine.pieces`), with tensors of at least ``pieces`` x 256K
@@ -100,6 +104,12 @@ class HookSpec:
             value = getattr(self, option)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{option} must be an integer >= 0, got {value!r}")
+        if isinstance(self.local_size, bool) or not isinstance(self.local_size, int) or self.local_size < 0:
+            raise ValueError(f"local_size must be a whole number of ranks per node (0: flat), got {self.local_size!r}")
+        if self.local_size > 1 and self.compressor is None:
+            raise ValueError("noop sends nothing: local_size has no nodes to reduce across")
+        if self.local_size > 1 and self.pieces > 1:
+            raise ValueError("pieces and local_size do not combine yet: a node's shard travels whole")
         if isinstance(self.pieces, bool) or not isinstance(self.pieces, int) or self.pieces < 1:
             raise ValueError(f"pieces must be an integer >= 1, got {self.pieces!r}")
         if self.vectors not in VECTORS:
@@ -135,7 +145,7 @@ class HookSpec:
             raise TypeError(f"unknown engine option(s) {unknown}; valid: {', '.join(ENGINE_OPTIONS)}")
         name, options = split_hook_spec(spec)
         engine = {**defaults, **{key: options.pop(key) for key in ENGINE_OPTIONS if key in options}}
-        for key in ("seed", "warmup", "min_numel", "pieces"):
+        for key in ("seed", "warmup", "min_numel", "pieces", "local_size"):
             if key in engine:
                 try:
                     engine[key] = convert(key, engine[key], int)

@@ -1,0 +1,182 @@
+"""Hierarchical compressed averaging: uncompressed inside a node, compressed across nodes.
+
+With ``HookSpec.local_size = L`` the world is nodes of L consecutive ranks (torchrun's numbering).
+Compression pays only on the slow hop between nodes, so a bucket takes three steps:
+
+1. **Inside the node**, an uncompressed reduce-scatter: local rank j receives the node's sum of
+   *shard j*, which holds piece j of every tensor of the bucket (each tensor cut into L pieces of
+   its rows, :class:`NodeShards`), so that a shard is made of whole pieces of tensors, the same ones
+   whichever bucket DDP puts a tensor in.
+2. **Across nodes**, local rank j compresses its shard's pieces (each keyed ``(key, "node", j)``: its
+   error-feedback residual and PowerSGD memory follow the piece) and averages them with the local
+   rank j of every other node, through the spec's route (:mod:`gradcomp.engine.routes`) on that
+   group of ``world / L`` ranks: a node sends 1 / L of its compressed gradient per local rank, the
+   whole compressed gradient through its uplink in all, L times less than every rank compressing
+   and sending everything.
+3. **Inside the node**, an uncompressed all-gather of the shards, back into the bucket.
+
+The bucket is divided by L before the reduce-scatter and by ``world / L`` in the compression, so the
+average is taken once and sums cannot overflow (rule "divide before sum"). Ranks end bitwise
+identical: every local rank j decompresses the same payloads, and the all-gather copies. The intra-
+node steps run gradcomp's ring (point to point, every byte counted as inside the node); the whole
+bucket runs on the ordered executor (compression needs the reduce-scattered shard).
+
+Cost per bucket of n elements: 2 (L - 1) / L n elements inside the node (the backend's
+reduce-scatter and all-gather), and the compressor's payload of n / L elements across nodes per
+local rank; two copies of the bucket (into the shard layout and back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import os
+from collections.abc import Hashable
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gradcomp.collectives import hierarchical, ring
+from gradcomp.collectives.link import Link
+from gradcomp.collectives.ops import ReduceOp
+from gradcomp.engine.routes import BucketWork, RouteSteps
+from gradcomp.flat import views
+
+LAUNCHER_LAYOUT = "LOCAL_WORLD_SIZE"
+"""The environment variable in which torchrun (and ``gradcomp.launch`` on an emulated cluster) gives
+the ranks per node."""
+
+
+def check_local_size(local_size: int, world: int) -> None:
+    """``local_size`` divides ``world`` and matches the launcher's layout, if the launcher gave one."""
+    if world % local_size:
+        raise ValueError(f"local_size={local_size} does not divide the world of {world} ranks into nodes")
+    launched = os.environ.get(LAUNCHER_LAYOUT)
+    if launched is not None and launched.strip() and int(launched) != local_size:
+        raise ValueError(
+            f"local_size={local_size}, but the launcher started {launched} ranks per node ({LAUNCHER_LAYOUT}): "
+            "a node's ranks must share its fast links"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeShards:
+    """A bucket's tensors cut into ``local`` pieces of their rows (a 0-d tensor as one row), and the
+    shard layout: shard j holds piece j of every tensor, in order (:meth:`shard_of`)."""
+
+    shapes: tuple[torch.Size, ...]
+    local: int
+
+    @functools.cached_property
+    def pieces(self) -> list[list[torch.Size]]:
+        """Per tensor, its L pieces' shapes (the first ones a row larger; empty ones where it has
+        fewer rows than L)."""
+        out = []
+        for shape in self.shapes:
+            rows, rest = (shape[0], tuple(shape[1:])) if len(shape) else (1, ())
+            base, extra = divmod(rows, self.local)
+            out.append([torch.Size((base + (j < extra), *rest)) for j in range(self.local)])
+        return out
+
+    @functools.cached_property
+    def bounds(self) -> list[tuple[int, int]]:
+        """Each shard's [start, stop) in the shard layout."""
+        sizes = [sum(math.prod(p[j]) for p in self.pieces) for j in range(self.local)]
+        starts = [0, *itertools.accumulate(sizes)]
+        return list(itertools.pairwise(starts))
+
+    def shard_shapes(self, j: int) -> list[torch.Size]:
+        return [p[j] for p in self.pieces]
+
+    def scatter(self, bucket: Tensor, layout: Tensor, divisor: float) -> None:
+        """``bucket / divisor`` into ``layout`` in the shard layout (a copy, divided on the way)."""
+        for source, destination in self._pairs(bucket, layout):
+            torch.div(source, divisor, out=destination)
+
+    def gather(self, layout: Tensor, bucket: Tensor) -> None:
+        """The shard layout back into the bucket's order."""
+        for home, averaged in self._pairs(bucket, layout):
+            home.copy_(averaged)
+
+    def _pairs(self, bucket: Tensor, layout: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """(piece of the bucket, its place in the layout), as flat views."""
+        pieces = self.pieces
+        in_bucket = [
+            list(torch.split(tensor.reshape(-1), [math.prod(p) for p in parts]))
+            for tensor, parts in zip(views(bucket, self.shapes), pieces, strict=True)
+        ]
+        pairs = []
+        for j, (start, stop) in enumerate(self.bounds):
+            shard = layout[start:stop]
+            flat = views(shard, [(math.prod(parts[j]),) for parts in pieces])
+            pairs += [(tensor_pieces[j], place) for tensor_pieces, place in zip(in_bucket, flat, strict=True)]
+        return pairs
+
+
+class HierarchicalRoute:
+    """A bucket through a node's uncompressed reduce-scatter, ``inner`` (the spec's route, on the
+    group of the local rank j of every node) on this rank's shard, and the node's all-gather."""
+
+    issues_only = False
+
+    def __init__(self, inner: RouteSteps, intra: dist.ProcessGroup, local: int, elementwise: bool) -> None:
+        self.inner, self.intra, self.local, self.elementwise = inner, intra, local, elementwise
+        self.rank = dist.get_rank(intra)
+        self._layouts: dict[tuple[Hashable, ...], tuple[NodeShards | None, Tensor]] = {}
+
+    def prepare(self, work: BucketWork) -> None:
+        """In the caller's thread: the bucket, divided by L, into its shard layout."""
+        shards, layout = self._layout(work)
+        with work.record.phase("compress"):
+            if shards is None:
+                layout.copy_(work.buffer).div_(self.local)
+            else:
+                shards.scatter(work.buffer, layout, self.local)
+
+    def send(self, work: BucketWork) -> Future[None] | None:
+        shards, layout = self._layout(work)
+        bounds = ring.chunk_bounds(layout.numel(), self.local) if shards is None else shards.bounds
+        link = Link(self.intra)
+        with work.record.phase("communicate"):
+            ring.reduce_scatter(link, layout, ReduceOp.SUM, bounds)
+        start, stop = bounds[self.rank]
+        shard = BucketWork(
+            layout[start:stop],
+            [] if shards is None else [(key, "node", self.rank) for key in work.keys],
+            [] if shards is None else shards.shard_shapes(self.rank),
+            work.record,
+            work.ratio,
+            work.settled,
+        )
+        self.inner.prepare(shard)
+        landed = self.inner.send(shard)
+        if landed is not None:
+            landed.result()  # the all-gather below is issued here, on the executor, in order
+        with work.record.phase("communicate"):
+            ring.all_gather(link, layout, bounds)
+        work.record.add_traffic(link.traffic)
+        with work.record.phase("decompress"):
+            if shards is None:
+                work.buffer.copy_(layout)
+            else:
+                shards.gather(layout, work.buffer)
+        return None
+
+    def _layout(self, work: BucketWork) -> tuple[NodeShards | None, Tensor]:
+        """The bucket's shards (None when it travels whole: element-wise compressors) and its
+        layout buffer, kept per bucket (DDP waits for every bucket before the next backward)."""
+        key = tuple(work.keys) or (work.buffer.numel(),)
+        held = self._layouts.get(key)
+        if held is None or held[1].numel() != work.buffer.numel() or held[1].dtype != work.buffer.dtype:
+            shards = None if self.elementwise or not work.shapes else NodeShards(tuple(work.shapes), self.local)
+            held = self._layouts[key] = (shards, torch.empty_like(work.buffer))
+        return held
+
+
+def groups(group: dist.ProcessGroup, local: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(this rank's node, the local rank j of every node) within ``group``."""
+    return hierarchical.subgroups(group, local)
