@@ -68,13 +68,15 @@ class RankError(RuntimeError):
 
 class Place(NamedTuple):
     """Where a rank runs: its network namespace (None: this machine's), the interface gloo uses, and
-    on an emulated cluster its node and the ranks per node (torchrun's ``GROUP_RANK``,
-    ``LOCAL_WORLD_SIZE``; None on one switch, where the caller's environment says)."""
+    on an emulated cluster its node, the ranks per node (torchrun's ``GROUP_RANK``,
+    ``LOCAL_WORLD_SIZE``; None on one switch, where the caller's environment says) and its node's switch."""
 
     namespace: str | None
     interface: str
     node: int | None = None
     per_node: int | None = None
+    switch: str | None = None
+    """On an emulated cluster, the namespace of the rank's node switch (``netem.NODE_SWITCH``)."""
 
 
 LOOPBACK = "lo"
@@ -112,7 +114,10 @@ def spawn(
         with netem.EmulatedNetwork(world_size, profile) as net:
             places = [Place(net.namespace(r), netem.INTERFACE) for r in range(world_size)]
             if isinstance(profile, netem.Cluster):
-                places = [p._replace(node=profile.node(r), per_node=profile.per_node) for r, p in enumerate(places)]
+                places = [
+                    p._replace(node=profile.node(r), per_node=profile.per_node, switch=net.node_switch(profile.node(r)))
+                    for r, p in enumerate(places)
+                ]
             return _spawn(world_size, target, tuple(args), places, store, *options)
 
 
@@ -236,7 +241,7 @@ def _rank_main(
         os.environ["GLOO_SOCKET_IFNAME"] = place.interface
         if place.node is not None and place.per_node is not None:  # the node's layout, as torchrun gives it
             os.environ.update(LOCAL_RANK=str(rank % place.per_node), LOCAL_WORLD_SIZE=str(place.per_node),
-                              GROUP_RANK=str(place.node))  # fmt: skip
+                              GROUP_RANK=str(place.node), **{netem.NODE_SWITCH: place.switch or ""})  # fmt: skip
         end_with(launcher)
         import torch
         import torch.distributed as dist

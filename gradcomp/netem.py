@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -336,9 +337,9 @@ class EmulatedNetwork:
             for node in range(cluster.nodes):
                 switch, port = self.node_switch(node), f"n{node}"
                 self._add_switch(switch)
-                self._link(switch, "uplink", self.hub, port)
-                _run("ip", "-n", switch, "link", "set", "uplink", "master", "br0")
-                self._shape(switch, "uplink", cluster.inter, uplink=True)
+                self._link(switch, UPLINK, self.hub, port)
+                _run("ip", "-n", switch, "link", "set", UPLINK, "master", "br0")
+                self._shape(switch, UPLINK, cluster.inter, uplink=True)
                 self._shape(self.hub, port, cluster.inter, uplink=False)
         for rank in range(self.world_size):
             name, port = self.namespace(rank), f"p{rank}"
@@ -412,6 +413,21 @@ class EmulatedNetwork:
 
 def _exit_on_signal(number: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + number)
+
+
+NODE_SWITCH = "GRADCOMP_NODE_SWITCH"
+"""The environment variable in which a rank on an emulated cluster finds its node's switch (the
+namespace holding the node's uplink), for :func:`uplink_bytes`."""
+
+UPLINK = "uplink"
+"""A cluster node's interface to the switch between nodes, in the node's switch namespace."""
+
+
+def uplink_bytes(switch: str) -> int:
+    """Bytes the node of switch namespace ``switch`` has sent across nodes so far (its uplink's
+    transmit counter, frames as they leave the node: payload and TCP/IP headers)."""
+    listing = json.loads(_run("ip", "-n", switch, "-s", "-j", "link", "show", UPLINK))
+    return int(listing[0]["stats64"]["tx"]["bytes"])
 
 
 def enter(namespace: str) -> None:

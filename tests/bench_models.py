@@ -10,6 +10,11 @@ def tiny() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 
 
+def wide() -> nn.Module:
+    """256 features into 1024 and out to 16: a 1.1 MB gradient, enough to load a shaped link."""
+    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 16))
+
+
 def tokens() -> nn.Module:
     """An embedding of 50 token ids (integer inputs) and a head; returns a tuple, as some models do."""
 

@@ -38,6 +38,10 @@ def against_ddp(rank: int, world: int) -> Failures:
     step = state.steps()[-1]
     # each rank compresses its node's half of the gradient: its payload is half the bucket's bytes
     failures.expect(2 * step.payload_bytes == step.input_bytes, f"payload {step.payload_bytes} of {step.input_bytes}")
+    # inside the node, a ring reduce-scatter and all-gather of the bucket: (L - 1) / L of it each;
+    # across nodes, an all-reduce of the half between 2 nodes: a ring's 2 (2 - 1) / 2 of it
+    failures.expect(step.intra_node_bytes == step.input_bytes, f"{step.intra_node_bytes} bytes inside the node")
+    failures.expect(step.inter_node_bytes == step.input_bytes / 2, f"{step.inter_node_bytes} bytes across nodes")
     failures.expect(parameters_identical_on_all_ranks(exact), "allreduce:local_size=2: ranks differ")
     for spec in KINDS:
         hierarchical, state = train(rank, f"{spec},local_size=2", 5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -330,4 +331,22 @@ def test_a_cluster_shapes_the_nodes_uplinks_and_not_their_switches() -> None:
     assert [r["layout"] for r in inside] == [
         {"LOCAL_RANK": str(r % 2), "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(r // 2)} for r in range(4)
     ]
+    assert _ours() == []
+
+
+@needs_root
+def test_bench_ddp_counts_the_bytes_across_nodes(tmp_path: Path) -> None:
+    """On a cluster, ``bench ddp`` reads what each node's uplink sent: 4-bit quantization across
+    nodes (``local_size=2``) sends at most 0.6x what the flat hook sends between nodes."""
+    report = tmp_path / "bench.json"
+    argv = ["bench", "ddp", "--model", "tests.bench_models:wide", "--input-shape", "256", "--ranks", "4",
+            "--net", "nodes=2x2,inter=50mbit", "--hooks", "quantize:bits=4;quantize:bits=4,local_size=2",
+            "--torch-hooks", "none", "--steps", "4", "--rounds", "1", "--warmup", "2",
+            "--json", str(report)]  # fmt: skip
+    assert main(argv) == 0
+    rows = {row["variant"]: row for row in json.loads(report.read_text())["rows"]}
+    across = {variant: row["inter_node_mb_per_step"] for variant, row in rows.items()}
+    assert across["noop"] is not None and across["noop"] < 0.01, "nothing crosses without a hook"
+    assert across["quantize:bits=4,local_size=2"] <= 0.6 * across["quantize:bits=4"]
+    assert across["torch:allreduce"] > across["quantize:bits=4"] > 0
     assert _ours() == []

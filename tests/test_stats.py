@@ -85,10 +85,20 @@ def test_a_synchronizers_step_adds_a_hooks_and_its_own() -> None:
 def test_the_dict_has_every_field_and_the_ratio() -> None:
     """A record as a plain dict (for JSON): the layout per-step dicts had."""
     step = _step(sent=10, payload=10)
-    assert step.to_dict() == {**dataclasses.asdict(step), "compression_ratio": 4.0}
+    assert step.to_dict() == {**dataclasses.asdict(step), "compression_ratio": 4.0, "inter_node_bytes": None}
     assert list(step.to_dict()) == ["step", "buckets", "input_bytes", "uncompressed_bytes", "payload_bytes",
                                     "sent_bytes", "received_bytes", "sent_estimate", "compress_s", "communicate_s",
-                                    "decompress_s", "host_reads", "tail_s", "compression_ratio"]  # fmt: skip
+                                    "decompress_s", "host_reads", "intra_node_bytes", "tail_s", "compression_ratio",
+                                    "inter_node_bytes"]  # fmt: skip
+
+
+def test_bytes_inside_and_across_nodes_are_known_only_to_hierarchical_hooks() -> None:
+    flat = BucketRecord(0, 0, 100, 0.0, sent_bytes=40, received_bytes=40, sent_estimate=40)
+    node = BucketRecord(0, 1, 100, 0.0, sent_bytes=30, received_bytes=30, sent_estimate=30, intra_node_bytes=25)
+    (alone,) = per_step([node])
+    assert (alone.intra_node_bytes, alone.inter_node_bytes) == (25, 5)
+    (mixed,) = per_step([flat, node])
+    assert mixed.intra_node_bytes is None and mixed.inter_node_bytes is None
 
 
 def test_records_are_values() -> None:

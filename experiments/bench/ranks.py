@@ -6,14 +6,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gradcomp import host
+from gradcomp import host, netem
 from gradcomp.experiments.bench import records
 from gradcomp.experiments.bench.settings import BenchSettings
 from gradcomp.experiments.bench.workloads import UserModel
@@ -40,6 +41,9 @@ class Measured:
     """gradcomp's hooks: host reads per step, the median (:func:`records.host_reads`)."""
     kernels_ms: float | None = None
     """gradcomp's fixed hooks: the compressor's kernels alone on a step's gradients (:func:`records.kernels_alone`)."""
+    inter_node_bytes: float | None = None
+    """On an emulated cluster: bytes a node sent across nodes per step (its uplink's counter, the
+    mean over nodes: :class:`Uplinks`); None elsewhere."""
 
 
 def measure(rank: int, world: int, settings: BenchSettings, variants: Sequence[str]) -> dict[str, Measured]:
@@ -60,6 +64,7 @@ def _measure(
     setups, batch = _setups(rank, settings, variants, device)
     optimizers = {v: torch.optim.SGD(m.parameters(), lr=1e-3) for v, (m, _) in setups.items()}
     times: dict[str, list[float]] = {v: [] for v in variants}
+    uplinks = Uplinks(variants)
     per_round = max(1, settings.steps // settings.rounds)
     for round_ in range(settings.rounds + 1):  # round 0 is the warm-up
         order = [*variants[round_ % len(variants) :], *variants[: round_ % len(variants)]]
@@ -67,21 +72,24 @@ def _measure(
             model, _ = setups[variant]
             count = settings.warmup if round_ == 0 else per_round
             dist.barrier()
-            for _ in range(count):
-                start = time.perf_counter()
-                _step(model, optimizers[variant], batch)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)  # a step ends when its kernels have run
-                if round_:
-                    times[variant].append(time.perf_counter() - start)
+            with uplinks.counting(variant, timed=round_ > 0):
+                for _ in range(count):
+                    start = time.perf_counter()
+                    _step(model, optimizers[variant], batch)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)  # a step ends when its kernels have run
+                    if round_:
+                        times[variant].append(time.perf_counter() - start)
+                dist.barrier()  # every rank's traffic of these steps has left
     slowest = _slowest(times, world)
+    across = uplinks.per_step({v: len(times[v]) for v in variants}, world)
     alone: dict[str, float | None] = dict.fromkeys(setups)
     for variant, (model, _) in setups.items() if settings.mode.name == "ddp" else ():
         dist.barrier()  # every rank at once, as they compress in the step
         alone[variant] = records.kernels_alone(variant, model, rank, world, settings.seed)
     return {
         v: Measured(slowest[v], records.wire(state, len(times[v])), records.phases(state, len(times[v])),
-                    records.host_reads(state, len(times[v])), alone[v])
+                    records.host_reads(state, len(times[v])), alone[v], across[v])
         for v, (_, state) in setups.items()
     }
 
@@ -119,3 +127,33 @@ def _slowest(times: dict[str, list[float]], world: int) -> dict[str, list[float]
     everyone: list[dict[str, list[float]]] = [{} for _ in range(world)]
     dist.all_gather_object(everyone, times)
     return {v: [max(rank[v][i] for rank in everyone) for i in range(len(times[v]))] for v in times}
+
+
+class Uplinks:
+    """Bytes each variant's timed steps sent across nodes on an emulated cluster, read by the first
+    rank of each node from its node's uplink (``gradcomp.netem.uplink_bytes``): what crossed
+    between nodes whatever the hook, torch's included. Elsewhere it counts nothing."""
+
+    def __init__(self, variants: Sequence[str]) -> None:
+        self.switch = os.environ.get(netem.NODE_SWITCH) or None
+        self.reads = self.switch is not None and os.environ.get("LOCAL_RANK") == "0"
+        self.sent = dict.fromkeys(variants, 0)
+
+    @contextlib.contextmanager
+    def counting(self, variant: str, timed: bool) -> Iterator[None]:
+        if not (self.reads and timed and self.switch):
+            yield
+            return
+        before = netem.uplink_bytes(self.switch)
+        yield
+        self.sent[variant] += netem.uplink_bytes(self.switch) - before
+
+    def per_step(self, steps: dict[str, int], world: int) -> dict[str, float | None]:
+        """Per variant, the bytes a node sent across nodes per timed step, the mean over nodes (a
+        collective: every rank calls it); None off a cluster."""
+        if self.switch is None:
+            return dict.fromkeys(steps)
+        sent = torch.tensor([float(self.sent[v]) for v in steps], dtype=torch.float64)
+        dist.all_reduce(sent)  # the nodes' first ranks' counts; the others add nothing
+        nodes = world // int(os.environ["LOCAL_WORLD_SIZE"])
+        return {v: float(total) / nodes / max(1, steps[v]) for v, total in zip(steps, sent.tolist(), strict=True)}

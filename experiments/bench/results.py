@@ -29,6 +29,9 @@ class Row:
     kernels_ms: float | None = None
     """gradcomp's fixed hooks: the compressor's kernels alone on a step's gradients, ms (the step's
     ``compress`` and ``decompress`` phases against them show what the step adds to the kernels)."""
+    inter_node_mb_per_step: float | None = None
+    """On an emulated cluster: MB a node sent across nodes per step (its uplink's counter, the mean
+    over nodes), beside :attr:`wire_mb_per_step`, what one rank sent wherever it went."""
 
 
 def combine(runs: list[Row]) -> Row:
@@ -53,6 +56,7 @@ def combine(runs: list[Row]) -> Row:
         run_ms,
         _median_or_none([r.host_reads for r in done]),
         _median_or_none([r.kernels_ms for r in done]),
+        _median_or_none([r.inter_node_mb_per_step for r in done]),
     )
 
 

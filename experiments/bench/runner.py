@@ -46,8 +46,9 @@ def _run_once(settings: BenchSettings, variants: Sequence[str]) -> dict[str, Row
 def _row(variant: str, network: str, figures: Measured) -> Row:
     step_ms = [t * 1e3 for t in figures.step_s]
     median = statistics.median(step_ms)
+    across = None if figures.inter_node_bytes is None else figures.inter_node_bytes / 1e6
     return Row(variant, network, median, figures.wire_bytes / 1e6, "ok", step_ms, figures.phases_ms, [median],
-               figures.host_reads, figures.kernels_ms)
+               figures.host_reads, figures.kernels_ms, across)
 
 
 def failure(error: RankError, deadline: float) -> str:

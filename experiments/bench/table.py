@@ -38,16 +38,21 @@ def format_table(rows: Sequence[Row], anchor_name: str = TORCH_ALLREDUCE) -> str
     of each run's ratio (against the same run's anchor), with their range."""
     by_name = {r.variant: r for r in rows}
     anchor, floor = by_name[anchor_name], by_name[NOOP]
-    header = ("hook", "ms/step", f"speedup vs {anchor_name}", "x noop floor", "wire MB/step", "status")
+    nodes = any(r.inter_node_mb_per_step is not None for r in rows)  # an emulated cluster: its uplinks counted
+    header = ("hook", "ms/step", f"speedup vs {anchor_name}", "x noop floor", "wire MB/step",
+              *(["across nodes MB/step"] if nodes else []), "status")  # fmt: skip
     lines = []
     for row in rows:
+        crossed = row.inter_node_mb_per_step
+        across = [] if not nodes else ["-" if crossed is None else f"{crossed:.2f}"]
         if row.ms_per_step is None:
-            lines.append((row.variant, "-", "-", "-", "-", row.status))
+            lines.append((row.variant, "-", "-", "-", "-", *across, row.status))
             continue
         speedup = _ratio(anchor, row, "x")
         ratio = _ratio(row, floor, "")
-        lines.append((row.variant, f"{row.ms_per_step:.1f}", speedup, ratio, f"{row.wire_mb_per_step:.2f}", row.status))
-    return markdown_table(header, lines, right=[False, True, True, True, True, False])
+        wire = f"{row.wire_mb_per_step:.2f}"
+        lines.append((row.variant, f"{row.ms_per_step:.1f}", speedup, ratio, wire, *across, row.status))
+    return markdown_table(header, lines, right=[False, True, True, True, True, *([True] if nodes else []), False])
 
 
 def _ratio(numerator: Row, denominator: Row, unit: str) -> str:

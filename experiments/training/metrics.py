@@ -77,6 +77,8 @@ class WireMeter:
             counts = (("steps", 1), ("sent", sent), ("input", s.input_bytes), ("payload", s.payload_bytes))
             for key, value in counts:
                 self._window[key] = self._window.get(key, 0) + value
+            if s.inter_node_bytes is not None:  # a hierarchical hook: the bytes across nodes apart
+                self._window["across"] = self._window.get("across", 0) + s.inter_node_bytes
             phases = s.phases()
             for key in HOOK_TIMES:
                 seconds = phases.get(key)
@@ -99,6 +101,8 @@ class WireMeter:
         }
         if w["payload"]:
             scalars["comm/compression_ratio"] = w["input"] / w["payload"]
+        if "across" in w:
+            scalars["comm/inter_node_bytes_per_step"] = w["across"] / n
         predicted = getattr(self.state, "predicted_s", None)
         if predicted:  # the auto hook's prediction of its step
             scalars["hook/predicted_step_ms"] = 1e3 * predicted

@@ -159,6 +159,7 @@ class HierarchicalRoute:
         with work.record.phase("communicate"):
             ring.all_gather(link, layout, bounds)
         work.record.add_traffic(link.traffic)
+        work.record.intra_node_bytes = (work.record.intra_node_bytes or 0.0) + link.traffic.sent
         with work.record.phase("decompress"):
             if shards is None:
                 work.buffer.copy_(layout)

@@ -46,6 +46,10 @@ class BucketRecord:
     decompress_s: float = 0.0
     host_reads: int = 0
     """Reads of tensor values on the host in the bucket's phases (:mod:`gradcomp.host`)."""
+    intra_node_bytes: float | None = None
+    """Of :attr:`sent_estimate`, the bytes sent to ranks of this rank's own node (a hierarchical hook,
+    ``local_size``: the node's reduce-scatter and all-gather); None: a flat hook, which does not
+    know where its peers are."""
     part: int = 0
     """Which part of the bucket this is, when the bucket travels in parts (``HookSpec.pieces``):
     each part has its own record, and the step counts the bucket once."""
@@ -132,6 +136,9 @@ class StepStats:
     host_reads: int | None = 0
     """Reads of tensor values on the host (:mod:`gradcomp.host`): on a GPU, each one waits for the
     device (a synchronization in backward's thread); None: not observed (torch's hooks)."""
+    intra_node_bytes: float | None = None
+    """Of the bytes sent, those to ranks of the same node (hierarchical hooks: ``local_size``), the
+    rest crossing nodes (:attr:`inter_node_bytes`); None where the hook does not know the nodes."""
     tail_s: float | None = 0.0
     """From the step's last hand-over of a bucket (when backward produced its last gradients) to the
     end of the last bucket's work: the communication and decompression that backward could not
@@ -140,7 +147,7 @@ class StepStats:
     @classmethod
     def zero(cls: type[_Stats], step: int) -> _Stats:
         """A step in which nothing was averaged (what a step's parts add up from)."""
-        return cls(step)
+        return cls(step, intra_node_bytes=0.0)
 
     def __add__(self: _Stats, other: StepStats) -> _Stats:
         """Both summed, field by field (None where either is None; a field ``other`` lacks counts 0),
@@ -163,14 +170,22 @@ class StepStats:
         moved the payload (unobservable), :attr:`sent_estimate`."""
         return float(self.sent_bytes if self.sent_bytes is not None else self.sent_estimate)
 
+    @property
+    def inter_node_bytes(self) -> float | None:
+        """Bytes this rank sent to other nodes in the step (:attr:`wire_bytes` less those inside its
+        node); None where the hook does not know the nodes (a flat hook)."""
+        return None if self.intra_node_bytes is None else self.wire_bytes - self.intra_node_bytes
+
     def phases(self) -> dict[str, float | None]:
         """Seconds per phase, by name: ``compress``, ``communicate``, ``decompress`` and ``tail``."""
         return {"compress": self.compress_s, "communicate": self.communicate_s, "decompress": self.decompress_s,
                 "tail": self.tail_s}  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields and :attr:`compression_ratio` as a plain dict (for JSON, or a table)."""
-        return {**dataclasses.asdict(self), "compression_ratio": self.compression_ratio}
+        """The fields, :attr:`compression_ratio` and :attr:`inter_node_bytes` as a plain dict (for
+        JSON, or a table)."""
+        return {**dataclasses.asdict(self), "compression_ratio": self.compression_ratio,
+                "inter_node_bytes": self.inter_node_bytes}  # fmt: skip
 
 
 _Stats = TypeVar("_Stats", bound=StepStats)
@@ -218,7 +233,7 @@ def _summed(step: int, records: list[BucketRecord]) -> StepStats:
                   payload_bytes=r.payload_bytes,
                   sent_bytes=r.sent_bytes, received_bytes=r.received_bytes, sent_estimate=r.sent_estimate,
                   compress_s=r.compress_s, communicate_s=r.communicate_s, decompress_s=r.decompress_s,
-                  host_reads=r.host_reads)
+                  host_reads=r.host_reads, intra_node_bytes=r.intra_node_bytes)
         for r in records
     )  # fmt: skip
     tail = max(0.0, max(r.finished for r in records) - max(r.queued for r in records))

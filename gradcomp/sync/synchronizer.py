@@ -307,7 +307,9 @@ class Synchronizer(TrainingHookState):
         entry = self._stats[-1]
         for summed in per_step(dataclasses.replace(r, step=entry.step) for r in records):  # one step, or none
             entry += summed
-        self._stats[-1] = entry + SyncStepStats(entry.step, exposed_s=exposed, synchronized=applied, skipped=skipped)
+        self._stats[-1] = entry + SyncStepStats(
+            entry.step, exposed_s=exposed, synchronized=applied, skipped=skipped, intra_node_bytes=0.0
+        )
 
     @staticmethod
     def _records_of(engine: Engine, number: int | None) -> list[BucketRecord]:
