@@ -283,6 +283,18 @@ def test_the_study_compares_the_methods_of_the_issue_against_torch_on_three_netw
     assert len(runs) == 2 * 10 * 3 * 3
 
 
+def test_the_nodes_sweep_compares_hierarchical_hooks_with_flat_ones_on_a_cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs = _shipped("nodes", tmp_path, monkeypatch)
+    hooks = {run.config.effective.hook for run in runs}
+    assert {h for h in hooks if "local_size=2" in h} == {
+        str(HookSpec.parse("topk:ratio=0.01,ef=true,local_size=2")), str(HookSpec.parse("quantize:bits=4,local_size=2"))
+    }
+    assert {run.config.network for run in runs} == {"nodes=2x2,intra=10gbit,inter=100mbit"}
+    assert {run.config.ranks for run in runs} == {4} and len(runs) == 5 * 3
+
+
 def test_the_fidelity_sweep_trains_every_method_with_momentum_on_both_study_tasks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 from scipy import stats
 
 from gradcomp.engine.sharded import SHARD_OPTIONS, ShardSpec
-from gradcomp.engine.spec import HookSpec
+from gradcomp.engine.spec import ENGINE_OPTIONS, HookSpec
 from gradcomp.experiments.report.records import Run
 from gradcomp.experiments.training.config import OPTIMIZER_JOIN, split_method
 from gradcomp.experiments.training.config import method as method_name
@@ -150,6 +150,13 @@ class MethodRuns:
     @property
     def wire_mb_per_step(self) -> float | None:
         values = [r.metrics["wire_bytes"] / r.metrics["step"] / 1e6 for r in self.finished if r.metrics.get("step")]
+        return statistics.fmean(values) if values else None
+
+    @property
+    def inter_node_mb_per_step(self) -> float | None:
+        """MB a rank sent to other nodes per step, where the hook knew (hierarchical hooks)."""
+        values = [r.metrics["inter_node_bytes"] / r.metrics["step"] / 1e6 for r in self.finished
+                  if r.metrics.get("step") and r.metrics.get("inter_node_bytes") is not None]  # fmt: skip
         return statistics.fmean(values) if values else None
 
     @property
@@ -339,7 +346,7 @@ def short_name(hook: str) -> str:
         if f.name in DEFINING or getattr(config, f.name) != getattr(defaults, f.name)
     ]
     options += spec.compressor.feedback.words()
-    options += [f"{key}={getattr(spec, key)}" for key in ("algo", "aggregation", "seed", "warmup")
+    options += [f"{key}={getattr(spec, key)}" for key in ENGINE_OPTIONS
                 if getattr(spec, key) != getattr(HookSpec(None), key)]  # fmt: skip
     options += sharded
     return spec.compressor.name + (":" + ",".join(options) if options else "")

@@ -83,7 +83,8 @@ def _section(number: int, group: Group, colours: dict[str, str]) -> list[str]:
 
 HEADER = (
     "method", "seeds", "final (mean ± std)", "95% CI", "p vs baseline", "time to target (s)", "reached",
-    "speedup vs baseline", "speedup vs fastest torch hook", "p (time) vs it", "wire MB/step", "fewer bytes",
+    "speedup vs baseline", "speedup vs fastest torch hook", "p (time) vs it", "wire MB/step",
+    "across nodes MB/step", "fewer bytes",
     "compression", "step ms", "compute ms", "compress ms", "exposed comm ms",
 )  # fmt: skip
 
@@ -120,6 +121,7 @@ def cells_of(group: Group, method: MethodRuns) -> list[str]:
         _number(method.speedup_vs_torch, "{:.2f}x"),
         _p(method.time_p),
         _number(method.wire_mb_per_step, "{:.3f}"),
+        _number(method.inter_node_mb_per_step, "{:.3f}"),
         _number(method.fewer_bytes, "{:.1f}x"),
         _number(method.mean("compression_ratio"), "{:.1f}x"),
         _number(method.step_ms, "{:.2f}"),

@@ -211,6 +211,7 @@ class Loop:
             **{f"eval_{k}": v for k, v in evaluated.items()},
             "wire_bytes": self.meter.total,
             "wire_bytes_estimated": self.meter.estimated,
+            "inter_node_bytes": self.meter.across if self.meter.steps else None,
             "compression_ratio": self.meter.compression_ratio,
             "train_time_s": self.elapsed,
             "steps_per_s": rate,

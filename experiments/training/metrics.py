@@ -52,9 +52,14 @@ class WireMeter:
     torch's do not).
     """
 
-    def __init__(self, state: TrainingHookState, total: int = 0, estimated: bool = False) -> None:
+    def __init__(
+        self, state: TrainingHookState, total: int = 0, estimated: bool = False, across: float | None = 0.0
+    ) -> None:
         self.state = state
         self.total, self.estimated = total, estimated
+        self.across: float | None = across
+        """Bytes sent to other nodes over the run, where the hook knows (hierarchical hooks:
+        ``StepStats.inter_node_bytes``); None once a step did not say."""
         self.input_bytes = self.payload_bytes = 0  # this invocation's, for the mean compression ratio
         self.hook_seconds: dict[str, float | None] = dict.fromkeys(HOOK_TIMES)  # this invocation's; None: unmeasured
         self.steps = 0
@@ -79,6 +84,10 @@ class WireMeter:
                 self._window[key] = self._window.get(key, 0) + value
             if s.inter_node_bytes is not None:  # a hierarchical hook: the bytes across nodes apart
                 self._window["across"] = self._window.get("across", 0) + s.inter_node_bytes
+            if self.across is not None and s.inter_node_bytes is not None:
+                self.across += s.inter_node_bytes
+            else:
+                self.across = None
             phases = s.phases()
             for key in HOOK_TIMES:
                 seconds = phases.get(key)

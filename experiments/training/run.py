@@ -80,12 +80,15 @@ def train(rank: int, world: int, config: TrainConfig) -> dict[str, Any] | None:
     if rank == 0:
         runinfo.write(config.out, {**record, "status": "running"})
         writer = TensorBoardWriter(config.out, float(progress["origin"]), start if resume else None)
-    meter = WireMeter(state, int(progress["wire_bytes"]), bool(progress["wire_estimated"]))
+    # bytes across nodes: a checkpoint from before they were counted knows none
+    across = progress.get("inter_node_bytes", 0.0 if start == 0 else None)
+    meter = WireMeter(state, int(progress["wire_bytes"]), bool(progress["wire_estimated"]), across)
 
     def save(step: int, elapsed: float) -> None:
         hook_state = state.state_dict()  # first: a synchronizer completes what is in flight, which the meter counts
         meter.collect()
-        progress.update(elapsed_s=elapsed, wire_bytes=meter.total, wire_estimated=meter.estimated)
+        progress.update(elapsed_s=elapsed, wire_bytes=meter.total, wire_estimated=meter.estimated,
+                        inter_node_bytes=meter.across)  # fmt: skip
         _save(config, placement, optimizer, schedule, hook_state, device, step, world, progress)
         writer.flush()
 
