@@ -31,6 +31,8 @@ every rank and nothing communicates from a backend's callback thread (rule "one 
   uncompressed, each rank's share of one all-reduce per bucket (a warm-up step's, bitwise the
   all-reduce hook's average), beside the others' route; their bytes are counted apart
   (``BucketRecord.uncompressed_bytes``).
+- With ``HookSpec.local_size`` the route runs across nodes: uncompressed inside each node,
+  compressed between them (:mod:`gradcomp.engine.hierarchical`).
 - With ``HookSpec.pieces`` the step's last bucket travels in parts, each compressed while the one
   before it is sent, and large tensors are compressed as pieces of their rows in every bucket
   (:mod:`gradcomp.engine.pieces`).
