@@ -19,7 +19,7 @@ KINDS = [
     "fp16:algo=native",  # a cast: the bucket whole
     "sign:ef=true",  # gathered, error feedback
     "quantize:bits=4",  # gathered, stochastic
-    "topk:ratio=0.1,ef=true,momentum=0.9",  # sparse, momentum correction
+    "topk:ratio=0.1,ef=true,momentum=0.9,warmup=2",  # sparse, momentum correction, a warm-up (flat)
     "randomk:ratio=0.1,scale=false,ef=true",  # summed sparse
     "powersgd:rank=2,ef=true",  # two rounds, on row blocks of the matrices
     "threshold:tau=0.001,ef=true",  # payloads sized by their values
@@ -90,7 +90,8 @@ def test_local_size_is_checked_against_the_world_and_the_launcher(monkeypatch: p
         check_local_size(2, 8)
     check_local_size(4, 8)
     for bad, message in [("sign:local_size=-1", "whole number"), ("noop:local_size=2", "no nodes"),
-                         ("sign:local_size=2,pieces=2", "do not combine")]:  # fmt: skip
+                         ("sign:local_size=2,pieces=2", "do not combine"),
+                         ("sign:local_size=2,vectors=dense", "do not combine with local_size")]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
             HookSpec.parse(bad)
     assert str(HookSpec.parse("sign:ef=true,local_size=2")).endswith("local_size=2")

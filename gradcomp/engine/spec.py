@@ -110,6 +110,8 @@ class HookSpec:
             raise ValueError("noop sends nothing: local_size has no nodes to reduce across")
         if self.local_size > 1 and self.pieces > 1:
             raise ValueError("pieces and local_size do not combine yet: a node's shard travels whole")
+        if self.local_size > 1 and self.keeps_some_dense:
+            raise ValueError("min_numel and vectors do not combine with local_size yet: a node shards every tensor")
         if isinstance(self.pieces, bool) or not isinstance(self.pieces, int) or self.pieces < 1:
             raise ValueError(f"pieces must be an integer >= 1, got {self.pieces!r}")
         if self.vectors not in VECTORS:
