@@ -31,10 +31,14 @@ def cheap(spec: str) -> KernelCost:
 def test_routes_per_aggregation() -> None:
     single = Cluster(4, LinkCosts(1e-5, 1e-9))
     nodes = Cluster(16, LinkCosts(1e-5, 1e-9), local_size=4, intra=LinkCosts(1e-6, 1e-11))
-    assert [r for r, _, _ in plan.routes(method_of("topk:ratio=0.01"), nodes)] == ["all_gather", "two_phase"]
+    assert [r for r, _, _ in plan.routes(method_of("topk:ratio=0.01"), single)] == ["all_gather", "two_phase"]
+    across = [(r, ok, m.spec.local_size) for r, ok, m in plan.routes(method_of("topk:ratio=0.01"), nodes)]
+    assert across == [("all_gather", True, 0), ("two_phase", True, 0), ("local_size=4", True, 4)]
     flat = {r: ok for r, ok, _ in plan.routes(method_of("fp16"), single)}
     assert flat == {"native": True, "ring": True, "tree": True, "halving_doubling": True, "in_network": False}
-    assert {r for r, _, _ in plan.routes(method_of("fp16"), nodes)} == {*flat, "hierarchical"}
+    assert {r for r, _, _ in plan.routes(method_of("fp16"), nodes)} == {*flat, "hierarchical", "local_size=4"}
+    # a spec local_size does not combine with is priced flat only
+    assert "local_size=4" not in {r for r, _, _ in plan.routes(method_of("fp16:vectors=dense"), nodes)}
     torch_fp16 = TorchHookSpec.parse("torch:fp16").cost_method()
     assert [r for r, _, _ in plan.routes(torch_fp16, nodes, torch_hook=True)] == ["native"]
 

@@ -77,6 +77,30 @@ def test_multi_round_and_gather_compressors() -> None:
     assert topk.step_s == pytest.approx(1 + 3 * (0.1 + wire * 0.001) + per_element * (1 + 3 * 0.5))
 
 
+def test_a_hierarchical_hook_is_priced_inside_and_across_nodes() -> None:
+    """``local_size``: the node's ring reduce-scatter and all-gather of the bucket on the fast link,
+    the spec's route among one rank per node on each tensor's half, all on the link's clock."""
+    fast, slow = LinkCosts(alpha=0.0, beta=1e-6), LinkCosts(alpha=0.1, beta=0.001)
+    cluster = Cluster(4, slow, local_size=2, intra=fast)
+    workload = Workload(((1000,),), (1.0,), 1.0, 2.0, 0.5)
+    exact = predict(workload, method_of("allreduce:local_size=2"), cluster, free)
+    # inside: a ring all-reduce among 2 of 4000 bytes (4000 * 1e-6); across: the backend's ring among
+    # 2 nodes of the 500-element half: 2 (2 - 1) 0.1 + 2 (2 - 1) / 2 2000 * 0.001
+    assert exact.communicate_s == pytest.approx(0.004 + 0.2 + 2.0)
+    assert exact.step_s == pytest.approx(3 + 0.004 + 2.2 + 0.5)
+    assert exact.step_s == pytest.approx(3 + cluster.all_reduce("hierarchical", 4000) + 0.5)
+    # sent: inside, 2 (2 - 1) / 2 of 4000 bytes; across, as much of the 2000-byte half
+    assert exact.payload_bytes == 2000 and exact.sent_bytes == 4000 + 2000
+    # a compressor pays its kernels on the link's clock, for its half of each tensor
+    halves = predict(workload, method_of("fp16:local_size=2"), cluster, lambda _: constant(0.3, 0.2))
+    flat = predict(workload, method_of("fp16"), cluster, lambda _: constant(0.3, 0.2))
+    assert halves.compress_s == 0 and halves.payload_bytes == 1000
+    assert halves.step_s == pytest.approx(3 + 0.004 + 0.3 + (0.2 + 1.0) + 0.2 + 0.5)
+    assert halves.step_s < flat.step_s
+    with pytest.raises(ValueError, match="does not divide"):
+        predict(workload, method_of("fp16:local_size=3"), cluster, free)
+
+
 def test_payload_bytes_are_the_compressors_own() -> None:
     for spec, shape in (
         ("fp16", (100,)),

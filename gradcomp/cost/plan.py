@@ -3,7 +3,8 @@
 :func:`options` prices each candidate method (a gradcomp hook spec, or one of torch's hooks as the
 hooks layer describes it) with each way its payloads can travel: the all-reduce algorithms for
 ``sum`` payloads (the ones a hook can ask for, and ``hierarchical`` and ``in_network``, which the
-model predicts but gradcomp's hooks do not run), all-gather or two-phase for ``gather`` payloads.
+model predicts but gradcomp's hooks do not run), all-gather or two-phase for ``gather`` payloads,
+and on nodes the hook across nodes (``local_size``: uncompressed inside a node, compressed between).
 :func:`recommend` picks the fastest one a hook can run and says why; :func:`scaling` follows each
 method's best option from 2 to 4096 ranks. Everything is a prediction of
 :func:`gradcomp.cost.step.predict`: step time, not accuracy (a lossy compressor may need more steps
@@ -59,20 +60,25 @@ def routes(method: Method, cluster: Cluster, torch_hook: bool = False) -> list[t
         return [("none", True, method)]
     if torch_hook:  # torch's hooks run on DDP's (the backend's) all-reduce
         return [("native", True, method)]
+    found = []
     if REGISTRY[method.compressor.name].aggregation is Aggregation.GATHER:
-        found = []
         for route, aggregation in (("all_gather", "gather"), ("two_phase", "two_phase")):
             try:
                 spec = dataclasses.replace(method.spec, aggregation=aggregation)
             except ValueError:  # a route the spec refuses (EF21 takes each aggregate once: not two-phase)
                 continue
             found.append((route, True, dataclasses.replace(method, spec=spec)))
-        return found
-    found = []
-    for algo in ALL_REDUCE:
-        if algo == "hierarchical" and (cluster.local_size == 1 or cluster.nodes == 1):
-            continue  # the same as the ring there
-        found.append((algo, algo in HOOK_ALGORITHMS, dataclasses.replace(method, algo=algo)))
+    else:
+        for algo in ALL_REDUCE:
+            if algo == "hierarchical" and (cluster.local_size == 1 or cluster.nodes == 1):
+                continue  # the same as the ring there
+            found.append((algo, algo in HOOK_ALGORITHMS, dataclasses.replace(method, algo=algo)))
+    if cluster.local_size > 1 and cluster.nodes > 1 and method.spec.local_size <= 1:
+        try:  # the hook across nodes: uncompressed inside each, compressed between them
+            spec = dataclasses.replace(method.spec, local_size=cluster.local_size)
+        except ValueError:  # a spec local_size does not combine with (min_numel, vectors, pieces)
+            return found
+        found.append((f"local_size={cluster.local_size}", True, dataclasses.replace(method, spec=spec)))
     return found
 
 

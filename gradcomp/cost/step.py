@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from gradcomp.collectives.cost_model import all_reduce_seconds, ring_traffic
 from gradcomp.compressors import REGISTRY, Spec, make_compressor, parse_spec
 from gradcomp.cost.cluster import Cluster
 from gradcomp.cost.kernels import KernelCost
@@ -200,6 +201,8 @@ def bucket_cost(
     p = cluster.ranks
     if method.compressor is None or p == 1:
         return BucketCost()
+    if method.spec.local_size > 1:
+        return _across_nodes(shapes, method, cluster, kernels)
     if method.spec.keeps_some_dense:
         dense = [s for s in shapes if method.spec.uncompressed(s)]
         kept = [s for s in shapes if not method.spec.uncompressed(s)]
@@ -238,6 +241,29 @@ def bucket_cost(
     # calibration) delays the bucket's landing
     link = seconds + _later_rounds(kernel, sizes, cls.rounds) + kernel.overhead(sum(sizes))
     return BucketCost(compress_s, decompress_s, seconds, link, sum(rounds), sent)
+
+
+def _across_nodes(
+    shapes: Sequence[tuple[int, ...]], method: Method, cluster: Cluster, kernels: Callable[[str], KernelCost]
+) -> BucketCost:
+    """A hierarchical hook (``local_size`` = L, :mod:`gradcomp.engine.hierarchical`): the node's ring
+    reduce-scatter and all-gather of the bucket on the link inside a node, around the spec's route
+    among the local rank j of every node on each tensor's j-th piece of rows (every local rank at
+    once, each on its own path across, as :class:`Cluster` has it); all of it on the engine's
+    executor, after the bucket is handed over (the link's clock: nothing on backward's core)."""
+    local = method.spec.local_size
+    if cluster.ranks % local:
+        raise ValueError(f"local_size={local} does not divide the cluster's {cluster.ranks} ranks")
+    n_bytes = sum(math.prod(s) for s in shapes) * 4
+    inside = all_reduce_seconds("ring", n_bytes, local, cluster.inside)  # a reduce-scatter and an all-gather
+    across = Cluster(cluster.ranks // local, cluster.inter, native_all_reduce=cluster.native_all_reduce,
+                     native_all_gather=cluster.native_all_gather)  # fmt: skip
+    pieces = [(-(-s[0] // local), *s[1:]) if s else (1,) for s in shapes]
+    flat = dataclasses.replace(method, spec=dataclasses.replace(method.spec, local_size=0))
+    shard = bucket_cost(pieces, flat, across, kernels)
+    link = inside + shard.compress + shard.link + shard.decompress
+    sent = shard.sent + ring_traffic(local) * n_bytes
+    return BucketCost(0.0, 0.0, inside + shard.communicate, link, shard.payload, sent)
 
 
 def predict(
