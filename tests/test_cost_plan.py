@@ -51,6 +51,13 @@ def test_a_free_link_keeps_the_gradient_uncompressed() -> None:
     assert "compression does not pay" in reason
 
 
+def test_without_the_baseline_the_recommendation_says_so() -> None:
+    slow = Cluster(8, LinkCosts(1e-4, 8e-8))
+    found = plan.options(WORKLOAD, slow, [m for m in METHODS if m.label != "allreduce"], cheap)
+    _, reason = plan.recommend(found)
+    assert "allreduce is not among the candidates" in reason and "does not pay" not in reason
+
+
 def test_a_dear_link_picks_a_compressor_and_says_why() -> None:
     slow = Cluster(8, LinkCosts(1e-4, 8e-8))  # 12.5 MB/s
     found = plan.options(WORKLOAD, slow, METHODS, cheap)

@@ -118,7 +118,10 @@ def recommend(
         f"{name(choice.method.label)} over {choice.route}: {step.step_s * 1e3:.1f} ms per step predicted, "
         f"{step.communication_share:.0%} of it beyond the model's compute, {step.sent_bytes / 1e6:.2f} MB sent per rank"
     )
-    if reference is None or reference is choice:
+    if reference is None:  # nothing to compare against: say so, do not guess
+        missing = f"{baseline} is not among the candidates: add it to compare with the uncompressed gradient"
+        return choice, f"{text}; {missing}."
+    if reference is choice:
         why = "nothing compressed is predicted faster than the uncompressed gradient: compression does not pay here"
         return choice, f"{text}. {why.capitalize()}."
     gain = reference.step.step_s / step.step_s
