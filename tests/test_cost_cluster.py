@@ -82,3 +82,21 @@ def test_one_rank_costs_nothing_and_bad_input_is_refused() -> None:
     with pytest.raises(ValueError, match=">= 0"):
         Cluster(4, INTER).all_reduce("ring", -1)
     assert math.isfinite(Cluster(6, INTER, local_size=2).all_reduce("halving_doubling", N))
+
+
+def test_a_shared_uplink_divides_among_the_ranks_crossing_at_once() -> None:
+    """A NIC per node: a node-major ring crosses one rank per node per round (unchanged); the
+    hierarchical shards cross from every local rank at once (L times the bytes' time); all-to-all's
+    rounds as many times as ranks of a node cross in them."""
+    inter, intra = LinkCosts(0.01, 1e-6), LinkCosts(0.0, 1e-9)
+    own = Cluster(4, inter, local_size=2, intra=intra)
+    shared = Cluster(4, inter, local_size=2, intra=intra, shared_uplink=True)
+    assert shared.all_reduce("ring", 1e6) == own.all_reduce("ring", 1e6)
+    assert shared.all_gather(1e6) == own.all_gather(1e6)
+    inside = all_reduce_seconds("ring", 1e6, 2, intra)
+    assert own.all_reduce("hierarchical", 1e6) == pytest.approx(inside + 2 * 0.01 + 5e5 * 1e-6)
+    assert shared.all_reduce("hierarchical", 1e6) == pytest.approx(inside + 2 * 0.01 + 2 * 5e5 * 1e-6)
+    # rank r sends to r + k: k = 1 and 3, one rank of each node crosses; k = 2, both do
+    assert shared.all_to_all(4e6) == pytest.approx(3 * 0.01 + (1 + 2 + 1) * 1e6 * 1e-6)
+    assert own.all_to_all(4e6) == pytest.approx(3 * (0.01 + 1e6 * 1e-6))
+    assert shared.crossing(1) == inter and shared.crossing(2).beta == 2e-6 and own.crossing(2) == inter

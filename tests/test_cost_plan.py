@@ -135,6 +135,7 @@ def test_the_plan_command(tmp_path, capsys) -> None:  # type: ignore[no-untyped-
             "unknown compressor",
         ),
         (["--params", "1M", "--compute-ms", "1", "--ranks", "8", "--net", "1gbit", "--device", "tpu"], "--device must"),
+        (["--params", "1M", "--compute-ms", "1", "--ranks", "8", "--net", "1gbit", "--nic", "node"], "give --nodes"),
     ],
 )
 def test_the_plan_command_refuses_impossible_inputs(arguments: list[str], message: str, capsys) -> None:  # type: ignore[no-untyped-def]

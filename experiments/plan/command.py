@@ -67,6 +67,8 @@ class Setting:
     kernel_kind: str = "timed"
     device: str = "cpu"
     """``calibrated`` (a profile's), ``timed`` (here, now) or ``estimate`` (a roofline: ``--device``)."""
+    shared_uplink: bool = False
+    """``--nic node``: the link between nodes is one uplink per node, which its ranks share."""
 
     def cluster(self, ranks: int | None = None) -> Cluster:
         """The cluster at ``ranks`` (default: the one asked about): nodes of ``local_size`` ranks,
@@ -75,7 +77,8 @@ class Setting:
         local = min(self.local_size, p)
         if p % local:
             raise ValueError(f"{p} ranks do not fill nodes of {local}")
-        return Cluster(p, self.inter, local, self.intra, native_all_gather=self.gather)
+        return Cluster(p, self.inter, local, self.intra, native_all_gather=self.gather,
+                       shared_uplink=self.shared_uplink and local > 1)  # fmt: skip
 
 
 def layers(numel: int) -> list[tuple[int, ...]]:
@@ -164,9 +167,13 @@ def setting(args: argparse.Namespace) -> Setting:
         intra = LinkCosts(parse_duration(args.intra_latency), 1 / parse_bandwidth(args.intra))
     workload, model = _workload(args)
     kernels, kernel_source, kernel_kind = _kernels(args.device, profile, args.calibration)
+    if args.nic == "node" and local == 1:
+        raise ValueError("--nic node shares a node's uplink among its ranks: give --nodes too")
+    if args.nic == "node":
+        link_source += ", one uplink per node"
     return Setting(
         workload, model, args.ranks, local, inter, intra, link_source, kernels, kernel_source, gather, kernel_kind,
-        args.device,
+        args.device, args.nic == "node",
     )  # fmt: skip
 
 
@@ -305,6 +312,11 @@ def add_command(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--latency", default=DEFAULT_LATENCY, help="one message's latency on --net (default %(default)s)"
     )
+    parser.add_argument(
+        "--nic", choices=("rank", "node"), default="rank",
+        help="rank (default): --net is each rank's own path across nodes (a NIC per GPU); node: --net is one "
+        "uplink per node, shared by its ranks (as the emulated clusters of --net nodes=...)",
+    )  # fmt: skip
     parser.add_argument("--intra", help="the link inside a node, per rank: 600GB/s (NVLink), 100gbit")
     parser.add_argument(
         "--intra-latency", default=DEFAULT_INTRA_LATENCY, help="latency inside a node (default %(default)s)"

@@ -2,9 +2,11 @@
 
 :mod:`gradcomp.collectives.cost_model` prices the all-reduce algorithms on one uniform link. A
 cluster has two: ``intra`` between the ranks of a node (NVLink, shared memory) and ``inter`` between
-nodes. Each rank has its own path to the network (one NIC per GPU, as in DGX/HGX nodes; one
-emulated port per rank on this machine), so ranks of a node that send across at the same time do
-not share bandwidth. A round of an algorithm costs alpha + bytes x beta on the link it crosses; a
+nodes. Each rank has its own path to the network (one NIC per GPU, as in DGX/HGX nodes), so ranks
+of a node that send across at the same time do not share bandwidth; with ``shared_uplink`` a node
+has one uplink its ranks share (a NIC per node, as the emulated clusters of :mod:`gradcomp.netem`),
+and k of them crossing at once each get 1 / k of it (a node-major ring crosses one rank per node
+per round: the same either way). A round of an algorithm costs alpha + bytes x beta on the link it crosses; a
 round in which some pairs stay inside nodes and others cross is paced by the crossing ones.
 
 With ``p`` ranks, ``L`` per node, ``N = p / L`` nodes, a tensor of ``n`` bytes (per rank):
@@ -55,6 +57,10 @@ class Cluster:
     intra: LinkCosts | None = None
     native_all_reduce: LinkCosts | None = None
     native_all_gather: LinkCosts | None = None
+    shared_uplink: bool = False
+    """True: ``inter`` is one uplink per node that its ranks share (a NIC per node, as the emulated
+    clusters of :mod:`gradcomp.netem` build): a round in which k ranks of a node cross at once takes k
+    times the bytes' time. False: each rank has its own path at ``inter`` (a NIC per GPU)."""
 
     def __post_init__(self) -> None:
         if self.ranks < 1 or self.local_size < 1:
@@ -93,9 +99,9 @@ class Cluster:
             if self.nodes == 1:
                 across = 0.0
             elif algo == "hierarchical":
-                across = all_reduce_seconds("ring", shard, self.nodes, self.inter)
+                across = all_reduce_seconds("ring", shard, self.nodes, self.crossing(local))
             else:  # the switch reduces: one send and one receive of the shard per rank
-                across = 2 * self.inter.alpha + shard * self.inter.beta
+                across = 2 * self.inter.alpha + shard * self.crossing(local).beta
             return inside + across
         if self.nodes == 1 or local == 1:  # one link everywhere: the flat formulas
             if algo not in ("tree", "halving_doubling"):
@@ -141,12 +147,29 @@ class Cluster:
         p = self.ranks
         if p == 1:
             return 0.0
-        link = self.slowest
-        return (p - 1) * (link.alpha + payload_bytes / p * link.beta)
+        if not self.shared_uplink or self.nodes == 1:
+            link = self.slowest
+            return (p - 1) * (link.alpha + payload_bytes / p * link.beta)
+        # round k: rank r sends to r + k; on a shared uplink a round takes as long as the most ranks
+        # of a node crossing at once (ranks numbered node by node, every node alike)
+        seconds = 0.0
+        for k in range(1, p):
+            crossing = sum((r + k) % p // self.local_size != 0 for r in range(self.local_size))
+            link = self.crossing(crossing) if crossing else self.inside
+            seconds += link.alpha + payload_bytes / p * link.beta
+        return seconds
+
+    def crossing(self, senders: int) -> LinkCosts:
+        """The link across nodes as ``senders`` ranks of one node see it when they cross at once: the
+        same on a path per rank, ``senders`` times slower per byte on a shared uplink."""
+        if not self.shared_uplink or senders <= 1:
+            return self.inter
+        return dataclasses.replace(self.inter, beta=self.inter.beta * senders)
 
     def _hop(self, distance: int, n_bytes: float) -> float:
-        """One round between ranks ``distance`` apart (ranks numbered node by node)."""
-        link = self.inter if distance >= self.local_size else self.inside
+        """One round between ranks ``distance`` apart (ranks numbered node by node): every rank of a
+        node crosses at once when the distance reaches across nodes."""
+        link = self.crossing(self.local_size) if distance >= self.local_size else self.inside
         return link.alpha + n_bytes * link.beta
 
     def _halving_doubling(self, n_bytes: float) -> float:

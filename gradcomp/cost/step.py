@@ -256,7 +256,8 @@ def _across_nodes(
         raise ValueError(f"local_size={local} does not divide the cluster's {cluster.ranks} ranks")
     n_bytes = sum(math.prod(s) for s in shapes) * 4
     inside = all_reduce_seconds("ring", n_bytes, local, cluster.inside)  # a reduce-scatter and an all-gather
-    across = Cluster(cluster.ranks // local, cluster.inter, native_all_reduce=cluster.native_all_reduce,
+    # every local rank crosses at once: on a shared uplink each has 1 / L of it
+    across = Cluster(cluster.ranks // local, cluster.crossing(local), native_all_reduce=cluster.native_all_reduce,
                      native_all_gather=cluster.native_all_gather)  # fmt: skip
     pieces = [(-(-s[0] // local), *s[1:]) if s else (1,) for s in shapes]
     flat = dataclasses.replace(method, spec=dataclasses.replace(method.spec, local_size=0))
