@@ -38,6 +38,9 @@ class AutoSpec:
         parsed = [HookSpec.parse(candidate) for candidate in self.candidates]
         if any(spec.noop for spec in parsed):
             raise ValueError("noop sends nothing: it cannot be an auto candidate")
+        if any(spec.local_size > 1 or spec.pieces > 1 for spec in parsed):
+            # their state lives under piece keys, which switching a bucket away (take_residual) would miss
+            raise ValueError("auto does not choose among hooks across nodes (local_size) or in pieces yet")
         object.__setattr__(self, "candidates", tuple(str(spec) for spec in parsed))  # frozen: canonical once
         if self.measure_at < 2:
             raise ValueError(f"measure_at must be >= 2 (DDP's buckets are rebuilt at step 1), got {self.measure_at}")
