@@ -370,3 +370,48 @@ def test_bad_arguments_are_refused_before_any_collective() -> None:
     frozen = nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters"):
         LocalSGD(frozen)
+
+
+# -- across nodes: DDP inside a node, DiLoCo between nodes -----------------------------------------
+
+
+def _node_batches(node: int, steps: int) -> list[Any]:
+    """A node's batches: the concatenation of what its two ranks train on (ranks 2 node, 2 node + 1)."""
+    halves = [toy_batches(2 * node + j, steps) for j in range(2)]
+    return [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]])) for a, b in zip(*halves, strict=True)]
+
+
+def diloco_per_node(rank: int, world: int) -> dict[str, Any]:
+    """The reference: one rank per node, training on the node's whole batch, DiLoCo between them."""
+    model = toy_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = DiLoCo(model, optimizer, every=3, spec="quantize:bits=8,rounding=nearest")
+    local_training(sync, model, optimizer, _node_batches(rank, 9))
+    sync.flush()
+    return {"failures": Failures(), "parameters": [p.detach().reshape(-1).tolist() for p in model.parameters()]}
+
+
+def diloco_across_nodes(rank: int, world: int) -> dict[str, Any]:
+    """2 nodes of 2: DDP averages the gradients inside each node, DiLoCo synchronizes across nodes
+    (the synchronizer on the group of the local rank j of every node)."""
+    from gradcomp.collectives.hierarchical import subgroups
+
+    failures = Failures()
+    node, across = subgroups(None, 2)
+    model = toy_model()
+    ddp, _ = wrap(model, None, ddp_options={"process_group": node})
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    sync = DiLoCo(model, optimizer, every=3, spec="quantize:bits=8,rounding=nearest", group=across)
+    local_training(sync, ddp, optimizer, toy_batches(rank, 9))
+    sync.flush()
+    failures.expect(parameters_identical_on_all_ranks(list(model.parameters())), "ranks differ after the last sync")
+    return {"failures": failures, "parameters": [p.detach().reshape(-1).tolist() for p in model.parameters()]}
+
+
+def test_diloco_across_nodes_with_ddp_inside_matches_one_rank_per_node() -> None:
+    """DiLoCo between nodes, DDP inside each (half a node's batch per rank, the gradients averaged):
+    the replicas are those of DiLoCo with one rank per node training on the node's whole batch."""
+    reference = run_checks(2, diloco_per_node, timeout=120)[0]["parameters"]
+    across = run_checks(4, diloco_across_nodes, timeout=120)[0]["parameters"]
+    for mine, theirs in zip(across, reference, strict=True):
+        assert torch.allclose(torch.tensor(mine), torch.tensor(theirs), rtol=0, atol=1e-5)
