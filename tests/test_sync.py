@@ -408,6 +408,11 @@ def diloco_across_nodes(rank: int, world: int) -> dict[str, Any]:
     return {"failures": failures, "parameters": [p.detach().reshape(-1).tolist() for p in model.parameters()]}
 
 
+def test_a_replica_per_node_needs_the_group_across_nodes() -> None:
+    with pytest.raises(ValueError, match="give the group of the local rank j"):
+        Synchronizer(toy_model(), "diloco:every=4,local_size=2")
+
+
 def test_diloco_across_nodes_with_ddp_inside_matches_one_rank_per_node() -> None:
     """DiLoCo between nodes, DDP inside each (half a node's batch per rank, the gradients averaged):
     the replicas are those of DiLoCo with one rank per node training on the node's whole batch."""

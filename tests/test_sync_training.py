@@ -103,6 +103,27 @@ def test_local_adamw_in_signs_lands_every_replica_on_one_model_and_resumes_bitwi
         pairs = zip(tensors(ended[part]), tensors(again[part]), strict=True)
         assert all(torch.equal(a, b) for a, b in pairs), part
 
+@pytest.mark.timeout(240)
+def test_diloco_across_nodes_keeps_a_node_replica_and_resumes_bitwise(tmp_path: Path) -> None:
+    """``local_size=2`` at 4 ranks: DDP inside each node of 2, DiLoCo across the nodes; between two
+    synchronizations a node's ranks hold one replica and the nodes differ; a resumed run ends where
+    the straight one does."""
+    settings = {**SETTINGS, "ranks": 4, "steps": 10, "sync": "diloco:every=4,local_size=2", "eval_every": 5}
+    straight = TrainConfig(**settings, out=str(tmp_path / "straight"))
+    resumed = TrainConfig(**settings, out=str(tmp_path / "resumed"), resume="auto")
+    launch(straight)
+    assert launch(dataclasses.replace(resumed, stop_at=6))["status"] == "stopped"
+    assert launch(resumed)["status"] == "finished"
+    ended = torch.load(straight.checkpoint_path, weights_only=True)
+    replicas = [tensors(replica) for replica in ended["model"]["replicas"]]
+    same = [all(torch.equal(a, b) for a, b in zip(replicas[0], other, strict=True)) for other in replicas]
+    assert same == [True, True, False, False], "a node's ranks share a replica; nodes differ since step 8"
+    again = torch.load(resumed.checkpoint_path, weights_only=True)
+    for part in ("model", "optimizer", "hooks"):
+        pairs = zip(tensors(ended[part]), tensors(again[part]), strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs), part
+
+
 def test_a_synchronized_run_takes_a_gradcomp_spec_and_replicas() -> None:
     base = {**SETTINGS, "steps": 10}
     for hook in ("torch:allreduce", "auto", "noop"):
@@ -113,6 +134,8 @@ def test_a_synchronized_run_takes_a_gradcomp_spec_and_replicas() -> None:
     with pytest.raises(ValueError, match=r"sync 'fedavg': unknown synchronization 'fedavg'; valid: localsgd, diloco"):
         TrainConfig(**{**base, "sync": "fedavg"})
     assert TrainConfig(**{**base, "sync": "diloco:every=6,outer_lr=0.7"}).effective.sync == "diloco:every=6"
+    with pytest.raises(ValueError, match="does not divide 2 ranks"):
+        TrainConfig(**{**base, "sync": "diloco:every=6,local_size=4"})
 
 
 def test_methods_are_named_by_their_sync_and_hook() -> None:

@@ -280,6 +280,8 @@ class TrainConfig:
                 f"with sync {sync}, the hook is the gradcomp spec the outer gradients travel by (allreduce, "
                 f"quantize:bits=4,ef=true, ...); {hook} averages every step"
             )
+        if sync is not None and sync.local_size > 1 and self.ranks % sync.local_size:
+            raise ValueError(f"sync {sync}: local_size={sync.local_size} does not divide {self.ranks} ranks into nodes")
 
     @property
     def checkpoint_path(self) -> str:

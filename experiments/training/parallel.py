@@ -24,6 +24,8 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradcomp import hooks
+from gradcomp.collectives.hierarchical import subgroups
+from gradcomp.engine.hierarchical import check_local_size
 from gradcomp.experiments.tasks.base import Batch, batches
 from gradcomp.hooks import torch_hooks
 from gradcomp.hooks.torch_hooks import TorchHookSpec
@@ -138,12 +140,18 @@ class Local(Placement):
     optimizer; evaluation uses the global parameters, the same on every rank."""
 
     def __init__(self, model: nn.Module, sync: SyncSpec) -> None:
-        self.module = self.forward = model
+        self.module: nn.Module = model
+        self.forward: nn.Module = model
         self.sync = sync
         self.synchronizer: Synchronizer | None = None
+        self.across: torch.distributed.ProcessGroup | None = None
+        if sync.local_size > 1:  # a replica per node: DDP inside it, the synchronizer across nodes
+            check_local_size(sync.local_size, torch.distributed.get_world_size())
+            node, self.across = subgroups(None, sync.local_size)
+            self.forward = DistributedDataParallel(model, process_group=node)
 
     def register(self, spec: Any, seed: int, optimizer: torch.optim.Optimizer) -> Synchronizer:
-        self.synchronizer = Synchronizer(self.module, self.sync, spec, optimizer=optimizer)
+        self.synchronizer = Synchronizer(self.module, self.sync, spec, optimizer=optimizer, group=self.across)
         return self.synchronizer
 
     def after_step(self, last: bool) -> None:
@@ -157,6 +165,8 @@ class Local(Placement):
         return self.synchronizer.global_model()
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        if isinstance(self.forward, DistributedDataParallel):  # a node's DDP accumulates
+            return self.forward.no_sync()
         return contextlib.nullcontext()  # nothing communicates in backward
 
     def model_state(self) -> dict[str, Any]:

@@ -66,6 +66,10 @@ class SyncSpec:
     trained on meanwhile), else 0."""
     state: bool = False
     """Also average the inner optimizer's state (momentum, Adam's moments) at each synchronization."""
+    local_size: int = 0
+    """Ranks per node that train one replica together, DDP averaging their gradients every step inside
+    the node, the synchronization running across nodes (for the training runner: ``docs/local-sgd.md``);
+    0: every rank its own replica."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -90,6 +94,8 @@ class SyncSpec:
             raise ValueError("nesterov needs momentum > 0")
         if self.mix is not None and not 0 <= self.mix <= 1:
             raise ValueError(f"mix must be in [0, 1], got {self.mix}")
+        if isinstance(self.local_size, bool) or not isinstance(self.local_size, int) or self.local_size < 0:
+            raise ValueError(f"local_size must be a whole number of ranks per node (0: flat), got {self.local_size!r}")
         if self.state and self.delay:
             raise ValueError("state=true averages the optimizer's state when a synchronization lands; with a delay "
                              "it would be stale: use delay=0")  # fmt: skip

@@ -118,6 +118,11 @@ class Synchronizer(TrainingHookState):
         self.spec = HookSpec.parse(spec)  # both checked before any collective
         if self.spec.noop:
             raise ValueError("noop sends nothing, so the replicas would never synchronize: give a hook spec")
+        if self.sync.local_size > 1 and group is None:
+            raise ValueError(
+                "local_size: a replica per node synchronizes across nodes; give the group of the local rank j of "
+                "every node (gradcomp.collectives.hierarchical.subgroups, docs/local-sgd.md)"
+            )
         if self.sync.state and optimizer is None:
             raise ValueError("state=true averages the inner optimizer's state: pass the optimizer")
         self.optimizer = optimizer
