@@ -139,6 +139,14 @@ class Cluster:
     def world_size(self) -> int:
         return self.nodes * self.per_node
 
+    def check_ranks(self, ranks: int) -> None:
+        """A ValueError unless ``ranks`` is how many ranks the cluster's nodes hold."""
+        if ranks != self.world_size:
+            raise ValueError(
+                f"the cluster {self.name!r} holds {self.world_size} ranks ({self.nodes} nodes x {self.per_node}), "
+                f"not {ranks}: give as many ranks as its nodes hold"
+            )
+
     def node(self, rank: int) -> int:
         """The node rank ``rank`` runs on: ranks fill nodes in order, as torchrun numbers them."""
         return rank // self.per_node
@@ -246,11 +254,8 @@ def check(profile: str, ranks: int | Iterable[int] = ()) -> Network:
     except ValueError as error:
         raise ValueError(f"network {profile!r}: {error}") from None
     for count in [ranks] if isinstance(ranks, int) else ranks:
-        if isinstance(parsed, Cluster) and count != parsed.world_size:
-            raise ValueError(
-                f"network {profile!r} holds {parsed.world_size} ranks ({parsed.nodes} nodes x {parsed.per_node}), "
-                f"not {count}: give as many ranks as its nodes hold"
-            )
+        if isinstance(parsed, Cluster):
+            parsed.check_ranks(count)
     if not parsed.emulated:
         return parsed
     reason = unavailable()
@@ -281,11 +286,8 @@ class EmulatedNetwork:
         self.profile = parse(profile) if isinstance(profile, str) else profile
         if not self.profile.emulated:
             raise ValueError("loopback is not an emulated network: run the ranks on 127.0.0.1")
-        if isinstance(self.profile, Cluster) and self.profile.world_size != world_size:
-            raise ValueError(
-                f"the cluster {self.profile.name!r} holds {self.profile.world_size} ranks "
-                f"({self.profile.nodes} nodes x {self.profile.per_node}), not {world_size}"
-            )
+        if isinstance(self.profile, Cluster):
+            self.profile.check_ranks(world_size)
         self.tag = f"{PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
         self._created: list[str] = []
         self._previous_handlers: dict[int, object] = {}

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from gradcomp.engine.hierarchical import NodeShards, check_local_size
+from gradcomp.engine.hierarchical import NodeShards, check_local_size, gather, scatter
 from gradcomp.engine.spec import HookSpec
 from tests.distributed import Failures, parameters_identical_on_all_ranks, run_checks
 from tests.test_hooks import resume
@@ -76,14 +76,15 @@ def test_node_shards_hold_every_piece_once_and_scatter_back(shapes: list[tuple[i
         assert stop - start == sum(math.prod(s) for s in shards.shard_shapes(j))
     bucket = torch.arange(numel, dtype=torch.float32)
     layout, back = torch.empty(numel), torch.empty(numel)
-    shards.scatter(bucket, layout, 2.0)
+    scatter(shards.pairs(bucket, layout), 2.0)
     assert sorted(layout.tolist()) == sorted((bucket / 2).tolist()), "every element once, divided"
-    shards.gather(layout * 2, back)
+    layout.mul_(2)
+    gather(shards.pairs(back, layout))
     assert torch.equal(back, bucket)
 
 
 def test_local_size_is_checked_against_the_world_and_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValueError, match="does not divide the world of 6"):
+    with pytest.raises(ValueError, match="divide the world size 6, got 4"):
         check_local_size(4, 6)
     monkeypatch.setitem(os.environ, "LOCAL_WORLD_SIZE", "4")
     with pytest.raises(ValueError, match="launcher started 4 ranks per node"):

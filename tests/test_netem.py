@@ -290,7 +290,7 @@ def test_bad_clusters_are_refused(text: str, message: str) -> None:
 
 
 def test_a_cluster_of_another_size_than_the_ranks_is_refused_before_any_rank_starts() -> None:
-    with pytest.raises(ValueError, match=r"holds 4 ranks \(2 nodes x 2\), not 2"):
+    with pytest.raises(ValueError, match=r"holds 4 ranks \(2 nodes x 2\), not 2: give as many"):
         netem.check("nodes=2x2,inter=1gbit", 2)
     with pytest.raises(ValueError, match="holds 4 ranks"):
         EmulatedNetwork(2, "nodes=2x2,inter=1gbit")

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gradcomp import hooks
+from gradcomp.collectives.hierarchical import check_local_size
 from gradcomp.compressors.registry import NO_FEEDBACK
 from gradcomp.experiments.tasks import parse_task
 from gradcomp.experiments.training.optim import SCHEDULES, parse_optimizer
@@ -280,8 +281,11 @@ class TrainConfig:
                 f"with sync {sync}, the hook is the gradcomp spec the outer gradients travel by (allreduce, "
                 f"quantize:bits=4,ef=true, ...); {hook} averages every step"
             )
-        if sync is not None and sync.local_size > 1 and self.ranks % sync.local_size:
-            raise ValueError(f"sync {sync}: local_size={sync.local_size} does not divide {self.ranks} ranks into nodes")
+        if sync is not None and sync.local_size > 1:
+            try:
+                check_local_size(self.ranks, sync.local_size)
+            except ValueError as error:
+                raise ValueError(f"sync {sync}: {error}") from None
 
     @property
     def checkpoint_path(self) -> str:

@@ -21,9 +21,10 @@ identical: every local rank j decompresses the same payloads, and the all-gather
 node steps run gradcomp's ring (point to point, every byte counted as inside the node); the whole
 bucket runs on the ordered executor (compression needs the reduce-scattered shard).
 
-Cost per bucket of n elements: 2 (L - 1) / L n elements inside the node (the backend's
+Cost per bucket of n elements: 2 (L - 1) / L n elements sent inside the node (the ring's
 reduce-scatter and all-gather), and the compressor's payload of n / L elements across nodes per
-local rank; two copies of the bucket (into the shard layout and back).
+local rank; two copies of the bucket (into the shard layout and back), through views made once per
+bucket.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ the ranks per node."""
 
 
 def check_local_size(local_size: int, world: int) -> None:
-    """``local_size`` divides ``world`` and matches the launcher's layout, if the launcher gave one."""
-    if world % local_size:
-        raise ValueError(f"local_size={local_size} does not divide the world of {world} ranks into nodes")
+    """``local_size`` divides ``world`` (:func:`gradcomp.collectives.hierarchical.check_local_size`)
+    and matches the launcher's layout, if the launcher gave one."""
+    hierarchical.check_local_size(world, local_size)
     launched = os.environ.get(LAUNCHER_LAYOUT)
     if launched is not None and launched.strip() and int(launched) != local_size:
         raise ValueError(
@@ -66,7 +67,7 @@ def check_local_size(local_size: int, world: int) -> None:
 @dataclasses.dataclass(frozen=True)
 class NodeShards:
     """A bucket's tensors cut into ``local`` pieces of their rows (a 0-d tensor as one row), and the
-    shard layout: shard j holds piece j of every tensor, in order (:meth:`shard_of`)."""
+    shard layout: shard j holds piece j of every tensor, in order (:meth:`shard_shapes`)."""
 
     shapes: tuple[torch.Size, ...]
     local: int
@@ -92,18 +93,9 @@ class NodeShards:
     def shard_shapes(self, j: int) -> list[torch.Size]:
         return [p[j] for p in self.pieces]
 
-    def scatter(self, bucket: Tensor, layout: Tensor, divisor: float) -> None:
-        """``bucket / divisor`` into ``layout`` in the shard layout (a copy, divided on the way)."""
-        for source, destination in self._pairs(bucket, layout):
-            torch.div(source, divisor, out=destination)
-
-    def gather(self, layout: Tensor, bucket: Tensor) -> None:
-        """The shard layout back into the bucket's order."""
-        for home, averaged in self._pairs(bucket, layout):
-            home.copy_(averaged)
-
-    def _pairs(self, bucket: Tensor, layout: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """(piece of the bucket, its place in the layout), as flat views."""
+    def pairs(self, bucket: Tensor, layout: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """(piece of the bucket, its place in the layout), as flat views: :func:`scatter` and
+        :func:`gather` copy between them."""
         pieces = self.pieces
         in_bucket = [
             list(torch.split(tensor.reshape(-1), [math.prod(p) for p in parts]))
@@ -117,6 +109,35 @@ class NodeShards:
         return pairs
 
 
+Pairs = list[tuple[Tensor, Tensor]]
+"""Pieces of a bucket and their places in its shard layout (:meth:`NodeShards.pairs`)."""
+
+
+def scatter(pairs: Pairs, divisor: float) -> None:
+    """Each piece of the bucket, divided by ``divisor``, into its place in the shard layout."""
+    for source, destination in pairs:
+        torch.div(source, divisor, out=destination)
+
+
+def gather(pairs: Pairs) -> None:
+    """The shard layout back into the bucket's order."""
+    for home, averaged in pairs:
+        home.copy_(averaged)
+
+
+@dataclasses.dataclass
+class _Layout:
+    """A bucket's shard layout: its buffer, the shards (None when the bucket travels whole:
+    element-wise compressors), the shards' bounds, and the views between bucket and layout (made
+    for the bucket buffer they were made from)."""
+
+    buffer: Tensor
+    shards: NodeShards | None
+    bounds: list[tuple[int, int]]
+    pairs: Pairs
+    bucket: Tensor
+
+
 class HierarchicalRoute:
     """A bucket through a node's uncompressed reduce-scatter, ``inner`` (the spec's route, on the
     group of the local rank j of every node) on this rank's shard, and the node's all-gather."""
@@ -126,28 +147,27 @@ class HierarchicalRoute:
     def __init__(self, inner: RouteSteps, intra: dist.ProcessGroup, local: int, elementwise: bool) -> None:
         self.inner, self.intra, self.local, self.elementwise = inner, intra, local, elementwise
         self.rank = dist.get_rank(intra)
-        self._layouts: dict[tuple[Hashable, ...], tuple[NodeShards | None, Tensor]] = {}
+        self._layouts: dict[tuple[Hashable, ...], _Layout] = {}
 
     def prepare(self, work: BucketWork) -> None:
         """In the caller's thread: the bucket, divided by L, into its shard layout."""
-        shards, layout = self._layout(work)
+        held = self._layout(work)
         with work.record.phase("compress"):
-            if shards is None:
-                layout.copy_(work.buffer).div_(self.local)
+            if held.shards is None:
+                torch.div(work.buffer, self.local, out=held.buffer)
             else:
-                shards.scatter(work.buffer, layout, self.local)
+                scatter(held.pairs, self.local)
 
     def send(self, work: BucketWork) -> Future[None] | None:
-        shards, layout = self._layout(work)
-        bounds = ring.chunk_bounds(layout.numel(), self.local) if shards is None else shards.bounds
+        held = self._layout(work)
         link = Link(self.intra)
         with work.record.phase("communicate"):
-            ring.reduce_scatter(link, layout, ReduceOp.SUM, bounds)
-        start, stop = bounds[self.rank]
+            ring.reduce_scatter(link, held.buffer, ReduceOp.SUM, held.bounds)
+        start, stop = held.bounds[self.rank]
         shard = BucketWork(
-            layout[start:stop],
-            [] if shards is None else [(key, "node", self.rank) for key in work.keys],
-            [] if shards is None else shards.shard_shapes(self.rank),
+            held.buffer[start:stop],
+            [] if held.shards is None else [(key, "node", self.rank) for key in work.keys],
+            [] if held.shards is None else held.shards.shard_shapes(self.rank),
             work.record,
             work.ratio,
             work.settled,
@@ -157,27 +177,26 @@ class HierarchicalRoute:
         if landed is not None:
             landed.result()  # the all-gather below is issued here, on the executor, in order
         with work.record.phase("communicate"):
-            ring.all_gather(link, layout, bounds)
+            ring.all_gather(link, held.buffer, held.bounds)
         work.record.add_traffic(link.traffic)
         work.record.intra_node_bytes = (work.record.intra_node_bytes or 0.0) + link.traffic.sent
         with work.record.phase("decompress"):
-            if shards is None:
-                work.buffer.copy_(layout)
+            if held.shards is None:
+                work.buffer.copy_(held.buffer)
             else:
-                shards.gather(layout, work.buffer)
+                gather(held.pairs)
         return None
 
-    def _layout(self, work: BucketWork) -> tuple[NodeShards | None, Tensor]:
-        """The bucket's shards (None when it travels whole: element-wise compressors) and its
-        layout buffer, kept per bucket (DDP waits for every bucket before the next backward)."""
+    def _layout(self, work: BucketWork) -> _Layout:
+        """The bucket's layout, made at its first step and kept per bucket (DDP waits for every
+        bucket before the next backward, so the buffer is free when the next step needs it)."""
         key = tuple(work.keys) or (work.buffer.numel(),)
         held = self._layouts.get(key)
-        if held is None or held[1].numel() != work.buffer.numel() or held[1].dtype != work.buffer.dtype:
+        if held is None or (held.buffer.numel(), held.buffer.dtype) != (work.buffer.numel(), work.buffer.dtype):
+            buffer = torch.empty_like(work.buffer)
             shards = None if self.elementwise or not work.shapes else NodeShards(tuple(work.shapes), self.local)
-            held = self._layouts[key] = (shards, torch.empty_like(work.buffer))
+            bounds = ring.chunk_bounds(buffer.numel(), self.local) if shards is None else shards.bounds
+            held = self._layouts[key] = _Layout(buffer, shards, bounds, [], work.buffer)
+        if held.shards is not None and (not held.pairs or held.bucket.data_ptr() != work.buffer.data_ptr()):
+            held.pairs, held.bucket = held.shards.pairs(work.buffer, held.buffer), work.buffer  # a new bucket buffer
         return held
-
-
-def groups(group: dist.ProcessGroup, local: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """(this rank's node, the local rank j of every node) within ``group``."""
-    return hierarchical.subgroups(group, local)

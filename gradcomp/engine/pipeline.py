@@ -65,6 +65,7 @@ from torch import Tensor
 from gradcomp import collectives
 from gradcomp.collectives.executor import Handle, executor
 from gradcomp.collectives.groups import private
+from gradcomp.collectives.hierarchical import subgroups
 from gradcomp.collectives.link import Traffic
 from gradcomp.compressors import Compressor, Key, make_compressor
 from gradcomp.compressors.base import piece_multiple
@@ -148,7 +149,7 @@ class Engine:
         if local <= 1:
             return _ROUTES[self.spec.route(self.world)](self.compressor, self.group, self.spec.algo)
         hierarchical.check_local_size(local, self.world)
-        intra, inter = hierarchical.groups(self.group, local)
+        intra, inter = subgroups(self.group, local)
         inner = _ROUTES[self.spec.route(self.world // local)](self.compressor, inter, self.spec.algo)
         return hierarchical.HierarchicalRoute(inner, intra, local, self.compressor.elementwise)
 
