@@ -6,6 +6,7 @@
 >>> state = hooks.register(ddp_model, "powersgd:rank=4")  # the same, in one line
 >>> state = hooks.register(ddp_model, "auto")             # measure, then choose per bucket
 >>> state = hooks.fsdp(fsdp_model, "quantize:bits=4,ef=true")  # FSDP2: a compressed reduce-scatter
+>>> state = hooks.hsdp(node_sharded, "quantize:bits=4,ef=true")  # HSDP: compressed across nodes
 
 Specs are gradcomp compressor specs (``gradcomp compressors`` lists them), plus ``allreduce`` (the
 gradient itself, as DDP's default) and ``noop`` (no communication at all: the compute floor, for
@@ -13,7 +14,8 @@ benchmarks; training with it does not average anything), with the engine's optio
 ``aggregation``, ``seed``). ``HookSpec.parse`` checks one without a process group. ``auto`` chooses
 among candidates with the cost model (:mod:`gradcomp.hooks.auto`). torch's own hooks, as baselines
 spelt ``torch:fp16`` and the like: :mod:`gradcomp.hooks.torch_hooks`. :func:`parse` reads any of
-them. FSDP2's compressed reduce-scatter: :mod:`gradcomp.hooks.fsdp2` (``docs/fsdp.md``). Every state
+them. FSDP2's compressed reduce-scatter: :mod:`gradcomp.hooks.fsdp2` (``docs/fsdp.md``); HSDP's
+compressed all-reduce across nodes: :mod:`gradcomp.hooks.hybrid`. Every state
 they return is a :class:`~gradcomp.state.TrainingHookState` (statistics, traces, checkpoints, the
 error). See ``docs/hooks.md``.
 """
@@ -25,11 +27,12 @@ import torch
 
 from gradcomp.engine.sharded import ShardSpec
 from gradcomp.engine.spec import HookSpec
-from gradcomp.hooks import auto, ddp, fsdp2, torch_fsdp
+from gradcomp.hooks import auto, ddp, fsdp2, hybrid, torch_fsdp
 from gradcomp.hooks.auto import AutoSpec, AutoState, is_auto_spec
 from gradcomp.hooks.compressed_adamw import CompressedAdamW, CompressedAdamWState
 from gradcomp.hooks.compressed_adamw_spec import CompressedAdamWSpec
 from gradcomp.hooks.ddp import HookState, make
+from gradcomp.hooks.hybrid import HSDPState
 from gradcomp.hooks.torch_fsdp import TorchFSDPSpec, TorchFSDPState
 from gradcomp.hooks.torch_hooks import TorchHookSpec, is_torch_spec
 from gradcomp.state import TrainingHookState
@@ -42,6 +45,7 @@ __all__ = [
     "CompressedAdamW",
     "CompressedAdamWSpec",
     "CompressedAdamWState",
+    "HSDPState",
     "HookSpec",
     "HookState",
     "ShardSpec",
@@ -49,13 +53,16 @@ __all__ = [
     "TorchFSDPState",
     "TrainingHookState",
     "fsdp",
+    "hsdp",
     "make",
     "parse",
+    "parse_hybrid",
     "parse_sharded",
     "register",
 ]
 
 fsdp = fsdp2.fsdp
+hsdp = hybrid.hsdp
 
 AnySpec = HookSpec | TorchHookSpec | AutoSpec
 """A parsed hook spec of any kind: gradcomp's, torch's (``torch:...``) or ``auto``."""
@@ -86,6 +93,18 @@ def parse_sharded(spec: "str | HookSpec | AnyShardedSpec", seed: int | None = No
     if is_auto_spec(spec):
         raise ValueError("auto chooses among DDP hooks; a sharded run names a sharded spec (docs/fsdp.md)")
     return ShardSpec.parse(spec) if seed is None else ShardSpec.parse(spec, seed=seed)
+
+
+def parse_hybrid(spec: "str | HookSpec | TorchFSDPSpec", seed: int | None = None) -> "HookSpec | TorchFSDPSpec":
+    """Any spec of an HSDP run, checked without a process group: gradcomp's all-reduce across nodes
+    (a hook spec that works on a flat shard: :func:`gradcomp.hooks.hybrid.parse`) or FSDP2's own
+    HSDP (``torch:reduce_scatter``, ``torch:bf16``, ``torch:fp16``: the 2-D mesh, uncompressed).
+    ``seed`` applies to gradcomp's generators unless the spec sets one."""
+    if isinstance(spec, TorchFSDPSpec):
+        return spec
+    if isinstance(spec, str) and is_torch_spec(spec):
+        return TorchFSDPSpec.parse(spec)
+    return hybrid.parse(spec) if seed is None else hybrid.parse(spec, seed=seed)
 
 
 @typing.overload

@@ -18,12 +18,12 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gradcomp import hooks
+from gradcomp import hooks, netem
 from gradcomp.collectives.hierarchical import check_local_size
 from gradcomp.compressors.registry import NO_FEEDBACK
 from gradcomp.experiments.tasks import parse_task
 from gradcomp.experiments.training.optim import SCHEDULES, parse_optimizer
-from gradcomp.experiments.training.parallel import PARALLELS
+from gradcomp.experiments.training.parallel import PARALLELS, launched_local_size
 from gradcomp.hooks.compressed_adamw_spec import is_compressed_adamw_spec
 from gradcomp.options import convert, format_value, split_spec
 from gradcomp.sync import SyncSpec
@@ -80,7 +80,10 @@ class TrainConfig:
     ..., or one of torch's own hooks (``gradcomp.hooks.torch_hooks``): torch:allreduce (DDP's built-in),
     torch:fp16, torch:bf16, torch:powersgd:rank=4; kept in its canonical text, which names the run's
     directory in sweeps. With ``parallel`` fsdp, a sharded spec (``gradcomp.hooks.parse_sharded``):
-    none, noop, quantize:bits=4,ef=true, ..., or FSDP2's own: torch:reduce_scatter, torch:bf16, torch:fp16."""
+    none, noop, quantize:bits=4,ef=true, ..., or FSDP2's own: torch:reduce_scatter, torch:bf16, torch:fp16.
+    With ``parallel`` hsdp, the spec the node's shards are averaged by across nodes
+    (``gradcomp.hooks.parse_hybrid``: allreduce, quantize:bits=4,ef=true, ...), or FSDP2's own HSDP:
+    torch:reduce_scatter, torch:bf16, torch:fp16."""
     sync: str = "none"
     """none (the hook averages gradients every step) or infrequent synchronization (``gradcomp.sync``):
     localsgd:every=8 (the replicas averaged every 8 steps), diloco:every=50 (DiLoCo's outer Nesterov
@@ -88,8 +91,10 @@ class TrainConfig:
     and ``hook`` is the gradcomp spec the outer gradients travel by (allreduce, quantize:bits=4,ef=true,
     ...). Kept in its canonical text."""
     parallel: str = "ddp"
-    """ddp (a replica per rank; the hook averages gradients) or fsdp (FSDP2: parameters, gradients and
-    optimizer state sharded; the hook reduce-scatters gradients)."""
+    """ddp (a replica per rank; the hook averages gradients), fsdp (FSDP2: parameters, gradients and
+    optimizer state sharded; the hook reduce-scatters gradients) or hsdp (FSDP2 inside each node, a
+    replica per node: the hook averages the node's shards across nodes; the node size is the
+    launcher's, an emulated cluster's ``network = "nodes=NxL,..."`` or torchrun's)."""
     backend: str = "gloo"
     """gloo (CPU) or nccl (GPU: one device per rank)."""
     ranks: int = 1
@@ -159,6 +164,8 @@ class TrainConfig:
             self._check_sync(hook)
         if self.compresses_momentum:
             self._check_compressed_momentum(hook)
+        if self.parallel == "hsdp":
+            self._check_nodes()
         if not self.network.strip():
             raise ValueError("network must be a profile such as loopback or 1gbit")
 
@@ -219,14 +226,17 @@ class TrainConfig:
         """:attr:`hook` parsed once (``seed`` applies where the spec sets none), then, through
         ``dataclasses.replace``, the run's momentum handed to a hook that asks for it and its clipping
         to a hook with error feedback, where DGC applies them: before compression, on each rank."""
+        parse = {"fsdp": hooks.parse_sharded, "hsdp": hooks.parse_hybrid}.get(self.parallel, hooks.parse)
         if self._said_hook is None:  # torch's or auto
-            return hooks.parse_sharded(self.hook, seed) if self.parallel == "fsdp" else hooks.parse(self.hook, seed)
+            return parse(self.hook, seed)
         name, options = self._said_hook
         values: dict[str, Any] = dict(options)
         if self._takes_run_momentum:
             values["momentum"] = self._momentum_for_hook()  # what momentum=true stands for
         parser = hooks.ShardSpec if self.parallel == "fsdp" else hooks.HookSpec
         spec = parser.parse((name, values), **({} if seed is None else {"seed": seed}))
+        if isinstance(spec, hooks.HookSpec) and self.parallel == "hsdp":
+            hooks.parse_hybrid(spec)  # a flat shard's spec: PowerSGD and the like are refused
         feedback = NO_FEEDBACK if spec.compressor is None else spec.compressor.feedback
         if feedback.momentum and not self._takes_run_momentum and (self.momentum or self.optimizer == "nesterov"):
             raise ValueError(
@@ -286,6 +296,28 @@ class TrainConfig:
                 check_local_size(self.ranks, sync.local_size)
             except ValueError as error:
                 raise ValueError(f"sync {sync}: {error}") from None
+
+    @property
+    def local_size(self) -> int | None:
+        """The ranks per node the run is launched with: an emulated cluster's (``network`` nodes=NxL,...),
+        or the launcher's (torchrun's ``LOCAL_WORLD_SIZE``); None: not said (one switch)."""
+        network = netem.parse(self.network)
+        if isinstance(network, netem.Cluster):
+            return network.per_node
+        return launched_local_size()
+
+    def _check_nodes(self) -> None:
+        """HSDP needs nodes: a node size that splits the ranks into two nodes or more."""
+        local = self.local_size
+        if local is None:
+            raise ValueError(
+                "parallel hsdp shards inside each node and averages across nodes: run on an emulated cluster "
+                "(network nodes=2x2,intra=10gbit,inter=100mbit) or under torchrun, which say the node size"
+            )
+        ranks = int(os.environ.get("WORLD_SIZE", self.ranks))
+        check_local_size(ranks, local)
+        if local == ranks:
+            raise ValueError(f"parallel hsdp: all {ranks} ranks are one node; that is parallel fsdp")
 
     @property
     def checkpoint_path(self) -> str:

@@ -6,9 +6,13 @@ averages gradients through the hook (a DDP communication hook spec). ``--paralle
 shards parameters, gradients and optimizer state; the model is cut into units (:func:`units`),
 each all-gathered for its forward and backward and its gradients reduce-scattered through the hook,
 here a sharded spec (gradcomp's compressed reduce-scatter, or FSDP2's own: ``torch:reduce_scatter``,
-``torch:bf16``, ``torch:fp16``). ``--sync localsgd:...`` or ``diloco:...``: every rank trains its own
-replica, no DDP, and a :class:`gradcomp.sync.Synchronizer` averages outer gradients through the hook
-spec every few steps (:class:`Local`). :func:`make` builds any of them; the training loop and
+``torch:bf16``, ``torch:fp16``). ``--parallel hsdp``: FSDP2 shards inside each node (the launcher's
+``LOCAL_WORLD_SIZE`` ranks: an emulated cluster's or torchrun's), and the hook, a DDP hook spec,
+averages the node's gradient shards across nodes (:func:`gradcomp.hooks.hsdp`); FSDP2's own HSDP
+(its 2-D mesh, all-reduced uncompressed) as ``torch:reduce_scatter`` and the like.
+``--sync localsgd:...`` or ``diloco:...``: every rank trains its own replica, no DDP, and a
+:class:`gradcomp.sync.Synchronizer` averages outer gradients through the hook spec every few steps
+(:class:`Local`). :func:`make` builds any of them; the training loop and
 checkpoints talk to all through the same few methods.
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,14 +30,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradcomp import hooks
 from gradcomp.collectives.hierarchical import subgroups
-from gradcomp.engine.hierarchical import check_local_size
+from gradcomp.engine.hierarchical import LAUNCHER_LAYOUT, check_local_size
 from gradcomp.experiments.tasks.base import Batch, batches
 from gradcomp.hooks import torch_hooks
 from gradcomp.hooks.torch_hooks import TorchHookSpec
 from gradcomp.state import TrainingHookState
 from gradcomp.sync import Synchronizer, SyncSpec
 
-PARALLELS = ("ddp", "fsdp")
+PARALLELS = ("ddp", "fsdp", "hsdp")
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.TransformerEncoder, nn.TransformerDecoder)
 """Modules that only hold others: FSDP2 units are cut inside them, not around them."""
 
@@ -84,20 +89,27 @@ class Replicated(Placement):
 
 
 class Sharded(Placement):
-    """FSDP2: each unit of the model (:func:`units`) and the root sharded over the ranks; the hook
-    reduce-scatters gradients. Forwards are collectives (each unit all-gathers its parameters), so
-    every rank runs as many as every other, evaluation included (:meth:`eval_batches`)."""
+    """FSDP2: each unit of the model (:func:`units`) and the root sharded over the ranks of ``mesh``
+    (default: all of them); the hook reduce-scatters gradients. Forwards are collectives (each unit
+    all-gathers its parameters), so every rank runs as many as every other, evaluation included
+    (:meth:`eval_batches`). With ``replicate`` (HSDP: ``mesh`` a node's), the hook averages the
+    node's shards across that group (:func:`gradcomp.hooks.hsdp`)."""
 
-    def __init__(self, model: nn.Module, policy: Any = None) -> None:
+    def __init__(self, model: nn.Module, policy: Any = None, mesh: Any = None, replicate: Any = None) -> None:
         from torch.distributed.fsdp import fully_shard
 
         options = {} if policy is None else {"mp_policy": policy}
+        if mesh is not None:
+            options["mesh"] = mesh
         for unit in units(model):
             fully_shard(unit, **options)
         fully_shard(model, **options)
         self.module = self.forward = model
+        self.replicate = replicate
 
     def register(self, spec: Any, seed: int, optimizer: torch.optim.Optimizer) -> TrainingHookState:
+        if self.replicate is not None:
+            return hooks.hsdp(self.module, spec, replicate=self.replicate)
         return hooks.register(self.module, spec)
 
     @contextlib.contextmanager
@@ -224,4 +236,28 @@ def make(
     if parallel == "ddp":
         return Replicated(model, device)
     policy = spec.policy() if isinstance(spec, hooks.TorchFSDPSpec) else None
-    return Sharded(model, policy)
+    if parallel == "fsdp":
+        return Sharded(model, policy)
+    mesh = node_mesh(device)
+    if isinstance(spec, hooks.TorchFSDPSpec):  # FSDP2's own HSDP: the 2-D mesh, all-reduced uncompressed
+        return Sharded(model, policy, mesh)
+    return Sharded(model, policy, mesh["shard"], mesh.get_group("replicate"))
+
+
+def node_mesh(device: torch.device) -> Any:
+    """The world as a 2-D mesh of nodes (``replicate``) by their ranks (``shard``), as the launcher
+    placed them (``LOCAL_WORLD_SIZE`` ranks per node: an emulated cluster's, or torchrun's)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    local = launched_local_size()
+    if local is None:
+        raise ValueError(f"HSDP shards inside a node: the launcher says no node size ({LAUNCHER_LAYOUT} is not set)")
+    world = torch.distributed.get_world_size()
+    check_local_size(local, world)
+    return init_device_mesh(device.type, (world // local, local), mesh_dim_names=("replicate", "shard"))
+
+
+def launched_local_size() -> int | None:
+    """The ranks per node the launcher started (torchrun's, or an emulated cluster's, ``LOCAL_WORLD_SIZE``)."""
+    value = os.environ.get(LAUNCHER_LAYOUT, "").strip()
+    return int(value) if value else None

@@ -180,6 +180,12 @@ class Engine:
         _when_all(landings, lambda error: done.set_exception(error) if error else done.set_result((buffer, None)))
         return Handle(done)
 
+    def end_step(self) -> None:
+        """End the step after the fact, for a caller that learns where a step ends only once its
+        buckets are handed over (HSDP's all-reduce hook, at the end of backward): every bucket of
+        it then went with ``last=False``."""
+        self.step, self.steps_done = self.step + 1, self.steps_done + 1
+
     def _send(self, work: BucketWork, plan: WarmupStep) -> Future[tuple[Tensor, Traffic | None]]:
         """Compress ``work`` here, in the caller's thread (it overlaps the previous bucket's
         communication), and queue its communication on the ordered executor."""
