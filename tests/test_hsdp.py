@@ -99,7 +99,8 @@ def against_native_hsdp(rank: int, world: int) -> Failures:
     failures.expect(len(steps) == STEPS and all(s.buckets == 4 for s in steps), f"allreduce: steps {steps}")
     step = steps[-1]
     shard_bytes = sum(r.numel() * 4 for r in reference)
-    failures.expect(step.input_bytes >= shard_bytes, f"allreduce: {step.input_bytes} bytes handed, shards {shard_bytes}")
+    handed = step.input_bytes
+    failures.expect(handed >= shard_bytes, f"allreduce: {handed} bytes handed, shards {shard_bytes}")
     # inside the node a ring reduce-scatter of 2 ranks sends the other rank its shard; across 2 nodes
     # a ring all-reduce sends the shard once
     failures.expect(
