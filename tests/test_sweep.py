@@ -295,6 +295,19 @@ def test_the_nodes_sweep_compares_hierarchical_hooks_with_flat_ones_on_a_cluster
     assert {run.config.ranks for run in runs} == {4} and len(runs) == 5 * 3
 
 
+def test_the_hsdp_sweep_compares_gradcomp_across_nodes_with_fsdp2s_own_hsdp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs = _shipped("hsdp", tmp_path, monkeypatch)
+    hooks = {run.config.effective.hook for run in runs}
+    given = ["quantize:bits=4,ef=true", "topk:ratio=0.01,ef=true"]
+    assert hooks == {"torch:reduce_scatter", "torch:bf16", *(str(HookSpec.parse(hook)) for hook in given)}
+    assert {(run.config.parallel, run.config.network, run.config.local_size) for run in runs} == {
+        ("hsdp", "nodes=2x2,intra=10gbit,inter=100mbit", 2)
+    }
+    assert {run.config.ranks for run in runs} == {4} and len(runs) == 4 * 3
+
+
 def test_the_fidelity_sweep_trains_every_method_with_momentum_on_both_study_tasks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

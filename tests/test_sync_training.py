@@ -124,13 +124,49 @@ def test_diloco_across_nodes_keeps_a_node_replica_and_resumes_bitwise(tmp_path: 
         assert all(torch.equal(a, b) for a, b in pairs), part
 
 
+@pytest.mark.timeout(240)
+def test_diloco_across_nodes_with_fsdp2_inside_shards_a_node_replica_and_resumes_bitwise(tmp_path: Path) -> None:
+    """``local_size=2`` at 4 ranks with FSDP2 inside each node: each rank synchronizes its shard of the
+    node's replica with the ranks holding it in the other nodes. With outer gradients uncompressed it
+    trains as DDP inside the node does (one node's ranks average the same gradients); checkpoints hold
+    each node's whole replica, the nodes differing between synchronizations; a resumed run ends where
+    the straight one does."""
+    settings = {**SETTINGS, "ranks": 4, "steps": 10, "sync": "diloco:every=4,local_size=2", "eval_every": 5}
+    sharded = {**settings, "parallel": "fsdp"}
+    straight = TrainConfig(**sharded, out=str(tmp_path / "straight"))
+    resumed = TrainConfig(**sharded, out=str(tmp_path / "resumed"), resume="auto")
+    launch(straight)
+    assert launch(dataclasses.replace(resumed, stop_at=6))["status"] == "stopped"
+    assert launch(resumed)["status"] == "finished"
+    ended = torch.load(straight.checkpoint_path, weights_only=True)
+    replicas = ended["model"]["replicas"]
+    assert [bool(replica) for replica in replicas] == [True, False, True, False], "a node's replica on its first rank"
+    assert not all(torch.equal(a, b) for a, b in zip(tensors(replicas[0]), tensors(replicas[2]), strict=True))
+    again = torch.load(resumed.checkpoint_path, weights_only=True)
+    for part in ("model", "optimizer", "hooks"):
+        pairs = zip(tensors(ended[part]), tensors(again[part]), strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs), part
+
+    exact = {"hook": "allreduce", "steps": 8}
+    fsdp_inside = TrainConfig(**{**sharded, **exact}, out=str(tmp_path / "fsdp"))
+    ddp_inside = TrainConfig(**{**settings, **exact}, out=str(tmp_path / "ddp"))
+    launch(fsdp_inside)
+    launch(ddp_inside)
+    by_fsdp = torch.load(fsdp_inside.checkpoint_path, weights_only=True)["model"]["replicas"][0]
+    by_ddp = torch.load(ddp_inside.checkpoint_path, weights_only=True)["model"]["replicas"][0]
+    for name, tensor in by_ddp.items():
+        assert torch.allclose(by_fsdp[name], tensor, rtol=1e-5, atol=1e-6), name
+
+
 def test_a_synchronized_run_takes_a_gradcomp_spec_and_replicas() -> None:
     base = {**SETTINGS, "steps": 10}
     for hook in ("torch:allreduce", "auto", "noop"):
         with pytest.raises(ValueError, match=f"the outer gradients travel by .*; {hook} averages every step"):
             TrainConfig(**{**base, "hook": hook})
-    with pytest.raises(ValueError, match="parallel must be ddp, not fsdp"):
-        TrainConfig(**{**base, "parallel": "fsdp", "hook": "none"})
+    with pytest.raises(ValueError, match="with local_size=L\\); not parallel fsdp"):
+        TrainConfig(**{**base, "parallel": "fsdp", "hook": "allreduce"})
+    with pytest.raises(ValueError, match="not parallel hsdp"):
+        TrainConfig(**{**base, "parallel": "hsdp", "hook": "allreduce", "network": "nodes=1x2,inter=1gbit"})
     with pytest.raises(ValueError, match=r"sync 'fedavg': unknown synchronization 'fedavg'; valid: localsgd, diloco"):
         TrainConfig(**{**base, "sync": "fedavg"})
     assert TrainConfig(**{**base, "sync": "diloco:every=6,outer_lr=0.7"}).effective.sync == "diloco:every=6"

@@ -1,8 +1,8 @@
-"""How ``gradcomp bench ddp`` and ``gradcomp bench fsdp`` spread the model over the ranks: DDP's
-replicas (:data:`DDP`) or FSDP2's shards (:data:`FSDP`), two small classes behind one interface
-(:class:`Mode`). A mode says what its table is anchored on, what it measures by default, how it
-reads a spec, and how it builds and hooks one variant's model; the rest of the benchmark is the
-same for both."""
+"""How ``gradcomp bench ddp``, ``fsdp`` and ``hsdp`` spread the model over the ranks: DDP's replicas
+(:data:`DDP`), FSDP2's shards (:data:`FSDP`) or FSDP2's shards inside each node, replicated across
+nodes (:data:`HSDP`), small classes behind one interface (:class:`Mode`). A mode says what its
+table is anchored on, what it measures by default, how it reads a spec, which networks it can run
+on, and how it builds and hooks one variant's model; the rest of the benchmark is the same for all."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradcomp import hooks
+from gradcomp import hooks, netem
+from gradcomp.engine.hierarchical import check_local_size
 from gradcomp.experiments.training import parallel
 from gradcomp.hooks import torch_hooks
 from gradcomp.hooks.torch_hooks import TorchHookSpec, is_torch_spec
@@ -61,6 +62,9 @@ class Mode(Protocol):
     def isolated(self, variant: str) -> bool:
         """Whether ``variant`` runs in ranks of its own (one that may hang or abort its ranks)."""
 
+    def check(self, network: str, ranks: int) -> None:
+        """Refuse a network or rank count the mode cannot run on (before any rank starts)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Replicas:
@@ -98,6 +102,9 @@ class Replicas:
         case, and in ranks of its own the refusal becomes its row's status, not the others' end."""
         return is_torch_spec(variant) and TorchHookSpec.parse(variant).name == "powersgd"
 
+    def check(self, network: str, ranks: int) -> None:
+        pass
+
 
 @dataclasses.dataclass(frozen=True)
 class Shards:
@@ -130,6 +137,58 @@ class Shards:
     def isolated(self, variant: str) -> bool:
         return False
 
+    def check(self, network: str, ranks: int) -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeShards:
+    """HSDP (``gradcomp bench hsdp``): FSDP2 shards inside each node, gradcomp's all-reduce of the
+    node's shards across nodes (:func:`gradcomp.hooks.hsdp`), or FSDP2's own HSDP (its 2-D mesh).
+    ``noop`` still reduce-scatters inside the node: only the all-reduce across nodes is left out."""
+
+    name: str = "hsdp"
+    anchor: str = "torch:reduce_scatter"
+    torch_hooks: tuple[str, ...] = ("torch:bf16",)
+    hooks: str = (
+        "allreduce;fp16;bf16;quantize:bits=4,ef=true;quantize:bits=8,ef=true;sign:ef=true;topk:ratio=0.01,ef=true"
+    )
+    """What ``gradcomp bench hsdp`` measures when ``--hooks`` is not given."""
+
+    def canonical(self, spec: str) -> str:
+        return str(hooks.parse_hybrid(spec))
+
+    def torch_canonical(self, spec: str) -> str:
+        return str(hooks.TorchFSDPSpec.parse(spec))
+
+    def make(
+        self, build: Callable[[], nn.Module], variant: str, seed: int, device: torch.device
+    ) -> tuple[nn.Module, TrainingHookState]:
+        torch.manual_seed(seed)
+        spec = hooks.parse_hybrid(variant, seed=seed)
+        sharded = parallel.make("hsdp", build().to(device), device, spec)
+        assert isinstance(sharded, parallel.Sharded)
+        if isinstance(spec, hooks.TorchFSDPSpec):
+            return sharded.forward, hooks.register(sharded.forward, spec)
+        return sharded.forward, hooks.hsdp(sharded.forward, spec, replicate=sharded.replicate)
+
+    def isolated(self, variant: str) -> bool:
+        return False
+
+    def check(self, network: str, ranks: int) -> None:
+        """The nodes come from an emulated cluster (``nodes=NxL,...``) or the launcher (``LOCAL_WORLD_SIZE``)."""
+        cluster = netem.parse(network)
+        local = cluster.per_node if isinstance(cluster, netem.Cluster) else parallel.launched_local_size()
+        if local is None:
+            raise ValueError(
+                "bench hsdp shards inside nodes: give it nodes, --net 'nodes=2x2,intra=10gbit,inter=100mbit' "
+                "(or LOCAL_WORLD_SIZE, as torchrun sets it)"
+            )
+        check_local_size(local, ranks)
+        if local == ranks:
+            raise ValueError(f"bench hsdp: all {ranks} ranks are one node; that is bench fsdp")
+
 
 DDP: Mode = Replicas()
 FSDP: Mode = Shards()
+HSDP: Mode = NodeShards()

@@ -69,6 +69,7 @@ class BenchSettings:
             raise ValueError(f"--backend must be gloo or nccl, got {self.backend!r}")
         if self.backend == "nccl" and self.device != "cuda":
             raise ValueError("--backend nccl needs --device cuda (NCCL moves GPU memory)")
+        self.mode.check(self.network, self.ranks)
         _ = self.variants  # parses every spec: a bad one fails here, before any rank starts
 
     @property

@@ -226,16 +226,17 @@ class TrainConfig:
         """:attr:`hook` parsed once (``seed`` applies where the spec sets none), then, through
         ``dataclasses.replace``, the run's momentum handed to a hook that asks for it and its clipping
         to a hook with error feedback, where DGC applies them: before compression, on each rank."""
-        parse = {"fsdp": hooks.parse_sharded, "hsdp": hooks.parse_hybrid}.get(self.parallel, hooks.parse)
+        kind = self.parallel if self.sync == NO_SYNC else "ddp"  # outer gradients travel as DDP's do
+        parse = {"fsdp": hooks.parse_sharded, "hsdp": hooks.parse_hybrid}.get(kind, hooks.parse)
         if self._said_hook is None:  # torch's or auto
             return parse(self.hook, seed)
         name, options = self._said_hook
         values: dict[str, Any] = dict(options)
         if self._takes_run_momentum:
             values["momentum"] = self._momentum_for_hook()  # what momentum=true stands for
-        parser = hooks.ShardSpec if self.parallel == "fsdp" else hooks.HookSpec
+        parser = hooks.ShardSpec if kind == "fsdp" else hooks.HookSpec
         spec = parser.parse((name, values), **({} if seed is None else {"seed": seed}))
-        if isinstance(spec, hooks.HookSpec) and self.parallel == "hsdp":
+        if isinstance(spec, hooks.HookSpec) and kind == "hsdp":
             hooks.parse_hybrid(spec)  # a flat shard's spec: PowerSGD and the like are refused
         feedback = NO_FEEDBACK if spec.compressor is None else spec.compressor.feedback
         if feedback.momentum and not self._takes_run_momentum and (self.momentum or self.optimizer == "nesterov"):
@@ -284,14 +285,18 @@ class TrainConfig:
 
     def _check_sync(self, hook: hooks.AnySpec | hooks.AnyShardedSpec) -> None:
         sync = self.sync_spec
-        if self.parallel != "ddp":
-            raise ValueError(f"sync {sync} trains a replica per rank: parallel must be ddp, not {self.parallel}")
+        assert sync is not None
+        if self.parallel == "hsdp" or (self.parallel == "fsdp" and sync.local_size <= 1):
+            raise ValueError(
+                f"sync {sync} trains a replica per rank (parallel ddp), or per node of local_size ranks, "
+                f"DDP or FSDP2 inside (parallel ddp or fsdp, with local_size=L); not parallel {self.parallel}"
+            )
         if not isinstance(hook, hooks.HookSpec) or hook.noop:
             raise ValueError(
                 f"with sync {sync}, the hook is the gradcomp spec the outer gradients travel by (allreduce, "
                 f"quantize:bits=4,ef=true, ...); {hook} averages every step"
             )
-        if sync is not None and sync.local_size > 1:
+        if sync.local_size > 1:
             try:
                 check_local_size(self.ranks, sync.local_size)
             except ValueError as error:

@@ -96,15 +96,7 @@ class Sharded(Placement):
     node's shards across that group (:func:`gradcomp.hooks.hsdp`)."""
 
     def __init__(self, model: nn.Module, policy: Any = None, mesh: Any = None, replicate: Any = None) -> None:
-        from torch.distributed.fsdp import fully_shard
-
-        options = {} if policy is None else {"mp_policy": policy}
-        if mesh is not None:
-            options["mesh"] = mesh
-        for unit in units(model):
-            fully_shard(unit, **options)
-        fully_shard(model, **options)
-        self.module = self.forward = model
+        self.module = self.forward = shard(model, policy, mesh)
         self.replicate = replicate
 
     def register(self, spec: Any, seed: int, optimizer: torch.optim.Optimizer) -> TrainingHookState:
@@ -112,31 +104,19 @@ class Sharded(Placement):
             return hooks.hsdp(self.module, spec, replicate=self.replicate)
         return hooks.register(self.module, spec)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self.module.set_requires_gradient_sync(False)  # type: ignore[operator]
-        try:
-            yield
-        finally:
-            self.module.set_requires_gradient_sync(True)  # type: ignore[operator]
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return _without_gradient_sync(self.module)
 
     def model_state(self) -> dict[str, Any]:
         """The whole model's state on rank 0, on the CPU (a collective: all ranks call it)."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        return get_model_state_dict(self.module, options=_full())
+        return _whole_model(self.module)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        return get_optimizer_state_dict(self.module, optimizer, options=_full())
+        return _whole_optimizer(self.module, optimizer)
 
     def load(self, saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
         """Every rank takes its shards of the saved whole states (each rank read the file)."""
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-        set_model_state_dict(self.module, saved["model"], options=_full(offload=False))
-        set_optimizer_state_dict(self.module, optimizer, saved["optimizer"], options=_full(offload=False))
+        _load_whole(self.module, optimizer, saved["model"], saved["optimizer"])
 
     def eval_batches(self, x: Tensor, y: Tensor, size: int, total: int) -> Iterator[Batch]:
         """This rank's share of ``total`` samples in as many batches as every other rank's (the
@@ -151,15 +131,21 @@ class Local(Placement):
     steps. Replicas differ between synchronizations, so checkpoints hold every rank's model and
     optimizer; evaluation uses the global parameters, the same on every rank."""
 
-    def __init__(self, model: nn.Module, sync: SyncSpec) -> None:
+    def __init__(self, model: nn.Module, sync: SyncSpec, device: torch.device, sharded: bool = False) -> None:
         self.module: nn.Module = model
         self.forward: nn.Module = model
         self.sync = sync
         self.synchronizer: Synchronizer | None = None
         self.across: torch.distributed.ProcessGroup | None = None
-        if sync.local_size > 1:  # a replica per node: DDP inside it, the synchronizer across nodes
-            check_local_size(sync.local_size, torch.distributed.get_world_size())
-            node, self.across = subgroups(None, sync.local_size)
+        self.local = sync.local_size if sync.local_size > 1 else 1
+        self.sharded = sharded
+        if sharded:  # a replica per node, FSDP2 inside: each rank synchronizes its shard across nodes
+            mesh = node_mesh(device, self.local)
+            self.module = self.forward = shard(model, None, mesh["shard"])
+            self.across = mesh.get_group("replicate")
+        elif self.local > 1:  # a replica per node: DDP inside it, the synchronizer across nodes
+            check_local_size(self.local, torch.distributed.get_world_size())
+            node, self.across = subgroups(None, self.local)
             self.forward = DistributedDataParallel(model, process_group=node)
 
     def register(self, spec: Any, seed: int, optimizer: torch.optim.Optimizer) -> Synchronizer:
@@ -179,22 +165,86 @@ class Local(Placement):
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         if isinstance(self.forward, DistributedDataParallel):  # a node's DDP accumulates
             return self.forward.no_sync()
+        if self.sharded:  # a node's FSDP2 accumulates
+            return _without_gradient_sync(self.module)
         return contextlib.nullcontext()  # nothing communicates in backward
 
     def model_state(self) -> dict[str, Any]:
-        """Every rank's replica, on rank 0 (a collective: all ranks call it)."""
+        """Every rank's replica, on rank 0 (a collective: all ranks call it); sharded inside a node,
+        each node's whole replica (on the node's first rank; the others hold none)."""
+        if self.sharded:
+            return {"replicas": _every_rank(self._node_first(_whole_model(self.module, everywhere=True)))}
         return {"replicas": _every_rank(self.module.state_dict())}
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if self.sharded:
+            whole = _whole_optimizer(self.module, optimizer, everywhere=True)
+            return {"replicas": _every_rank(self._node_first(whole))}
         return {"replicas": _every_rank(optimizer.state_dict())}
+
+    def _node_first(self, whole: dict[str, Any]) -> dict[str, Any]:
+        """A node's whole state from its first rank, on the CPU (the others, which hold the same, none)."""
+        if torch.distributed.get_rank() % self.local:
+            return {}
+        return torch.utils._pytree.tree_map(lambda x: x.cpu() if isinstance(x, Tensor) else x, whole)
 
     def load(self, saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
         rank = torch.distributed.get_rank()
+        if self.sharded:  # the node's replica, from its first rank's entry
+            model, state = (saved[part]["replicas"][rank // self.local * self.local] for part in ("model", "optimizer"))
+            _load_whole(self.module, optimizer, model, state)
+            return
         self.module.load_state_dict(saved["model"]["replicas"][rank])
         optimizer.load_state_dict(saved["optimizer"]["replicas"][rank])
 
     def eval_batches(self, x: Tensor, y: Tensor, size: int, total: int) -> Iterator[Batch]:
         return batches(x, y, size)
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(module: nn.Module) -> Iterator[None]:
+    """FSDP2's backward without its reduce-scatter (gradients accumulate, unsharded)."""
+    module.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def shard(model: nn.Module, policy: Any = None, mesh: Any = None) -> nn.Module:
+    """``model`` with each unit (:func:`units`) and the root sharded by FSDP2 over ``mesh`` (default:
+    every rank), in ``policy``'s mixed precision."""
+    from torch.distributed.fsdp import fully_shard
+
+    options: dict[str, Any] = {} if policy is None else {"mp_policy": policy}
+    if mesh is not None:
+        options["mesh"] = mesh
+    for unit in units(model):
+        fully_shard(unit, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def _whole_model(module: nn.Module, everywhere: bool = False) -> dict[str, Any]:
+    """An FSDP2 model's whole state (a collective of its ranks): on rank 0, on the CPU, or with
+    ``everywhere`` on every rank of its mesh, on its device."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(module, options=_full(offload=not everywhere))
+
+
+def _whole_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, everywhere: bool = False) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(module, optimizer, options=_full(offload=not everywhere))
+
+
+def _load_whole(module: nn.Module, optimizer: torch.optim.Optimizer, model: Any, optimizer_state: Any) -> None:
+    """Every rank takes its shards of the whole states :func:`_whole_model` and :func:`_whole_optimizer` made."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    set_model_state_dict(module, model, options=_full(offload=False))
+    set_optimizer_state_dict(module, optimizer, optimizer_state, options=_full(offload=False))
 
 
 def _every_rank(value: Any) -> Any:
@@ -232,26 +282,26 @@ def make(
 ) -> AnyPlacement:
     """The model spread over the ranks as ``parallel`` and ``sync`` say (the hook not registered yet)."""
     if sync is not None:
-        return Local(model, sync)
+        return Local(model, sync, device, sharded=parallel == "fsdp")
     if parallel == "ddp":
         return Replicated(model, device)
     policy = spec.policy() if isinstance(spec, hooks.TorchFSDPSpec) else None
     if parallel == "fsdp":
         return Sharded(model, policy)
-    mesh = node_mesh(device)
+    local = launched_local_size()
+    if local is None:
+        raise ValueError(f"HSDP shards inside a node: the launcher says no node size ({LAUNCHER_LAYOUT} is not set)")
+    mesh = node_mesh(device, local)
     if isinstance(spec, hooks.TorchFSDPSpec):  # FSDP2's own HSDP: the 2-D mesh, all-reduced uncompressed
         return Sharded(model, policy, mesh)
     return Sharded(model, policy, mesh["shard"], mesh.get_group("replicate"))
 
 
-def node_mesh(device: torch.device) -> Any:
-    """The world as a 2-D mesh of nodes (``replicate``) by their ranks (``shard``), as the launcher
-    placed them (``LOCAL_WORLD_SIZE`` ranks per node: an emulated cluster's, or torchrun's)."""
+def node_mesh(device: torch.device, local: int) -> Any:
+    """The world as a 2-D mesh of nodes (``replicate``) by their ``local`` ranks each (``shard``),
+    node-major (as the launchers place ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    local = launched_local_size()
-    if local is None:
-        raise ValueError(f"HSDP shards inside a node: the launcher says no node size ({LAUNCHER_LAYOUT} is not set)")
     world = torch.distributed.get_world_size()
     check_local_size(local, world)
     return init_device_mesh(device.type, (world // local, local), mesh_dim_names=("replicate", "shard"))

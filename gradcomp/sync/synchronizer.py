@@ -45,6 +45,11 @@ from gradcomp.state import TrainingHookState
 from gradcomp.sync import fragments
 from gradcomp.sync.spec import SyncSpec, SyncSpecLike
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch without DTensor
+    DTensor = None  # type: ignore[assignment,misc]
+
 logger = logging.getLogger(__name__)
 
 
@@ -132,20 +137,23 @@ class Synchronizer(TrainingHookState):
             raise ValueError("the model has no trainable parameters to synchronize")
         if not all(p.is_floating_point() for p in self.parameters):
             raise TypeError("parameters must be floating-point to be averaged")
-        self.fragments = fragments.split([p.numel() for p in self.parameters], self.sync.fragments)
+        self.tensors = [local(p) for p in self.parameters]
+        """What synchronizes of each parameter: the parameter, or this rank's shard of a sharded one
+        (FSDP2's, sharded over a node: the ranks of ``group`` hold the same shard of every node's replica)."""
+        self.fragments = fragments.split([t.numel() for t in self.tensors], self.sync.fragments)
         self.engine = Engine(self.spec, group=group, timeout=timeout, history=1024)
         self._state_engine = Engine("allreduce", group=group, timeout=timeout) if self.sync.state else None
         self.world = self.engine.world
         self.error: BaseException | None = None
         """The error that failed a synchronization (a :class:`gradcomp.errors.PeerError` names the peer)."""
 
-        device = self.parameters[0].device
+        device = self.tensors[0].device
         check_same_spec(f"{self.sync} over {self.spec}", self.engine.group, device)
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:  # one start on every rank, as DDP's
-                collectives.broadcast(tensor.detach(), 0, group=self.engine.group)
+                collectives.broadcast(local(tensor.detach()), 0, group=self.engine.group)
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.parameters) else torch.float32
-        self.globals = [p.detach().to(dtype, copy=True) for p in self.parameters]
+        self.globals = [t.detach().to(dtype, copy=True) for t in self.tensors]
         """The last synchronized parameters, bitwise the same on every rank (float32, or float64)."""
         self.outer = [
             torch.optim.SGD(
@@ -157,7 +165,7 @@ class Synchronizer(TrainingHookState):
             for members in self.fragments
         ]
         self._buffers = [
-            torch.empty(sum(self.parameters[i].numel() for i in members), dtype=dtype, device=device)
+            torch.empty(sum(self.tensors[i].numel() for i in members), dtype=dtype, device=device)
             for members in self.fragments
         ]
         self.steps_done = 0
@@ -200,16 +208,16 @@ class Synchronizer(TrainingHookState):
     def global_model(self) -> Iterator[nn.Module]:
         """The model with the global parameters (the same on every rank) for the ``with`` block, then
         its own again: what to evaluate, or to save as the trained model."""
-        saved = [p.detach().clone() for p in self.parameters]
+        saved = [t.detach().clone() for t in self.tensors]
         with torch.no_grad():
-            for p, g in zip(self.parameters, self.globals, strict=True):
-                p.copy_(g)
+            for t, g in zip(self.tensors, self.globals, strict=True):
+                t.copy_(g)
         try:
             yield self.model
         finally:
             with torch.no_grad():
-                for p, s in zip(self.parameters, saved, strict=True):
-                    p.copy_(s)
+                for t, s in zip(self.tensors, saved, strict=True):
+                    t.copy_(s)
 
     # -- one synchronization ------------------------------------------------------------------
 
@@ -218,8 +226,8 @@ class Synchronizer(TrainingHookState):
         buffer, members = self._buffers[fragment], self.fragments[fragment]
         with torch.no_grad():
             for i, view in zip(members, self._views(buffer, members), strict=True):
-                torch.sub(self.globals[i], self.parameters[i].detach(), out=view)
-        shapes = [self.parameters[i].shape for i in members]
+                torch.sub(self.globals[i], self.tensors[i].detach(), out=view)
+        shapes = [self.tensors[i].shape for i in members]
         handle = self.engine.reduce(buffer, members, shapes, bucket=fragment)
         lands = self.steps_done + self.sync.delay
         self._in_flight.append(_InFlight(fragment, lands, handle, number=self._calls))
@@ -258,7 +266,7 @@ class Synchronizer(TrainingHookState):
         keep = self.sync.mixing if finite else 0.0
         with torch.no_grad():
             for i in members:
-                p, g = self.parameters[i], self.globals[i]
+                p, g = self.tensors[i], self.globals[i]
                 if keep == 0:
                     p.copy_(g)
                 else:  # keep * own + (1 - keep) * global
@@ -274,7 +282,8 @@ class Synchronizer(TrainingHookState):
         tensors = []
         for i in members:
             state = self.optimizer.state.get(self.parameters[i], {})
-            tensors += [state[k] for k in sorted(state) if _averageable(state[k], self.parameters[i])]
+            entries = [local(state[k]) for k in sorted(state)]
+            tensors += [entry for entry in entries if _averageable(entry, self.tensors[i])]
         if not tensors:
             return
         flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -386,7 +395,7 @@ class Synchronizer(TrainingHookState):
         return flight.average
 
     def _views(self, flat: Tensor, members: list[int]) -> list[Tensor]:
-        return views(flat, [self.parameters[i].shape for i in members])
+        return views(flat, [self.tensors[i].shape for i in members])
 
 
 class _Kind(Synchronizer):
@@ -430,6 +439,15 @@ class DiLoCo(_Kind):
     """
 
     kind = "diloco"
+
+
+def local(value: Any) -> Any:
+    """This rank's shard of a sharded tensor (a DTensor: FSDP2's parameters and their optimizer
+    state), any other value as it is. Under ``no_grad`` a shard is the DTensor's own storage."""
+    if DTensor is not None and isinstance(value, DTensor):
+        with torch.no_grad():
+            return value.to_local()
+    return value
 
 
 def _averageable(value: Any, parameter: Tensor) -> bool:
