@@ -14,6 +14,7 @@ from gradcomp.cost import calibrate
 from gradcomp.cost.profile import Profile
 from gradcomp.cost.step import Workload, method_of, predict
 from gradcomp.experiments.bench import predict as validation
+from tests.distributed import spawn_ranks
 
 SPECS = ("none", "fp16")
 
@@ -49,6 +50,19 @@ def test_the_engine_overhead_closes_the_gap_to_the_engines_own_timing(profile: P
             bucket = Workload(((side, side),), (1.0,), 0.0, 0.0)
             step = predict(bucket, method_of(spec), cluster, profile.kernels.__getitem__)
             assert step.step_s == pytest.approx(seconds, rel=1e-9)
+
+
+def nodes_timed(rank: int, world: int) -> dict[str, object]:
+    """Every rank's part of a calibration of 2 nodes x 2 ranks, tiny."""
+    timed = calibrate.time_everything(rank, world, [4096, 65536], 2, ["none"], 1, ((32,), (64,)), "cpu", 2)
+    return {"failures": [], "inside": timed[3], "across": timed[0]}
+
+
+def test_a_calibration_on_nodes_times_the_link_inside_a_node_too() -> None:
+    inside = spawn_ranks(4, nodes_timed, timeout=120)[0]["inside"]
+    assert set(inside) == {"all_reduce", "all_gather"}
+    for rows in inside.values():
+        assert [int(size) for size, _ in rows] == [4096, 65536] and all(seconds > 0 for _, seconds in rows)
 
 
 def test_profiles_survive_the_file(profile: Profile, tmp_path: Path) -> None:

@@ -98,5 +98,8 @@ def test_a_shared_uplink_divides_among_the_ranks_crossing_at_once() -> None:
     assert shared.all_reduce("hierarchical", 1e6) == pytest.approx(inside + 2 * 0.01 + 2 * 5e5 * 1e-6)
     # rank r sends to r + k: k = 1 and 3, one rank of each node crosses; k = 2, both do
     assert shared.all_to_all(4e6) == pytest.approx(3 * 0.01 + (1 + 2 + 1) * 1e6 * 1e-6)
+    # a calibrated fit of the backend's collectives across nodes shares the uplink alike
+    fit = LinkCosts(0.002, 3e-6)
+    assert shared.crossing(2, fit) == LinkCosts(0.002, 6e-6) and own.crossing(2, fit) == fit
     assert own.all_to_all(4e6) == pytest.approx(3 * (0.01 + 1e6 * 1e-6))
     assert shared.crossing(1) == inter and shared.crossing(2).beta == 2e-6 and own.crossing(2) == inter

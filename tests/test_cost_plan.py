@@ -11,7 +11,7 @@ from gradcomp.collectives.cost_model import LinkCosts
 from gradcomp.cost import plan
 from gradcomp.cost.cluster import Cluster
 from gradcomp.cost.kernels import FREE, KernelCost
-from gradcomp.cost.profile import LinkFit, Profile
+from gradcomp.cost.profile import INSIDE, LinkFit, Profile
 from gradcomp.cost.step import Workload, method_of
 from gradcomp.experiments.plan.command import layers
 from gradcomp.hooks.torch_hooks import TorchHookSpec
@@ -113,6 +113,25 @@ def test_the_plan_command(tmp_path, capsys) -> None:  # type: ignore[no-untyped-
     assert max(p["ranks"] for p in figures["scaling"]["allreduce"]) == 4096
     page = out_html.read_text()
     assert page.count("<svg") == 2 and "<script" not in page and "http" not in page.replace("http://www.w3.org", "")
+
+
+def test_a_calibrated_cluster_gives_the_link_inside_a_node(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A profile calibrated on an emulated cluster holds the link inside a node too: the plan prices
+    the node's steps with it unless --intra says otherwise."""
+    kernel = cheap("")
+    inside = LinkFit(LinkCosts(3e-4, 1.4e-9), 0, 0, 0)
+    links = {"all_reduce": LinkFit(LinkCosts(1e-3, 8e-8), 0, 0, 0), INSIDE + "all_reduce": inside}
+    profile = Profile("cluster", "nodes=2x2,inter=100mbit", 4, links, {"none": kernel, "fp16": kernel})
+    profile.save(tmp_path / "cluster.json")
+    out = tmp_path / "plan.json"
+    base = ["plan", "--params", "1M", "--compute-ms", "10", "--ranks", "4", "--nodes", "2x2", "--calibration",
+            str(tmp_path / "cluster.json"), "--candidates", "fp16", "--json", str(out)]  # fmt: skip
+    assert cli.main(base) == 0
+    intra = json.loads(out.read_text())["intra"]
+    assert (intra["alpha"], intra["beta"]) == (3e-4, 1.4e-9)
+    assert "inside nodes 0.7 GB/s, 300.0 us" in capsys.readouterr().out
+    assert cli.main([*base, "--intra", "10GB/s"]) == 0
+    assert json.loads(out.read_text())["intra"]["beta"] == pytest.approx(1e-10)
 
 
 @pytest.mark.parametrize(

@@ -79,7 +79,8 @@ def test_multi_round_and_gather_compressors() -> None:
 
 def test_a_hierarchical_hook_is_priced_inside_and_across_nodes() -> None:
     """``local_size``: the node's ring reduce-scatter and all-gather of the bucket on the fast link,
-    the spec's route among one rank per node on each tensor's half, all on the link's clock."""
+    the spec's route among one rank per node on each tensor's half on the link's clock, the shard's
+    kernels on backward's (they share the rank's compute)."""
     fast, slow = LinkCosts(alpha=0.0, beta=1e-6), LinkCosts(alpha=0.1, beta=0.001)
     cluster = Cluster(4, slow, local_size=2, intra=fast)
     workload = Workload(((1000,),), (1.0,), 1.0, 2.0, 0.5)
@@ -91,14 +92,21 @@ def test_a_hierarchical_hook_is_priced_inside_and_across_nodes() -> None:
     assert exact.step_s == pytest.approx(3 + cluster.all_reduce("hierarchical", 4000) + 0.5)
     # sent: inside, 2 (2 - 1) / 2 of 4000 bytes; across, as much of the 2000-byte half
     assert exact.payload_bytes == 2000 and exact.sent_bytes == 4000 + 2000
-    # a compressor pays its kernels on the link's clock, for its half of each tensor
+    # a compressor pays its kernels on backward's clock, for its half of each tensor
     halves = predict(workload, method_of("fp16:local_size=2"), cluster, lambda _: constant(0.3, 0.2))
     flat = predict(workload, method_of("fp16"), cluster, lambda _: constant(0.3, 0.2))
-    assert halves.compress_s == 0 and halves.payload_bytes == 1000
+    assert halves.compress_s == pytest.approx(0.3) and halves.decompress_s == pytest.approx(0.2)
+    assert halves.payload_bytes == 1000
     assert halves.step_s == pytest.approx(3 + 0.004 + 0.3 + (0.2 + 1.0) + 0.2 + 0.5)
     assert halves.step_s < flat.step_s
     with pytest.raises(ValueError, match="does not divide"):
         predict(workload, method_of("fp16:local_size=3"), cluster, free)
+    # on a shared uplink both local ranks cross at once: the backend's fitted all-gather at half speed
+    gather = LinkCosts(alpha=0.05, beta=0.002)
+    shared = Cluster(4, slow, local_size=2, intra=fast, native_all_gather=gather, shared_uplink=True)
+    quantized = predict(workload, method_of("quantize:bits=8,local_size=2"), shared, free)
+    payload = quantized.payload_bytes  # the half's codes and its scales, from one rank to the other node
+    assert quantized.communicate_s == pytest.approx(0.004 + 0.05 + payload * 0.002 * 2)
 
 
 def test_payload_bytes_are_the_compressors_own() -> None:

@@ -35,7 +35,7 @@ from gradcomp.collectives.cost_model import LinkCosts
 from gradcomp.cost import plan
 from gradcomp.cost.cluster import Cluster
 from gradcomp.cost.kernels import KernelTable
-from gradcomp.cost.profile import Profile
+from gradcomp.cost.profile import INSIDE, Profile
 from gradcomp.cost.roofline import DEVICES, RooflineTable
 from gradcomp.cost.step import Method, Workload, method_of
 from gradcomp.experiments.report.analysis import short_name
@@ -165,6 +165,8 @@ def setting(args: argparse.Namespace) -> Setting:
         if local == 1:
             raise ValueError("--intra describes the link inside a node: give --nodes too")
         intra = LinkCosts(parse_duration(args.intra_latency), 1 / parse_bandwidth(args.intra))
+    elif profile is not None and local > 1 and INSIDE + "all_reduce" in profile.links:
+        intra = profile.link(INSIDE + "all_reduce")  # calibrated on an emulated cluster's nodes
     workload, model = _workload(args)
     kernels, kernel_source, kernel_kind = _kernels(args.device, profile, args.calibration)
     if args.nic == "node" and local == 1:
@@ -317,7 +319,11 @@ def add_command(commands: argparse._SubParsersAction) -> None:
         help="rank (default): --net is each rank's own path across nodes (a NIC per GPU); node: --net is one "
         "uplink per node, shared by its ranks (as the emulated clusters of --net nodes=...)",
     )  # fmt: skip
-    parser.add_argument("--intra", help="the link inside a node, per rank: 600GB/s (NVLink), 100gbit")
+    parser.add_argument(
+        "--intra",
+        help="the link inside a node, per rank: 600GB/s (NVLink), 100gbit (default: a --calibration of an "
+        "emulated cluster's, which fits it)",
+    )
     parser.add_argument(
         "--intra-latency", default=DEFAULT_INTRA_LATENCY, help="latency inside a node (default %(default)s)"
     )

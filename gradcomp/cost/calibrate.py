@@ -7,7 +7,10 @@
 Ranks are started on this machine (:mod:`gradcomp.launch`), on loopback or in an emulated network.
 They time the backend's own all-reduce and all-gather at sizes from 4 KiB to 16 MiB (every repeat
 after a barrier, the slowest rank's time, the median of repeats), and :func:`gradcomp.cost.profile.fit_link`
-fits latency and bandwidth to each. The compressors' kernels are timed in this process
+fits latency and bandwidth to each. On an emulated cluster (``--net nodes=2x2,...``) they also time
+them inside every node at once (each node's ranks among themselves), fitted as the link inside a
+node (``inside_all_reduce``, ``inside_all_gather``: what ``gradcomp plan`` prices the node's steps
+of the hook across nodes with). The compressors' kernels are timed in this process
 (:mod:`gradcomp.cost.kernels`) in every rank at once, as the ranks compress at once in training
 (on a shared machine they slow each other down), one thread each. Last, the engine itself averages
 one bucket of each size with every spec, and what it takes beyond the kernels and the link is kept
@@ -31,12 +34,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradcomp import netem
 from gradcomp.bench.compressors import DEFAULT_SPECS
 from gradcomp.bench.report import machine
+from gradcomp.collectives.hierarchical import subgroups
 from gradcomp.compressors import parse_spec
 from gradcomp.cost import kernels
 from gradcomp.cost.kernels import KernelCost
-from gradcomp.cost.profile import COLLECTIVES, Profile, Timings, fit_links
+from gradcomp.cost.profile import COLLECTIVES, INSIDE, Profile, Timings, fit_links
 from gradcomp.cost.step import Workload, method_of, predict
 from gradcomp.engine import Engine
 from gradcomp.engine.transport import all_gather_single
@@ -194,14 +199,21 @@ def time_everything(
     kernel_repeats: int,
     sides: tuple[Sequence[int], Sequence[int]],
     device: str = "cpu",
-) -> tuple[dict[str, list[list[float]]], dict[str, list[list[Any]]], dict[str, list[list[float]]]]:
+    local: int = 1,
+) -> tuple[dict[str, list[list[float]]], dict[str, list[list[Any]]], dict[str, list[list[float]]], Timings]:
     """Inside every rank: :func:`time_collectives`, :func:`time_kernels`, then :func:`time_engine`
-    (``sides``: the kernels' and the engine's matrix sides). With ``device`` ``cuda`` the kernels
-    run on the GPUs and the engine's overhead is not timed (it runs the CPU's tensors here)."""
+    (``sides``: the kernels' and the engine's matrix sides), and with ``local`` > 1 (ranks per node)
+    the collectives inside every node at once. With ``device`` ``cuda`` the kernels run on the GPUs
+    and the engine's overhead is not timed (it runs the CPU's tensors here)."""
+    inside: Timings = {}
+    if local > 1:
+        node, _ = subgroups(None, local)
+        inside = time_collectives(rank, local, sizes, repeats, group=node)
     return (
         time_collectives(rank, world, sizes, repeats),
         time_kernels(rank, world, specs, kernel_repeats, sides[0], device),
         time_engine(rank, world, specs, kernel_repeats, sides[1]) if device == "cpu" else {},
+        inside,
     )
 
 
@@ -250,10 +262,15 @@ def calibrate(
     if len(set(sizes)) < 2 or min(sizes) < 4 or any(s % 4 for s in sizes):
         raise ValueError(f"need two or more distinct sizes, multiples of 4 bytes, got {list(sizes)}")
     canonical = list(dict.fromkeys(str(parse_spec(s)) for s in specs))  # a bad spec fails here
-    arguments = (list(sizes), repeats, canonical, kernel_repeats, (list(kernel_sides), list(engine_sides)), device)
+    cluster = netem.parse(network)
+    local = cluster.per_node if isinstance(cluster, netem.Cluster) else 1
+    sides = (list(kernel_sides), list(engine_sides))
+    arguments = (list(sizes), repeats, canonical, kernel_repeats, sides, device, local)
     results = spawn(ranks, time_everything, arguments, timeout=timeout, network=network)
-    measured, engine = results[0][0], results[0][2]
+    measured, engine, inside = results[0][0], results[0][2], results[0][3]
     links = fit_links(measured, ranks)
+    if inside:  # rank 0's node; every node timed at once
+        links.update({f"{INSIDE}{name}": fit for name, fit in fit_links(inside, local).items()})
     # each kernel timing: the median over ranks (they timed it at the same moment)
     timed = {
         spec: [
@@ -269,7 +286,7 @@ def calibrate(
         links,
         {spec: kernels.fit([kernels.Sample(*row) for row in rows]) for spec, rows in timed.items()},
         {**machine(), "kernel_device": kernel_device(device)},
-        {**measured, "kernels": timed, "engine": engine},
+        {**measured, **{f"{INSIDE}{name}": rows for name, rows in inside.items()}, "kernels": timed, "engine": engine},
     )
     return overheads(fitted, engine)
 

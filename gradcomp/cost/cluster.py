@@ -159,12 +159,14 @@ class Cluster:
             seconds += link.alpha + payload_bytes / p * link.beta
         return seconds
 
-    def crossing(self, senders: int) -> LinkCosts:
-        """The link across nodes as ``senders`` ranks of one node see it when they cross at once: the
-        same on a path per rank, ``senders`` times slower per byte on a shared uplink."""
+    def crossing(self, senders: int, link: LinkCosts | None = None) -> LinkCosts:
+        """The link across nodes (or ``link``, a fit of the backend's collectives across them) as
+        ``senders`` ranks of one node see it when they cross at once: the same on a path per rank,
+        ``senders`` times slower per byte on a shared uplink."""
+        link = link or self.inter
         if not self.shared_uplink or senders <= 1:
-            return self.inter
-        return dataclasses.replace(self.inter, beta=self.inter.beta * senders)
+            return link
+        return dataclasses.replace(link, beta=link.beta * senders)
 
     def _hop(self, distance: int, n_bytes: float) -> float:
         """One round between ranks ``distance`` apart (ranks numbered node by node): every rank of a

@@ -109,6 +109,10 @@ def fit_links(timings: Mapping[str, Sequence[Sequence[float]]], ranks: int) -> d
     return {name: fit_link(name, ranks, [s for s, _ in rows], [t for _, t in rows]) for name, rows in timings.items()}
 
 
+INSIDE = "inside_"
+"""The prefix of a profile's links fitted inside a node (calibrated on an emulated cluster)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Profile:
     """A calibrated machine and link: what :class:`gradcomp.cost.cluster.Cluster` and the step model need."""
@@ -117,7 +121,8 @@ class Profile:
     network: str
     ranks: int
     links: Mapping[str, LinkFit]
-    """Per collective (``all_reduce``, ``all_gather``): the backend's own, fitted."""
+    """Per collective (``all_reduce``, ``all_gather``): the backend's own, fitted; on an emulated
+    cluster also inside a node (``inside_all_reduce``, ``inside_all_gather``: :data:`INSIDE`)."""
     kernels: Mapping[str, KernelCost]
     """Per canonical compressor spec: its kernels' costs on this machine."""
     machine: Mapping[str, Any] = dataclasses.field(default_factory=dict)

@@ -249,22 +249,27 @@ def _across_nodes(
     """A hierarchical hook (``local_size`` = L, :mod:`gradcomp.engine.hierarchical`): the node's ring
     reduce-scatter and all-gather of the bucket on the link inside a node, around the spec's route
     among the local rank j of every node on each tensor's j-th piece of rows (every local rank at
-    once, each on its own path across, as :class:`Cluster` has it); all of it on the engine's
-    executor, after the bucket is handed over (the link's clock: nothing on backward's core)."""
+    once, each on its own path across, as :class:`Cluster` has it). The engine's executor runs it
+    after the bucket is handed over; the shard's compression and decompression take the rank's
+    compute as the flat hook's do (on a CPU the executor shares backward's core, on a GPU its SMs),
+    so they are priced on backward's clock, the collectives on the link's."""
     local = method.spec.local_size
     if cluster.ranks % local:
         raise ValueError(f"local_size={local} does not divide the cluster's {cluster.ranks} ranks")
     n_bytes = sum(math.prod(s) for s in shapes) * 4
     inside = all_reduce_seconds("ring", n_bytes, local, cluster.inside)  # a reduce-scatter and an all-gather
-    # every local rank crosses at once: on a shared uplink each has 1 / L of it
-    across = Cluster(cluster.ranks // local, cluster.crossing(local), native_all_reduce=cluster.native_all_reduce,
-                     native_all_gather=cluster.native_all_gather)  # fmt: skip
+    # every local rank crosses at once: on a shared uplink each has 1 / L of it, the backend's
+    # collectives' fits too
+    reduce_fit, gather_fit = (None if fit is None else cluster.crossing(local, fit)
+                              for fit in (cluster.native_all_reduce, cluster.native_all_gather))  # fmt: skip
+    across = Cluster(cluster.ranks // local, cluster.crossing(local), native_all_reduce=reduce_fit,
+                     native_all_gather=gather_fit)  # fmt: skip
     pieces = [(-(-s[0] // local), *s[1:]) if s else (1,) for s in shapes]
     flat = dataclasses.replace(method, spec=dataclasses.replace(method.spec, local_size=0))
     shard = bucket_cost(pieces, flat, across, kernels)
-    link = inside + shard.compress + shard.link + shard.decompress
     sent = shard.sent + ring_traffic(local) * n_bytes
-    return BucketCost(0.0, 0.0, inside + shard.communicate, link, shard.payload, sent)
+    return BucketCost(shard.compress, shard.decompress, inside + shard.communicate, inside + shard.link,
+                      shard.payload, sent)  # fmt: skip
 
 
 def predict(
