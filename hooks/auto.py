@@ -26,7 +26,9 @@ TensorBoard for training runs). Switching a bucket away from a compressor takes 
 yet (``Compressor.take_residual``: error feedback's residual) into the bucket's next gradient (in units
 of the gradient, so the new method sends it), so nothing is lost; EF21's estimates and momentum
 correction's velocities are dropped, not sent (they hold no unsent gradient). Candidates are gradcomp hook specs,
-separated by ``|``; the uncompressed ``allreduce`` is always among them (the first). Options:
+separated by ``|``; the uncompressed ``allreduce`` is always among them (the first); hooks across
+nodes (``local_size``, one node size) too: then the link inside a node and across nodes are probed
+as well (:func:`gradcomp.cost.online.probe_nodes`). Options:
 ``candidates``, ``measure_at``, ``recheck``, ``check_every``, ``stray``, ``margin``, ``seed``.
 
 Costs: the measuring step takes longer (the probes: on a 100 Mbit/s link a few seconds; the
@@ -39,6 +41,7 @@ state (error-feedback residuals) for the buckets it ever averaged.
 import dataclasses
 import datetime
 import logging
+import math
 import os
 import statistics
 import time
@@ -51,6 +54,7 @@ from torch.distributed import GradBucket
 
 from gradcomp.collectives.cost_model import LinkCosts
 from gradcomp.collectives.executor import executor, join
+from gradcomp.collectives.hierarchical import subgroups
 from gradcomp.cost import online
 from gradcomp.cost.choose import choose, explain
 from gradcomp.cost.cluster import Cluster
@@ -58,6 +62,7 @@ from gradcomp.cost.online import Bucket
 from gradcomp.cost.profile import Timings
 from gradcomp.cost.step import Workload, method_of
 from gradcomp.engine import Engine
+from gradcomp.engine.hierarchical import NodeShards
 from gradcomp.engine.stats import StepStats, per_step, write_trace
 from gradcomp.flat import numel, views
 from gradcomp.hooks.auto_spec import DEFAULT_CANDIDATES, NAME, AutoSpec, is_auto_spec
@@ -94,6 +99,9 @@ class AutoState(TrainingHookState):
         self.methods = [method_of(c) for c in self.candidates]
         self.engines = [Engine(c, group=group, timeout=timeout) for c in self.candidates]
         self.group = self.engines[0].group  # gradcomp's own (shared by every engine of these ranks)
+        self.local = spec.local_size
+        """Ranks per node of the candidates across nodes (0: none): the nodes are probed too."""
+        self._nodes = subgroups(self.group, self.local) if self.local > 1 else None  # the engines' own
         self._parent, self._timeout = group, timeout
         self.rank = dist.get_rank(self.group)
         self.error: BaseException | None = None
@@ -264,15 +272,18 @@ class AutoState(TrainingHookState):
                 return
             self.compute, self.order = online.workload_from(seen, self._shapes, self._step_end)
         largest = max(self.order, key=lambda identity: copies[identity].numel())
-        timings, engine_seconds = None, None
+        timings, engine_seconds, nodes = None, None, None
         if self.link is None:
-            timings = online.probe_link(self.group, max(c.numel() * c.element_size() for c in copies.values()))
+            largest_bytes = max(c.numel() * c.element_size() for c in copies.values())
+            timings = online.probe_link(self.group, largest_bytes)
+            if self._nodes is not None:
+                nodes = online.probe_nodes(*self._nodes, largest_bytes)
             engine_seconds = online.time_engines(self.candidates, copies[largest], list(largest),
                                                  self._shapes[largest], self._parent, self._timeout)  # fmt: skip
         size = 1 + len(self.methods) + len(self.order)
         vector = [0.0] * size
         if self.rank == 0:
-            vector = self._decide(timings, copies, engine_seconds, largest)
+            vector = self._decide(timings, copies, engine_seconds, largest, nodes)
         received = self._broadcast(torch.tensor(vector, dtype=torch.float64))
         if received[0] == UNFITTED and self._unfitted < RETRIES:  # the same on every rank: rank 0's
             self._unfitted += 1
@@ -302,15 +313,17 @@ class AutoState(TrainingHookState):
         copies: dict[Bucket, Tensor],
         engine_seconds: list[float] | None,
         largest: Bucket,
+        nodes: online.Nodes | None = None,
     ) -> list[float]:
         """Rank 0: the choice as [predicted seconds, each candidate's alone, each bucket's candidate]."""
         assert self.compute is not None
         if timings is None:
             assert self.link is not None
-            cluster = Cluster(self.world, self.link, native_all_reduce=self.link, native_all_gather=self.link)
+            local = max(self.local, 1)  # a given link: the same inside nodes and across them
+            cluster = Cluster(self.world, self.link, local, native_all_reduce=self.link, native_all_gather=self.link)
         else:
             try:
-                cluster = online.fit(timings, self.world)
+                cluster = online.fit(timings, self.world, nodes)
             except ValueError as error:  # a link too noisy to fit: no basis for a decision
                 logger.warning("auto: measuring again at the next step: %s", error)
                 return [UNFITTED] * (1 + len(self.methods) + len(self.order))
@@ -345,12 +358,32 @@ class AutoState(TrainingHookState):
     def _install(self, choice: dict[int, int]) -> None:
         """Take the new decision; a tensor leaving a compressor takes what it had not sent yet
         (error feedback's residual: ``Compressor.take_residual``) into its next gradient."""
+        shapes = {key: shape for keys, held in self._shapes.items() for key, shape in zip(keys, held, strict=True)}
         for key, new in choice.items():
             old = self.choice.get(key, 0)
-            residual = self.engines[old].compressor.take_residual(key) if old != new else None
+            residual = self._take_residual(old, key, shapes[key]) if old != new else None
             if residual is not None:
                 self.pending[key] = residual
         self.choice = choice
+
+    def _take_residual(self, candidate: int, key: int, shape: torch.Size) -> Tensor | None:
+        """What ``key`` had not sent through ``candidate``, in the tensor's shape. Across nodes this
+        rank kept only its piece's (its node's unsent share of the rows it compressed, keyed as
+        :mod:`gradcomp.engine.hierarchical` keys them): zeros elsewhere, so that every node's residual
+        is sent once, by the rank that held it."""
+        engine = self.engines[candidate]
+        local = engine.spec.local_size
+        if local <= 1:
+            return engine.compressor.take_residual(key)
+        j = dist.get_rank(self._nodes[0]) if self._nodes is not None else 0
+        piece = engine.compressor.take_residual((key, "node", j))
+        if piece is None:
+            return None
+        full = piece.new_zeros(shape)
+        (pieces,) = NodeShards((shape,), local).pieces  # the tensor's row blocks, in order
+        start = sum(math.prod(p) for p in pieces[:j])
+        full.view(-1)[start : start + piece.numel()] = piece.reshape(-1)
+        return full
 
     def _flush(self, buffer: Tensor, keys: list[int], shapes: list[torch.Size]) -> None:
         """Add pending residuals into this bucket's gradients (times the world size: the engine

@@ -38,9 +38,12 @@ class AutoSpec:
         parsed = [HookSpec.parse(candidate) for candidate in self.candidates]
         if any(spec.noop for spec in parsed):
             raise ValueError("noop sends nothing: it cannot be an auto candidate")
-        if any(spec.local_size > 1 or spec.pieces > 1 for spec in parsed):
+        if any(spec.pieces > 1 for spec in parsed):
             # their state lives under piece keys, which switching a bucket away (take_residual) would miss
-            raise ValueError("auto does not choose among hooks across nodes (local_size) or in pieces yet")
+            raise ValueError("auto does not choose among hooks in pieces yet")
+        sizes = sorted({spec.local_size for spec in parsed if spec.local_size > 1})
+        if len(sizes) > 1:
+            raise ValueError(f"auto's candidates across nodes take one node size, got local_size {sizes}")
         object.__setattr__(self, "candidates", tuple(str(spec) for spec in parsed))  # frozen: canonical once
         if self.measure_at < 2:
             raise ValueError(f"measure_at must be >= 2 (DDP's buckets are rebuilt at step 1), got {self.measure_at}")
@@ -77,6 +80,11 @@ class AutoSpec:
             elif value != f.default:
                 changed.append(f"{f.name}={value}")
         return NAME + (":" + ",".join(changed) if changed else "")
+
+    @property
+    def local_size(self) -> int:
+        """The ranks per node of the candidates across nodes (``local_size``), 0 without any."""
+        return max(HookSpec.parse(candidate).local_size for candidate in self.candidates)
 
     @property
     def hook_specs(self) -> list[HookSpec]:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from gradcomp import hooks
-from gradcomp.collectives.cost_model import LinkCosts
+from gradcomp.collectives.cost_model import LinkCosts, all_reduce_seconds
+from gradcomp.cost import online
 from gradcomp.cost.choose import choose
 from gradcomp.cost.cluster import Cluster
 from gradcomp.cost.kernels import FREE, KernelCost
@@ -49,8 +50,8 @@ def test_specs_parse_with_the_candidates_own_options() -> None:
     [
         ("auto:ratio=0.1", "unknown auto option 'ratio=0.1'"),
         ("auto:candidates=noop", "cannot be an auto candidate"),
-        ("auto:candidates=quantize:bits=4,local_size=2", "across nodes .local_size. or in pieces"),
-        ("auto:candidates=sign:ef=true,pieces=2", "across nodes .local_size. or in pieces"),
+        ("auto:candidates=quantize:bits=4,local_size=2|sign:ef=true,local_size=4", "one node size"),
+        ("auto:candidates=sign:ef=true,pieces=2", "in pieces"),
         ("auto:candidates=zip", "unknown compressor 'zip'"),
         ("auto:measure_at=1", "measure_at must be >= 2"),
         ("auto:margin=1", "margin < 1"),
@@ -60,6 +61,11 @@ def test_specs_parse_with_the_candidates_own_options() -> None:
 def test_bad_specs_are_refused(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         AutoSpec.parse(text)
+
+
+def test_candidates_across_nodes_share_one_node_size() -> None:
+    spec = AutoSpec.parse("auto:candidates=quantize:bits=4|quantize:bits=4,local_size=2")
+    assert spec.local_size == 2 and AutoSpec().local_size == 0
 
 
 def test_make_refuses_auto_with_the_way_to_attach_it() -> None:
@@ -195,6 +201,69 @@ def _leaving_ef21(failures: Failures, batches: list[Any]) -> None:
 def test_real_ranks_decide_alike_and_switch_and_resume_exactly() -> None:
     results = run_checks(2, _auto_ranks, timeout=180)
     assert results[0]["decisions"] == results[1]["decisions"]
+
+
+NODES_SPEC = "auto:candidates=topk:ratio=0.1,ef=true|topk:ratio=0.1,ef=true,local_size=2,measure_at=2"
+
+
+def _across_nodes_ranks(rank: int, world: int) -> dict[str, Any]:
+    """4 ranks as 2 nodes of 2: switching a tensor between flat top-k and top-k across nodes hands
+    over its residual, across nodes only the piece of rows this rank compressed (zeros elsewhere),
+    and the replicas stay identical; measured for real, the nodes are probed and it decides alike."""
+    failures = Failures()
+    torch.set_num_threads(1)
+    batches = toy_batches(rank, 12)
+    ddp, state = wrap(toy_model(), NODES_SPEC, link=DEAR_LINK)
+    assert isinstance(state, AutoState)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    sgd_steps(ddp, optimizer, batches[:3])  # decided at step 2
+    keys = [key for identity in state._shapes for key in identity]
+    state._install(dict.fromkeys(keys, 2))  # every tensor across nodes
+    sgd_steps(ddp, optimizer, batches[3:5])
+    across = state.engines[2].compressor.residuals  # type: ignore[attr-defined]
+    j = rank % 2
+    pieces = {key: across[(key, "node", j)].clone() for key in keys}
+    shapes = {key: shape for identity, held in state._shapes.items() for key, shape in zip(identity, held, strict=True)}
+    state._install(dict.fromkeys(keys, 1))  # every tensor flat
+    for key in keys:
+        expected = torch.zeros(shapes[key])
+        torch.tensor_split(expected, 2)[j].copy_(pieces[key].view_as(torch.tensor_split(expected, 2)[j]))
+        failures.expect(torch.equal(state.pending[key], expected), f"tensor {key}: not its piece's residual in place")
+        failures.expect((key, "node", j) not in across, f"tensor {key}: the residual stayed across nodes")
+    sgd_steps(ddp, optimizer, batches[5:7])  # flushed into the flat hook's gradients
+    failures.expect(not state.pending, "residuals still pending")
+    state._install(dict.fromkeys(keys, 2))  # and back: the flat residuals flushed into the node's sum
+    sgd_steps(ddp, optimizer, batches[7:9])
+    failures.expect(parameters_identical_on_all_ranks(list(ddp.parameters())), "replicas differ")
+    measured, probed = wrap(toy_model(), NODES_SPEC)
+    assert isinstance(probed, AutoState)
+    sgd_steps(measured, torch.optim.SGD(measured.parameters(), lr=0.1), batches[:4])
+    failures.expect(len(probed.decisions) == 1, f"decisions {probed.decisions}")
+    failures.expect(parameters_identical_on_all_ranks(list(measured.parameters())), "measured: replicas differ")
+    return {"failures": failures, "decisions": [d["buckets"] for d in probed.decisions]}
+
+
+def test_auto_chooses_across_nodes_and_switches_without_losing_residuals() -> None:
+    results = run_checks(4, _across_nodes_ranks, timeout=200)
+    assert all(r["decisions"] == results[0]["decisions"] for r in results)
+
+
+def test_probing_the_nodes_finds_a_shared_uplink() -> None:
+    """One rank crossing sees the uplink; two ranks of a node crossing at once each see half of it."""
+    link = LinkCosts(1e-4, 1e-8)
+
+    def timed(p: int, costs: LinkCosts) -> dict[str, list[list[float]]]:
+        sizes = (4096, 1 << 20, 16 << 20)
+        return {
+            "all_reduce": [[n, all_reduce_seconds("ring", n, p, costs)] for n in sizes],
+            "all_gather": [[n, (p - 1) * (costs.alpha + n * costs.beta)] for n in sizes],
+        }
+
+    inside = timed(2, LinkCosts(1e-6, 1e-10))
+    shared = online.fit(timed(4, link), 4, online.Nodes(2, inside, timed(2, LinkCosts(1e-4, 2e-8))))
+    own = online.fit(timed(4, link), 4, online.Nodes(2, inside, timed(2, link)))
+    assert shared.shared_uplink and not own.shared_uplink
+    assert shared.local_size == own.local_size == 2 and own.inside.beta == pytest.approx(1e-10)
 
 
 def _measured_ranks(rank: int, world: int) -> dict[str, Any]:

@@ -102,12 +102,40 @@ def probe_link(group: dist.ProcessGroup, largest_bytes: int) -> Timings:
     return executor().submit(probe, wait=True).wait()
 
 
-def fit(timings: Timings, world: int) -> Cluster:
-    """``world`` ranks, each its own node behind the link the timings show (ValueError if they
-    cannot be fitted: times that do not grow with size)."""
+def fit(timings: Timings, world: int, nodes: Nodes | None = None) -> Cluster:
+    """``world`` ranks behind the link the timings show, each its own node, or with ``nodes`` in
+    nodes of ``nodes.local`` ranks (ValueError if they cannot be fitted: times that do not grow with size)."""
     links = fit_links(timings, world)
     reduce, gather = links["all_reduce"].costs, links["all_gather"].costs
-    return Cluster(world, reduce, native_all_reduce=reduce, native_all_gather=gather)
+    if nodes is None:
+        return Cluster(world, reduce, native_all_reduce=reduce, native_all_gather=gather)
+    inside = fit_links(nodes.inside, nodes.local)["all_reduce"].costs
+    # every node's local ranks crossing at once: a shared uplink shows as a link that much slower
+    at_once = fit_links(nodes.across, world // nodes.local)["all_reduce"].costs
+    shared = at_once.beta > SHARED * reduce.beta
+    return Cluster(world, reduce, nodes.local, inside, native_all_reduce=reduce, native_all_gather=gather,
+                   shared_uplink=shared)  # fmt: skip
+
+
+SHARED = 1.5
+"""How much slower the link must look with every local rank crossing at once than with one, for
+:func:`fit` to take the nodes' uplinks as shared (a NIC per node, not per rank)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Nodes:
+    """What :func:`probe_nodes` timed: the collectives inside a node (each node at once) and across
+    nodes (every local rank's group at once), with ``local`` ranks per node."""
+
+    local: int
+    inside: Timings
+    across: Timings
+
+
+def probe_nodes(inside: dist.ProcessGroup, across: dist.ProcessGroup, largest_bytes: int) -> Nodes:
+    """:func:`probe_link` inside this rank's node and across nodes among its local rank's peers
+    (every rank calls this: all nodes and all local ranks at once, as the hook across nodes runs)."""
+    return Nodes(dist.get_world_size(inside), probe_link(inside, largest_bytes), probe_link(across, largest_bytes))
 
 
 def time_engines(
@@ -148,6 +176,8 @@ def kernel_costs(
         spec = method.kernel_spec
         if spec is None:
             raise ValueError(f"{method.label} sends nothing: it has no kernels")
+        if spec in costs:  # the same compressor flat and across nodes: its kernels and the first's overhead
+            continue
         compressor = make_compressor(spec, seed=seed, rank=rank)
         samples = []
         for identity, flat in gradients.items():
