@@ -323,10 +323,16 @@ class AutoState(TrainingHookState):
             cluster = Cluster(self.world, self.link, local, native_all_reduce=self.link, native_all_gather=self.link)
         else:
             try:
-                cluster = online.fit(timings, self.world, nodes)
+                cluster = online.fit(timings, self.world)
             except ValueError as error:  # a link too noisy to fit: no basis for a decision
                 logger.warning("auto: measuring again at the next step: %s", error)
                 return [UNFITTED] * (1 + len(self.methods) + len(self.order))
+            if nodes is not None:
+                try:
+                    cluster = online.fit(timings, self.world, nodes)
+                except ValueError as error:  # the nodes' own links only refine the one among all ranks
+                    logger.warning("auto: every hop priced at the link among all ranks: %s", error)
+                    cluster = dataclasses.replace(cluster, local_size=self.local)
         shapes = {identity: self._shapes[identity] for identity in self.order}
         gradients = {identity: copies[identity] for identity in self.order}
         costs = online.kernel_costs(self.methods, gradients, shapes, cluster, engine_seconds, largest,

@@ -115,15 +115,19 @@ class RankPool:
 
 
 _pools: dict[tuple[int, float], RankPool] = {}
-_STARTED_IN = (os.getcwd(), tuple(sys.path))
+_INHERITED = ("LOCAL_WORLD_SIZE",)
+"""Environment variables whose value a rank's work reads (the launcher's node layout)."""
+_STARTED_IN = (os.getcwd(), tuple(sys.path), tuple(os.environ.get(name) for name in _INHERITED))
 """Where the session's ranks start: a rank imports its target by name, from the parent's directory
-and path as they were when it started."""
+and path as they were when it started, and inherits the environment as it was then."""
 
 
 def poolable() -> bool:
     """Whether a pool's ranks can run what this process would start now: not when the test moved to
-    another directory or path (a user's model imported from there), nor with GRADCOMP_FRESH_RANKS=1."""
-    return (os.getcwd(), tuple(sys.path)) == _STARTED_IN and not os.environ.get("GRADCOMP_FRESH_RANKS")
+    another directory or path (a user's model imported from there), nor set the launcher's layout
+    (``LOCAL_WORLD_SIZE``, which fresh ranks inherit), nor with GRADCOMP_FRESH_RANKS=1."""
+    now = (os.getcwd(), tuple(sys.path), tuple(os.environ.get(name) for name in _INHERITED))
+    return now == _STARTED_IN and not os.environ.get("GRADCOMP_FRESH_RANKS")
 
 
 def run_in_pool(
