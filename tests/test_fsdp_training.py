@@ -17,7 +17,7 @@ import torch
 from gradcomp.experiments.training.config import TrainConfig
 from gradcomp.experiments.training.run import launch
 from gradcomp.hooks import fsdp2
-from tests.training_runs import tensors
+from tests.training_runs import same_checkpoints
 
 pytestmark = pytest.mark.skipif(not fsdp2.available(), reason="this torch has no FSDP2 custom reduce-scatter")
 
@@ -90,13 +90,7 @@ def test_a_resumed_sharded_run_ends_bitwise_where_the_straight_run_does(runs: di
         == sorted(ended["model"])
         == sorted(name for name, _ in build_digits_model().named_parameters())
     ), "the checkpoint holds the whole model, by its own parameter names"
-    for name, tensor in straight["model"].items():
-        assert torch.equal(tensor, ended["model"][name]), name
-    for part in ("optimizer", "hooks"):
-        held = tensors(straight[part])
-        assert held, part
-        for a, b in zip(held, tensors(ended[part]), strict=True):
-            assert torch.equal(a, b), part
+    same_checkpoints(straight, ended)
     assert runs["resumed"]["metrics"]["eval_accuracy"] == runs["quantized"]["metrics"]["eval_accuracy"]
 
 

@@ -15,7 +15,7 @@ from gradcomp.experiments.report.analysis import short_name
 from gradcomp.experiments.sweep import plan
 from gradcomp.experiments.training.config import TrainConfig, method
 from gradcomp.experiments.training.run import launch
-from tests.training_runs import scalars, tensors
+from tests.training_runs import same_checkpoints, scalars, tensors
 
 STOP = 13
 SETTINGS: dict[str, Any] = {
@@ -103,25 +103,32 @@ def test_local_adamw_in_signs_lands_every_replica_on_one_model_and_resumes_bitwi
         pairs = zip(tensors(ended[part]), tensors(again[part]), strict=True)
         assert all(torch.equal(a, b) for a, b in pairs), part
 
-@pytest.mark.timeout(240)
-def test_diloco_across_nodes_keeps_a_node_replica_and_resumes_bitwise(tmp_path: Path) -> None:
-    """``local_size=2`` at 4 ranks: DDP inside each node of 2, DiLoCo across the nodes; between two
-    synchronizations a node's ranks hold one replica and the nodes differ; a resumed run ends where
-    the straight one does."""
-    settings = {**SETTINGS, "ranks": 4, "steps": 10, "sync": "diloco:every=4,local_size=2", "eval_every": 5}
+ACROSS_NODES = {**SETTINGS, "ranks": 4, "steps": 10, "sync": "diloco:every=4,local_size=2", "eval_every": 5}
+"""4 ranks as 2 nodes of 2, DiLoCo across the nodes every 4 steps."""
+
+
+def straight_and_resumed(settings: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    """The run of ``settings`` straight through, and again stopped at step 6 and resumed: the
+    straight run's checkpoint, after checking that the resumed one holds bitwise the same."""
     straight = TrainConfig(**settings, out=str(tmp_path / "straight"))
     resumed = TrainConfig(**settings, out=str(tmp_path / "resumed"), resume="auto")
     launch(straight)
     assert launch(dataclasses.replace(resumed, stop_at=6))["status"] == "stopped"
     assert launch(resumed)["status"] == "finished"
     ended = torch.load(straight.checkpoint_path, weights_only=True)
+    same_checkpoints(ended, torch.load(resumed.checkpoint_path, weights_only=True))
+    return ended
+
+
+@pytest.mark.timeout(240)
+def test_diloco_across_nodes_keeps_a_node_replica_and_resumes_bitwise(tmp_path: Path) -> None:
+    """``local_size=2`` at 4 ranks: DDP inside each node of 2, DiLoCo across the nodes; between two
+    synchronizations a node's ranks hold one replica and the nodes differ; a resumed run ends where
+    the straight one does."""
+    ended = straight_and_resumed(ACROSS_NODES, tmp_path)
     replicas = [tensors(replica) for replica in ended["model"]["replicas"]]
     same = [all(torch.equal(a, b) for a, b in zip(replicas[0], other, strict=True)) for other in replicas]
     assert same == [True, True, False, False], "a node's ranks share a replica; nodes differ since step 8"
-    again = torch.load(resumed.checkpoint_path, weights_only=True)
-    for part in ("model", "optimizer", "hooks"):
-        pairs = zip(tensors(ended[part]), tensors(again[part]), strict=True)
-        assert all(torch.equal(a, b) for a, b in pairs), part
 
 
 @pytest.mark.timeout(240)
@@ -131,25 +138,15 @@ def test_diloco_across_nodes_with_fsdp2_inside_shards_a_node_replica_and_resumes
     trains as DDP inside the node does (one node's ranks average the same gradients); checkpoints hold
     each node's whole replica, the nodes differing between synchronizations; a resumed run ends where
     the straight one does."""
-    settings = {**SETTINGS, "ranks": 4, "steps": 10, "sync": "diloco:every=4,local_size=2", "eval_every": 5}
-    sharded = {**settings, "parallel": "fsdp"}
-    straight = TrainConfig(**sharded, out=str(tmp_path / "straight"))
-    resumed = TrainConfig(**sharded, out=str(tmp_path / "resumed"), resume="auto")
-    launch(straight)
-    assert launch(dataclasses.replace(resumed, stop_at=6))["status"] == "stopped"
-    assert launch(resumed)["status"] == "finished"
-    ended = torch.load(straight.checkpoint_path, weights_only=True)
+    sharded = {**ACROSS_NODES, "parallel": "fsdp"}
+    ended = straight_and_resumed(sharded, tmp_path)
     replicas = ended["model"]["replicas"]
     assert [bool(replica) for replica in replicas] == [True, False, True, False], "a node's replica on its first rank"
     assert not all(torch.equal(a, b) for a, b in zip(tensors(replicas[0]), tensors(replicas[2]), strict=True))
-    again = torch.load(resumed.checkpoint_path, weights_only=True)
-    for part in ("model", "optimizer", "hooks"):
-        pairs = zip(tensors(ended[part]), tensors(again[part]), strict=True)
-        assert all(torch.equal(a, b) for a, b in pairs), part
 
     exact = {"hook": "allreduce", "steps": 8}
     fsdp_inside = TrainConfig(**{**sharded, **exact}, out=str(tmp_path / "fsdp"))
-    ddp_inside = TrainConfig(**{**settings, **exact}, out=str(tmp_path / "ddp"))
+    ddp_inside = TrainConfig(**{**ACROSS_NODES, **exact}, out=str(tmp_path / "ddp"))
     launch(fsdp_inside)
     launch(ddp_inside)
     by_fsdp = torch.load(fsdp_inside.checkpoint_path, weights_only=True)["model"]["replicas"][0]

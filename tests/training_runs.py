@@ -66,3 +66,11 @@ def tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in tensors(v)]
     return []
+
+
+def same_checkpoints(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Assert that two checkpoints hold bitwise the same tensors in model, optimizer and hooks (none empty)."""
+    for part in ("model", "optimizer", "hooks"):
+        held, other = tensors(a[part]), tensors(b[part])
+        assert held, part
+        assert len(held) == len(other) and all(torch.equal(x, y) for x, y in zip(held, other, strict=True)), part

@@ -142,14 +142,12 @@ class Shards:
 
 
 @dataclasses.dataclass(frozen=True)
-class NodeShards:
+class NodeShards(Shards):
     """HSDP (``gradcomp bench hsdp``): FSDP2 shards inside each node, gradcomp's all-reduce of the
     node's shards across nodes (:func:`gradcomp.hooks.hsdp`), or FSDP2's own HSDP (its 2-D mesh).
     ``noop`` still reduce-scatters inside the node: only the all-reduce across nodes is left out."""
 
     name: str = "hsdp"
-    anchor: str = "torch:reduce_scatter"
-    torch_hooks: tuple[str, ...] = ("torch:bf16",)
     hooks: str = (
         "allreduce;fp16;bf16;quantize:bits=4,ef=true;quantize:bits=8,ef=true;sign:ef=true;topk:ratio=0.01,ef=true"
     )
@@ -157,9 +155,6 @@ class NodeShards:
 
     def canonical(self, spec: str) -> str:
         return str(hooks.parse_hybrid(spec))
-
-    def torch_canonical(self, spec: str) -> str:
-        return str(hooks.TorchFSDPSpec.parse(spec))
 
     def make(
         self, build: Callable[[], nn.Module], variant: str, seed: int, device: torch.device
@@ -171,9 +166,6 @@ class NodeShards:
         if isinstance(spec, hooks.TorchFSDPSpec):
             return sharded.forward, hooks.register(sharded.forward, spec)
         return sharded.forward, hooks.hsdp(sharded.forward, spec, replicate=sharded.replicate)
-
-    def isolated(self, variant: str) -> bool:
-        return False
 
     def check(self, network: str, ranks: int) -> None:
         """The nodes come from an emulated cluster (``nodes=NxL,...``) or the launcher (``LOCAL_WORLD_SIZE``)."""
