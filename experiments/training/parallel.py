@@ -129,7 +129,9 @@ class Local(Placement):
     """Infrequent synchronization (``gradcomp.sync``): each rank trains its own replica, and the
     synchronizer (the run's hook state) averages outer gradients through the hook spec every few
     steps. Replicas differ between synchronizations, so checkpoints hold every rank's model and
-    optimizer; evaluation uses the global parameters, the same on every rank."""
+    optimizer; evaluation uses the global parameters, the same on every rank. With the sync spec's
+    ``local_size``, a replica per node: DDP inside it, or FSDP2 (``sharded``: each rank synchronizes
+    its shard, and checkpoints hold each node's whole replica)."""
 
     def __init__(self, model: nn.Module, sync: SyncSpec, device: torch.device, sharded: bool = False) -> None:
         self.module: nn.Module = model
@@ -184,9 +186,7 @@ class Local(Placement):
 
     def _node_first(self, whole: dict[str, Any]) -> dict[str, Any]:
         """A node's whole state from its first rank, on the CPU (the others, which hold the same, none)."""
-        if torch.distributed.get_rank() % self.local:
-            return {}
-        return torch.utils._pytree.tree_map(lambda x: x.cpu() if isinstance(x, Tensor) else x, whole)
+        return {} if torch.distributed.get_rank() % self.local else _on_cpu(whole)
 
     def load(self, saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
         rank = torch.distributed.get_rank()
@@ -199,6 +199,17 @@ class Local(Placement):
 
     def eval_batches(self, x: Tensor, y: Tensor, size: int, total: int) -> Iterator[Batch]:
         return batches(x, y, size)
+
+
+def _on_cpu(value: Any) -> Any:
+    """``value`` (tensors in dicts and lists) with every tensor on the CPU."""
+    if isinstance(value, Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {key: _on_cpu(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(item) for item in value)
+    return value
 
 
 @contextlib.contextmanager
