@@ -109,7 +109,7 @@ def parse_hybrid(spec: "str | HookSpec | TorchFSDPSpec", seed: int | None = None
 
 @typing.overload
 def register(
-    model: torch.nn.parallel.DistributedDataParallel, spec: "str | HookSpec | AutoSpec", **options: Any
+    model: torch.nn.parallel.DistributedDataParallel, spec: "str | HookSpec | AutoSpec | HookState", **options: Any
 ) -> "HookState | AutoState": ...
 
 
@@ -120,14 +120,17 @@ def register(
 
 
 def register(
-    model: torch.nn.Module, spec: "str | HookSpec | AutoSpec | AnyShardedSpec", **options: Any
+    model: torch.nn.Module, spec: "str | HookSpec | AutoSpec | AnyShardedSpec | HookState", **options: Any
 ) -> "HookState | AutoState | TorchFSDPState":
-    """Attach a gradcomp hook (or ``auto``) to a DDP ``model``, averaging over the group DDP
+    """Attach a gradcomp hook (or ``auto``, or a state :func:`make` returned before the process group
+    existed) to a DDP ``model``, averaging over the group DDP
     communicates on unless ``group`` is given, or gradcomp's reduce-scatter to an FSDP2 model
     (:func:`fsdp`, or FSDP2's own for ``torch:reduce_scatter`` and the like); returns its state (for
     statistics and checkpoints). ``options`` as :func:`make`'s (``auto`` takes ``group``, ``timeout``
     and ``seed``; FSDP2 :func:`fsdp`'s)."""
     if fsdp2.is_fsdp(model):
+        if isinstance(spec, HookState):
+            raise TypeError("a state made by hooks.make is a DDP hook's; give an FSDP2 model a sharded spec")
         if isinstance(spec, AutoSpec):
             raise ValueError("auto chooses among DDP hooks; a sharded run names a sharded spec (docs/fsdp.md)")
         parsed = parse_sharded(spec)

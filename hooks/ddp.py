@@ -53,12 +53,45 @@ class HookState(TrainingHookState):
     payload bytes, compression ratio, bytes sent and received (None with the native all-reduce),
     seconds in compress / communicate / decompress, and the tail (``tail_s``: from the last bucket's
     hand-over to the end of the step's communication).
+
+    Made before the process group exists (Lightning's ``DDPStrategy`` takes its hook state before it
+    creates the group), it has no engine until :meth:`bind` makes one, at the first bucket: on the
+    group it was made for (None: the world, whatever it is then); a state loaded meanwhile is applied then.
     """
 
-    def __init__(self, spec: HookSpec | ShardSpec, engine: Engine | ShardedEngine | None, world: int) -> None:
+    def __init__(
+        self,
+        spec: HookSpec | ShardSpec,
+        engine: Engine | ShardedEngine | None,
+        world: int,
+        group: dist.ProcessGroup | None = None,
+        timeout: datetime.timedelta | None = None,
+    ) -> None:
         self.spec, self.engine, self.world = spec, engine, world
         self.error: BaseException | None = None
         self.keys = ParameterKeys()
+        self._group, self._timeout = group, timeout
+        self._saved: dict[str, Any] | None = None  # loaded before the engine was made
+
+    def bind(self, group: dist.ProcessGroup | None = None) -> Engine | ShardedEngine | None:
+        """The engine; made now if the hook was made before the process group, on ``group`` (or the
+        one given when it was made, or the world). A hook serves one group: another is refused."""
+        if group is not None:
+            if self._group is not None and not _same_group(group, self._group):
+                raise ValueError(
+                    f"this hook state serves ranks {_ranks(self._group)}, not ranks {_ranks(group)}: a hook "
+                    "state averages over one process group; make one per model"
+                )
+            self._group = group
+        if self.engine is None and not self.spec.noop:
+            assert isinstance(self.spec, HookSpec), "a sharded hook's engine is made with it"
+            self._group = self._group or dist.group.WORLD  # bound: another group is refused from now on
+            self.engine = Engine(self.spec, group=self._group, timeout=self._timeout)
+            self.world = self.engine.world
+            if self._saved is not None:
+                saved, self._saved = self._saved, None
+                self.load_state_dict(saved)
+        return self.engine
 
     def steps_since(self, first: int) -> list[StepStats]:
         return [] if self.engine is None else steps_since(self.engine.records, first)
@@ -72,6 +105,8 @@ class HookState(TrainingHookState):
         """The hook's spec and world size, the compressor's state (residuals, warm starts,
         generators) and the engine's (what it learned about its transfers): loadable with
         ``torch.load(..., weights_only=True)``."""
+        if self.engine is None and self._saved is not None:
+            return self._saved  # loaded before the first bucket: still what it was
         state: dict[str, Any] = {"spec": str(self.spec), "world_size": self.world}
         if self.engine is not None:
             state["compressor"] = self.engine.compressor.state_dict()
@@ -81,6 +116,10 @@ class HookState(TrainingHookState):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned, from a hook of the same spec and world size
         (residuals are in units of the gradient over the world size): anything else is refused."""
+        if self.engine is None and not self.spec.noop:  # no engine yet: applied when it is made
+            check_saved(state, str(self.spec), None, "gradcomp")  # the world size when the engine is made
+            self._saved = state
+            return
         check_saved(state, str(self.spec), self.world, "gradcomp")
         if self.engine is not None:
             self.engine.compressor.load_state_dict(state["compressor"])
@@ -88,11 +127,12 @@ class HookState(TrainingHookState):
                 self.engine.load_state_dict(state["engine"])
 
 
-def check_saved(state: Any, spec: str, world: int, kind: str) -> None:
-    """Refuse a hook state that is not a ``kind`` hook's, or was saved by another spec or world size."""
+def check_saved(state: Any, spec: str, world: int | None, kind: str) -> None:
+    """Refuse a hook state that is not a ``kind`` hook's, or was saved by another spec or world size
+    (``world`` None: not known yet, not compared)."""
     if not isinstance(state, dict) or "spec" not in state or "world_size" not in state:
         raise ValueError(f"not a {kind} hook state (it records no spec and world size)")
-    saved, mine = (state["spec"], state["world_size"]), (spec, world)
+    saved, mine = (state["spec"], state["world_size"]), (spec, state["world_size"] if world is None else world)
     if saved != mine:
         raise ValueError(
             f"this hook state was saved by the hook {saved[0]!r} at world size {saved[1]}; "
@@ -104,7 +144,7 @@ def gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[
     """The hook :func:`make` returns: ``bucket`` averaged through ``state``'s engine."""
     if not isinstance(bucket, GradBucket):
         raise TypeError(f"a gradcomp hook averages DDP's gradient buckets; DDP handed it {PER_PARAMETER}")
-    engine = state.engine
+    engine = state.bind()  # made now if the hook was made before the process group
     if engine is None:  # noop: the compute floor
         return unchanged(bucket)
     assert isinstance(engine, Engine), "a sharded engine reduce-scatters for FSDP2, not for DDP"
@@ -164,6 +204,9 @@ def make(
 ) -> tuple[HookState, Hook]:
     """A (state, hook) pair for ``ddp_model.register_comm_hook``. A bad spec fails here, before training.
 
+    It may be made before ``init_process_group`` (as Lightning's ``DDPStrategy`` takes it): the
+    engine is then made at the first bucket, on ``group`` (default: the world as it is then).
+
     Args:
         spec: a hook spec (:class:`HookSpec` or its text): a compressor spec, ``allreduce`` or
             ``noop``; its text may also set ``algo``, ``aggregation`` and ``seed``
@@ -182,18 +225,37 @@ def make(
         )
     given = {"algo": algo, "aggregation": aggregation, "seed": seed}
     parsed = HookSpec.parse(spec, **{key: value for key, value in given.items() if value is not None})
-    engine = None if parsed.noop else Engine(parsed, group=group, timeout=timeout)
-    world = dist.get_world_size(group) if dist.is_initialized() else 1  # noop needs no process group
-    return HookState(parsed, engine, world), gradcomp_hook
+    state = HookState(parsed, None, dist.get_world_size(group) if dist.is_initialized() else 1, group, timeout)
+    if dist.is_initialized():  # else at the first bucket
+        state.bind()
+    return state, gradcomp_hook
 
 
-def register(model: torch.nn.parallel.DistributedDataParallel, spec: HookSpecLike, **options: Any) -> HookState:
+def register(
+    model: torch.nn.parallel.DistributedDataParallel, spec: HookSpecLike | HookState, **options: Any
+) -> HookState:
     """``make`` and ``model.register_comm_hook`` in one call, averaging over the group DDP communicates
-    on (its ``process_group``) unless ``group`` is given; returns the state (for checkpoints)."""
+    on (its ``process_group``) unless ``group`` is given; returns the state (for checkpoints). ``spec``
+    may be a state :func:`make` returned earlier (before the process group existed): it is bound to
+    the model's group, and refused if it serves another."""
     if getattr(model, "_use_python_reducer", False):
         raise ValueError(f"this DDP model will hand its hooks {PER_PARAMETER}")
     options.setdefault("group", model.process_group)
+    if isinstance(spec, HookState):
+        if set(options) != {"group"}:
+            raise TypeError(f"a hook state was made with its options; got {sorted(set(options) - {'group'})}")
+        spec.bind(options["group"])
+        model.register_comm_hook(spec, gradcomp_hook)
+        return spec
     state, hook = make(spec, **options)
     model.register_comm_hook(state, hook)
     return state
 
+
+
+def _same_group(a: dist.ProcessGroup, b: dist.ProcessGroup) -> bool:
+    return a is b or _ranks(a) == _ranks(b)
+
+
+def _ranks(group: dist.ProcessGroup) -> list[int]:
+    return dist.get_process_group_ranks(group)

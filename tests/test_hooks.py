@@ -378,3 +378,53 @@ def test_every_compressor_with_and_without_error_feedback_trains_in_step() -> No
 def test_hook_spec_options_are_checked_before_training(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         hooks.make(spec)
+
+
+LAZY_SPEC = "topk:ratio=0.1,ef=true"
+
+
+def made_before_the_group(rank: int, world: int, store: str) -> dict[str, Any]:
+    """Hook states made before ``init_process_group`` (as Lightning's ``DDPStrategy`` takes them):
+    the engine comes at the first bucket, and the run is the one a state made after would give; a
+    state loaded meanwhile is applied then; a state bound to the world refuses another group."""
+    import torch.distributed as dist
+
+    failures = Failures()
+    dist.destroy_process_group()  # the launcher made one: start as a script would, without
+    state, hook = hooks.make(LAZY_SPEC)
+    later, later_hook = hooks.make(LAZY_SPEC)
+    failures.expect(state.engine is None and later.engine is None, "an engine was made without a process group")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    batches = toy_batches(rank, 5)
+    lazy = DistributedDataParallel(toy_model())
+    lazy.register_comm_hook(state, hook)
+    reference, _ = wrap(toy_model(), LAZY_SPEC, bucket_cap_mb=None)
+    for ddp in (lazy, reference):
+        sgd_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), batches[:4])
+    same = all(torch.equal(a, b) for a, b in zip(lazy.parameters(), reference.parameters(), strict=True))
+    failures.expect(same, "made before the group: not the run of a state made after it")
+    steps = len(state.steps())
+    failures.expect(steps == 4 and state.world == world, f"steps {steps}, world {state.world}")
+    # a state loaded before its first bucket: kept as it is, then applied when the engine is made
+    saved = state.state_dict()
+    later.load_state_dict(saved)
+    failures.expect(later.state_dict() is saved, "a state loaded before the first bucket did not stay as it was")
+    again = DistributedDataParallel(toy_model())
+    again.load_state_dict(lazy.state_dict())
+    again.register_comm_hook(later, later_hook)
+    for ddp in (lazy, again):
+        sgd_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), batches[4:])
+    same = all(torch.equal(a, b) for a, b in zip(lazy.parameters(), again.parameters(), strict=True))
+    failures.expect(same, "the residuals loaded before the first bucket were not applied")
+    # a hook state serves one group
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    try:
+        hooks.register(DistributedDataParallel(toy_model(), process_group=alone), state)
+        failures.append("a state bound to the world was registered on another group")
+    except ValueError as error:
+        failures.expect("serves ranks" in str(error), f"unclear refusal: {error}")
+    return {"failures": failures}
+
+
+def test_a_hook_state_made_before_the_process_group_binds_at_its_first_bucket(tmp_path: Path) -> None:
+    run_checks(2, made_before_the_group, (str(tmp_path / "store"),), timeout=120, fresh=True)
