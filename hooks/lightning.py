@@ -1,0 +1,130 @@
+"""PyTorch Lightning: gradcomp's DDP hooks through Lightning's DDP strategy, their statistics in its
+logger, every rank's hook state in its checkpoints.
+
+>>> import lightning as L
+>>> from gradcomp.hooks.lightning import GradcompStrategy, HookStatistics
+>>> trainer = L.Trainer(accelerator="cpu", devices=2, strategy=GradcompStrategy("topk:ratio=0.01,ef=true"),
+...                     callbacks=[HookStatistics()])
+
+:class:`GradcompStrategy` is Lightning's ``DDPStrategy`` with a gradcomp hook: the hook state is made
+when the strategy is (before Lightning creates the process group: the engine comes at the first
+bucket, :meth:`gradcomp.hooks.HookState.bind`) and registered on the DDP model Lightning wraps, on
+every device. (Lightning's own ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)`` registers a
+communication hook only when the model is on CUDA: on the CPU it would be silently left out.)
+:class:`HookStatistics` logs the hook's statistics every step through Lightning's logger and keeps
+every rank's hook state (error feedback's residuals) in the checkpoint, so a resumed run continues
+as the run straight through. Install with ``pip install 'gradcomp[lightning]'``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from gradcomp.engine.spec import HookSpecLike
+from gradcomp.hooks.ddp import HookState, make, register
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+except ImportError as error:  # pragma: no cover - the extra is not installed
+    raise ImportError("gradcomp.hooks.lightning needs PyTorch Lightning: pip install 'gradcomp[lightning]'") from error
+
+
+class GradcompStrategy(DDPStrategy):
+    """Lightning's DDP strategy averaging gradients through a gradcomp hook.
+
+    Args:
+        spec: a hook spec (``"quantize:bits=4,ef=true"``, ``docs/hooks.md``), or a state that
+            :func:`gradcomp.hooks.make` returned (made before the process group is fine).
+        kwargs: ``DDPStrategy``'s own (``process_group_backend``, ``find_unused_parameters``,
+            ``static_graph``, ``start_method``, ...), not its communication hook arguments.
+    """
+
+    def __init__(self, spec: HookSpecLike | HookState, **kwargs: Any) -> None:
+        taken = sorted({"ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper"} & set(kwargs))
+        if taken:
+            raise TypeError(f"GradcompStrategy registers gradcomp's hook itself; leave out {taken}")
+        self.hook_state = spec if isinstance(spec, HookState) else make(spec)[0]
+        """The hook's state: statistics (``steps()``), checkpoints, the error."""
+        super().__init__(**kwargs)
+
+    def _register_ddp_hooks(self) -> None:
+        """On any device (Lightning's own registers a hook only on CUDA), on the DDP model's group."""
+        register(self.model, self.hook_state)  # type: ignore[arg-type]
+
+
+class HookStatistics(pl.Callback):
+    """Logs the gradcomp hook's statistics at every training step through Lightning's logger
+    (``hook/wire_mb``, ``hook/payload_mb``, ``hook/compression_ratio``, ``hook/communicate_ms``,
+    ``hook/buckets``; ``hook/inter_node_mb`` across nodes), and keeps every rank's hook state in
+    checkpoints (gathered when one is written, each rank taking its own when it is loaded).
+
+    Args:
+        state: the hook's state; default: the trainer's :class:`GradcompStrategy`'s.
+    """
+
+    def __init__(self, state: HookState | None = None) -> None:
+        self.state = state
+        self._next = 0  # the first hook step not logged yet
+        self._pending: dict[str, Any] | None = None  # a checkpoint's hook state, until training starts
+
+    def _hook(self, trainer: pl.Trainer) -> HookState:
+        if self.state is not None:
+            return self.state
+        strategy = trainer.strategy
+        if not isinstance(strategy, GradcompStrategy):
+            kind = type(strategy).__name__
+            raise TypeError(f"HookStatistics reads a GradcompStrategy's hook, not a {kind}'s: pass state=")
+        return strategy.hook_state
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        steps = self._hook(trainer).steps_since(self._next)
+        if not steps:  # a micro-batch that accumulated without synchronizing
+            return
+        self._next = steps[-1].step + 1
+        step = steps[-1]
+        metrics = {
+            "hook/wire_mb": step.wire_bytes / 1e6,
+            "hook/payload_mb": step.payload_bytes / 1e6,
+            "hook/compression_ratio": step.compression_ratio,
+            "hook/communicate_ms": (step.communicate_s or 0.0) * 1e3,
+            "hook/buckets": float(step.buckets or 0),
+        }
+        if step.inter_node_bytes is not None:
+            metrics["hook/inter_node_mb"] = step.inter_node_bytes / 1e6
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer: pl.Trainer | None = trainer
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A checkpoint's hook state, restored before this: handed to the hook now, before its first
+        bucket (Lightning restores callbacks before it wraps the model)."""
+        if self._pending is not None:
+            self._hook(trainer).load_state_dict(self._pending)
+            self._pending = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's hook state (Lightning asks every rank when it writes a checkpoint: a collective)."""
+        trainer = getattr(self, "_trainer", None)
+        mine = self.state if trainer is None else self._hook(trainer)
+        if mine is None:
+            return {}
+        everyone: list[Any] = [mine.state_dict()]
+        if dist.is_initialized():
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine.state_dict())
+        return {"ranks": everyone}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """This rank's hook state from the checkpoint, handed to the hook when training starts; a
+        checkpoint of another world size is refused."""
+        if not state_dict:
+            return
+        ranks = state_dict["ranks"]
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        if len(ranks) != world:
+            raise ValueError(f"the checkpoint holds the hook states of {len(ranks)} ranks; this run has {world}")
+        self._pending = ranks[rank]

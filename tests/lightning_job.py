@@ -1,0 +1,67 @@
+"""A 2-process Lightning job on the CPU for tests/test_lightning.py, run as ``python -m tests.lightning_job
+OUT SPEC STEPS [RESUME]`` (Lightning starts the second process with the same command): the toy model on
+each rank's own random batches (3 an epoch, the same every epoch), gradcomp's hook through
+GradcompStrategy, its statistics logged to a CSV logger, a checkpoint at every epoch's end; each rank
+writes its parameters to OUT/rank<r>.pt."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+
+from gradcomp.hooks.lightning import GradcompStrategy, HookStatistics
+from tests.toy_ddp import toy_model
+
+
+class Toy(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = toy_model()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+EPOCH = 3
+"""Batches an epoch: a run stopped at an epoch's end resumes with the batches the straight run takes."""
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's batches of an epoch (seeded by its rank: what the hook averages differs across ranks)."""
+    generator = torch.Generator().manual_seed(1000 + torch.distributed.get_rank())
+    return [(torch.randn(16, 32, generator=generator), torch.randint(0, 10, (16,), generator=generator))
+            for _ in range(EPOCH)]  # fmt: skip
+
+
+def main(out: Path, spec: str, steps: int, resume: str | None) -> None:
+    torch.manual_seed(0)
+    model = Toy()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=GradcompStrategy(spec, process_group_backend="gloo"),
+        max_steps=steps, logger=CSVLogger(out, name="logs", version=0), log_every_n_steps=1,
+        callbacks=[HookStatistics(), ModelCheckpoint(dirpath=out, filename="last", save_on_train_epoch_end=True)],
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+    )  # fmt: skip
+    loader = torch.utils.data.DataLoader(_Batches(), batch_size=None)
+    trainer.fit(model, loader, ckpt_path=resume)
+    rank = trainer.global_rank
+    torch.save([p.detach().clone() for p in model.parameters()], out / f"rank{rank}.pt")
+
+
+class _Batches(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(batches())
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)
