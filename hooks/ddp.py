@@ -66,8 +66,10 @@ class HookState(TrainingHookState):
         world: int,
         group: dist.ProcessGroup | None = None,
         timeout: datetime.timedelta | None = None,
+        world_known: bool = True,
     ) -> None:
         self.spec, self.engine, self.world = spec, engine, world
+        self._world_known = world_known  # False: made before the process group, the world comes at bind
         self.error: BaseException | None = None
         self.keys = ParameterKeys()
         self._group, self._timeout = group, timeout
@@ -87,7 +89,7 @@ class HookState(TrainingHookState):
             assert isinstance(self.spec, HookSpec), "a sharded hook's engine is made with it"
             self._group = self._group or dist.group.WORLD  # bound: another group is refused from now on
             self.engine = Engine(self.spec, group=self._group, timeout=self._timeout)
-            self.world = self.engine.world
+            self.world, self._world_known = self.engine.world, True
             if self._saved is not None:
                 saved, self._saved = self._saved, None
                 self.load_state_dict(saved)
@@ -117,8 +119,8 @@ class HookState(TrainingHookState):
         """Restore what :meth:`state_dict` returned, from a hook of the same spec and world size
         (residuals are in units of the gradient over the world size): anything else is refused."""
         if self.engine is None and not self.spec.noop:  # no engine yet: applied when it is made
-            check_saved(state, str(self.spec), None, "gradcomp")  # the world size when the engine is made
-            self._saved = state
+            check_saved(state, str(self.spec), self.world if self._world_known else None, "gradcomp")
+            self._saved = state  # the world size checked again when the engine is made
             return
         check_saved(state, str(self.spec), self.world, "gradcomp")
         if self.engine is not None:
@@ -225,9 +227,10 @@ def make(
         )
     given = {"algo": algo, "aggregation": aggregation, "seed": seed}
     parsed = HookSpec.parse(spec, **{key: value for key, value in given.items() if value is not None})
-    state = HookState(parsed, None, dist.get_world_size(group) if dist.is_initialized() else 1, group, timeout)
-    if dist.is_initialized():  # else at the first bucket
-        state.bind()
+    if not dist.is_initialized():  # the engine at the first bucket
+        return HookState(parsed, None, 1, group, timeout, world_known=False), gradcomp_hook
+    state = HookState(parsed, None, dist.get_world_size(group), group, timeout)
+    state.bind()
     return state, gradcomp_hook
 
 
