@@ -255,7 +255,6 @@ def register(
     return state
 
 
-
 def _same_group(a: dist.ProcessGroup, b: dist.ProcessGroup) -> bool:
     return a is b or _ranks(a) == _ranks(b)
 
