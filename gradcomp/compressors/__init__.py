@@ -3,13 +3,18 @@
 >>> from gradcomp.compressors import make_compressor
 >>> c = make_compressor("topk:ratio=0.01,ef=true")
 
-See ``docs/compressors.md`` for each compressor's math, wire cost and when to use it.
+See ``docs/compressors.md`` for each compressor's math, wire cost and when to use it. Compressors
+of other installed packages join the registry through the entry-point group ``gradcomp.compressors``
+(:mod:`gradcomp.compressors.plugins`), loaded here, after gradcomp's own.
 """
 
 from gradcomp.compressors import cast, fp8, powersgd, quantize, randomk, sign, threshold, topk
 from gradcomp.compressors.base import Aggregation, Compressor, CompressorConfig, Key, Meta, Payload
+from gradcomp.compressors.plugins import load_entry_points
 from gradcomp.compressors.registry import REGISTRY, Spec, make_compressor, parse_spec, register
 from gradcomp.compressors.simulate import roundtrip, simulate
+
+load_entry_points()  # last: a plugin imports what it subclasses from here
 
 __all__ = [
     "REGISTRY",
