@@ -69,6 +69,7 @@ class HookStatistics(pl.Callback):
         self.state = state
         self._next = 0  # the first hook step not logged yet
         self._pending: dict[str, Any] | None = None  # a checkpoint's hook state, until training starts
+        self._trainer: pl.Trainer | None = None  # set at setup: the state to save is its strategy's hook's
 
     def _hook(self, trainer: pl.Trainer) -> HookState:
         if self.state is not None:
@@ -97,7 +98,7 @@ class HookStatistics(pl.Callback):
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._trainer: pl.Trainer | None = trainer
+        self._trainer = trainer
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A checkpoint's hook state, restored before this: handed to the hook now, before its first
@@ -108,8 +109,7 @@ class HookStatistics(pl.Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """Every rank's hook state (Lightning asks every rank when it writes a checkpoint: a collective)."""
-        trainer = getattr(self, "_trainer", None)
-        mine = self.state if trainer is None else self._hook(trainer)
+        mine = self.state if self._trainer is None else self._hook(self._trainer)
         if mine is None:
             return {}
         everyone: list[Any] = [mine.state_dict()]
