@@ -98,14 +98,13 @@ def test_an_hsdp_run_needs_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="emulated cluster"):
         TrainConfig(**SETTINGS)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    with pytest.raises(ValueError, match="one node; that is parallel fsdp"):
+    with pytest.raises(ValueError, match="one node; shard them with fsdp"):
         TrainConfig(**SETTINGS)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     with pytest.raises(ValueError, match="divide the world size"):
         TrainConfig(**SETTINGS)
-    cluster = TrainConfig(**{**SETTINGS, "network": "nodes=2x2,intra=10gbit,inter=100mbit"})
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert cluster.local_size == 2
+    assert TrainConfig(**{**SETTINGS, "network": "nodes=2x2,intra=10gbit,inter=100mbit"}).local_size == 2
 
 
 @pytest.mark.parametrize(

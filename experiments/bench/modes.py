@@ -14,8 +14,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradcomp import hooks, netem
-from gradcomp.engine.hierarchical import check_local_size
+from gradcomp import hooks
 from gradcomp.experiments.training import parallel
 from gradcomp.hooks import torch_hooks
 from gradcomp.hooks.torch_hooks import TorchHookSpec, is_torch_spec
@@ -169,16 +168,7 @@ class NodeShards(Shards):
 
     def check(self, network: str, ranks: int) -> None:
         """The nodes come from an emulated cluster (``nodes=NxL,...``) or the launcher (``LOCAL_WORLD_SIZE``)."""
-        cluster = netem.parse(network)
-        local = cluster.per_node if isinstance(cluster, netem.Cluster) else parallel.launched_local_size()
-        if local is None:
-            raise ValueError(
-                "bench hsdp shards inside nodes: give it nodes, --net 'nodes=2x2,intra=10gbit,inter=100mbit' "
-                "(or LOCAL_WORLD_SIZE, as torchrun sets it)"
-            )
-        check_local_size(local, ranks)
-        if local == ranks:
-            raise ValueError(f"bench hsdp: all {ranks} ranks are one node; that is bench fsdp")
+        parallel.check_nodes(network, ranks, "bench hsdp")
 
 
 DDP: Mode = Replicas()

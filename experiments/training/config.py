@@ -18,12 +18,12 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gradcomp import hooks, netem
+from gradcomp import hooks
 from gradcomp.collectives.hierarchical import check_local_size
 from gradcomp.compressors.registry import NO_FEEDBACK
 from gradcomp.experiments.tasks import parse_task
 from gradcomp.experiments.training.optim import SCHEDULES, parse_optimizer
-from gradcomp.experiments.training.parallel import PARALLELS, launched_local_size
+from gradcomp.experiments.training.parallel import PARALLELS, check_nodes, node_size
 from gradcomp.hooks.compressed_adamw_spec import is_compressed_adamw_spec
 from gradcomp.options import convert, format_value, split_spec
 from gradcomp.sync import SyncSpec
@@ -304,25 +304,12 @@ class TrainConfig:
 
     @property
     def local_size(self) -> int | None:
-        """The ranks per node the run is launched with: an emulated cluster's (``network`` nodes=NxL,...),
-        or the launcher's (torchrun's ``LOCAL_WORLD_SIZE``); None: not said (one switch)."""
-        network = netem.parse(self.network)
-        if isinstance(network, netem.Cluster):
-            return network.per_node
-        return launched_local_size()
+        """The ranks per node the run is launched with (:func:`~gradcomp.experiments.training.parallel.node_size`)."""
+        return node_size(self.network)
 
     def _check_nodes(self) -> None:
-        """HSDP needs nodes: a node size that splits the ranks into two nodes or more."""
-        local = self.local_size
-        if local is None:
-            raise ValueError(
-                "parallel hsdp shards inside each node and averages across nodes: run on an emulated cluster "
-                "(network nodes=2x2,intra=10gbit,inter=100mbit) or under torchrun, which say the node size"
-            )
-        ranks = int(os.environ.get("WORLD_SIZE", self.ranks))
-        check_local_size(ranks, local)
-        if local == ranks:
-            raise ValueError(f"parallel hsdp: all {ranks} ranks are one node; that is parallel fsdp")
+        """HSDP needs nodes: a node size that splits the ranks (torchrun's, under it) into two nodes or more."""
+        check_nodes(self.network, int(os.environ.get("WORLD_SIZE", self.ranks)), "parallel hsdp")
 
     @property
     def checkpoint_path(self) -> str:

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradcomp import hooks
+from gradcomp import hooks, netem
 from gradcomp.collectives.hierarchical import subgroups
 from gradcomp.engine.hierarchical import LAUNCHER_LAYOUT, check_local_size
 from gradcomp.experiments.tasks.base import Batch, batches
@@ -322,3 +322,25 @@ def launched_local_size() -> int | None:
     """The ranks per node the launcher started (torchrun's, or an emulated cluster's, ``LOCAL_WORLD_SIZE``)."""
     value = os.environ.get(LAUNCHER_LAYOUT, "").strip()
     return int(value) if value else None
+
+
+def node_size(network: str) -> int | None:
+    """The ranks per node a run on ``network`` has: an emulated cluster's (``nodes=NxL,...``), else the
+    launcher's (:func:`launched_local_size`); None: not said (one switch)."""
+    parsed = netem.parse(network)
+    return parsed.per_node if isinstance(parsed, netem.Cluster) else launched_local_size()
+
+
+def check_nodes(network: str, ranks: int, what: str) -> int:
+    """The node size of HSDP (``what``: the command or setting that asks) on ``network`` at ``ranks``
+    ranks: two nodes or more of it, or a ValueError saying how to give them."""
+    local = node_size(network)
+    if local is None:
+        raise ValueError(
+            f"{what} shards inside each node and averages across nodes: give it nodes, an emulated cluster "
+            "(nodes=2x2,intra=10gbit,inter=100mbit) or torchrun's LOCAL_WORLD_SIZE"
+        )
+    check_local_size(local, ranks)
+    if local == ranks:
+        raise ValueError(f"{what}: all {ranks} ranks are one node; shard them with fsdp")
+    return local
