@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(BIN)/gradcomp sweep quick --out runs/quick --skip-unavailable-networks
 
 lint: $(STAMP)
-	$(BIN)/ruff check gradcomp hooks experiments tests
+	$(BIN)/ruff check gradcomp hooks experiments tests examples
 	$(BIN)/mypy
 
 # Two workers, a test file each at a time (a file's rank pools and fixtures stay in one worker):

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import Tensor
 
-from gradcomp.compressors import Compressor, Payload
+from gradcomp.compressors import Compressor, Payload, parse_spec
 
 # One spec per compressor family and variant: every property test runs over all of them.
 SPECS = [
@@ -34,9 +34,15 @@ SPECS = [
 
 
 def with_feedback(spec: str) -> str:
-    """``spec`` under error feedback (``ef=true``); random-k unscaled, as error feedback requires."""
+    """``spec`` under error feedback (``ef=true``), or its nearest variant that error feedback takes:
+    random-k unscaled, quantization at 2 bits rather than 1, and QSGD with fewer elements per
+    norm than its levels squared (error feedback needs a contraction: ``Compressor.feedback_problem``)."""
     if spec.startswith("randomk") and "scale=" not in spec:
         spec += ",scale=false" if ":" in spec else ":scale=false"
+    spec = spec.replace("quantize:bits=1,", "quantize:bits=2,")
+    if spec == "qsgd:bits=2":  # no chunk is small enough for one level
+        spec = "qsgd:bits=8,chunk=64"
+    assert parse_spec(f"{spec}{',' if ':' in spec else ':'}ef=true")
     return f"{spec}{',' if ':' in spec else ':'}ef=true"
 
 

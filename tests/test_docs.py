@@ -2,7 +2,8 @@
 
 Each ``python`` block is preceded by a marker that says how it runs:
 
-- ``<!-- runnable -->``: as a script, in a fresh interpreter (its own temporary directory);
+- ``<!-- runnable -->``: as a script, in a fresh interpreter (its own temporary directory), with the
+  tutorial's example package (``examples/tophalf``) on the path;
 - ``<!-- runnable with torchrun -->``: on 2 ranks, as under ``torchrun --nproc-per-node 2`` (the ranks
   are started as the other distributed tests start theirs, with the process group initialized: the
   snippet's own ``init_process_group`` call is then a no-op; torchrun itself is left out because a
@@ -78,7 +79,10 @@ def test_runnable_python_blocks_run(where: str, marker: str, code: str, tmp_path
         return
     script = tmp_path / "snippet.py"
     script.write_text(code)
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    # examples/tophalf on the path, as `pip install -e examples/tophalf` puts it (docs/your-compressor.md)
+    path = os.pathsep.join(p for p in (str(ROOT / "examples" / "tophalf"), os.environ.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=200,
+                          env={**os.environ, "PYTHONPATH": path})  # fmt: skip
     assert done.returncode == 0, f"{where} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
 
 
@@ -132,4 +136,4 @@ def test_command_lines_in_the_docs_parse(where: str, line: str) -> None:
         skip = 2 if words[script] == "-m" else 1
         training_run.command_parser().parse_args(words[script + skip :])
     else:
-        assert words[0] in ("make", "tensorboard", "."), f"{where}: a command this test does not know: {line}"
+        assert words[0] in ("make", "tensorboard", ".", "pip"), f"{where}: a command this test does not know: {line}"

@@ -154,12 +154,30 @@ def test_generator_state_refuses_another_seed() -> None:
 
 def test_a_non_contractive_compressor_makes_the_residual_grow() -> None:
     """Why the docs pair error feedback with contractive (biased) compressors: stochastic 1-bit
-    min-max quantization can err by more than the value itself, and the residual then explodes."""
-    ef = make_compressor("quantize:bits=1,ef=true")
+    min-max quantization can err by more than the value itself, and the residual then explodes (so
+    the spec is refused: test_error_feedback_refuses_compressors_that_are_no_contraction)."""
+    ef = ErrorFeedback(make_compressor("quantize:bits=1"))
     grads = gradients(20)
     for g in grads:
         compress_all([ef], [g], key="w")
     assert ef.residuals["w"].norm() > 100 * torch.stack(grads).sum(0).norm()
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("quantize:bits=1,ef=true", "sign:ef=true"),
+        ("quantize:bits=1,rounding=nearest,ef=true", r"1\.8 \|x\| nearest"),
+        ("qsgd:ef=true", r"min\(d / s\^2, sqrt\(d\) / s\) is 3\.23.*chunk < 49"),
+        ("qsgd:bits=2,chunk=4,ef=true", "chunk < 1"),
+        ("randomk:ratio=0.1,ef=true", "scale=false"),
+    ],
+)
+def test_error_feedback_refuses_compressors_that_are_no_contraction(spec: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        make_compressor(spec)
+    make_compressor("quantize:bits=2,ef=true")  # and takes their contractive variants
+    make_compressor("qsgd:bits=4,chunk=48,ef=true")
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])

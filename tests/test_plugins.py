@@ -38,6 +38,7 @@ with warnings.catch_warnings(record=True) as caught:
     from gradcomp.compressors import REGISTRY, make_compressor
 from gradcomp.engine import HookSpec
 from gradcomp.launch import spawn
+from gradcomp.testing import check_compressor
 from tests.plugin_ranks import averaged
 compressor = make_compressor("mysign:ef=true")
 print(json.dumps({
@@ -46,6 +47,7 @@ print(json.dumps({
     "inner": type(compressor.inner).__name__,
     "warnings": [str(w.message) for w in caught],
     "ranks": spawn(2, averaged, ("mysign:ef=true",), timeout=120),
+    "kit": check_compressor("mysign:ef=true").passed,
 }))
 """
 
@@ -72,6 +74,7 @@ def test_a_compressor_declared_by_an_entry_point_is_known_everywhere(tmp_path: P
     assert seen["spec"].startswith("mysign:") and seen["inner"] == "MySign"
     # ranks started by gradcomp find it without importing the package: the same average on both
     assert seen["ranks"][0] == seen["ranks"][1] and seen["ranks"][0] != 0
+    assert "error feedback" in seen["kit"] and "payload only" in seen["kit"]  # the conformance kit passes it
     warned = "\n".join(seen["warnings"])
     assert "missing = 'gcplugin:Nowhere' does not load" in warned
     assert "misnamed = 'gcplugin:Misnamed' names a compressor 'notitsname'" in warned
