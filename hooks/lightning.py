@@ -20,10 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
-
 from gradcomp.engine.spec import HookSpecLike
 from gradcomp.hooks.ddp import HookState, make, register
+from gradcomp.hooks.trainers import every_rank, metrics, own_rank
 
 try:
     import lightning.pytorch as pl
@@ -85,17 +84,7 @@ class HookStatistics(pl.Callback):
         if not steps:  # a micro-batch that accumulated without synchronizing
             return
         self._next = steps[-1].step + 1
-        step = steps[-1]
-        metrics = {
-            "hook/wire_mb": step.wire_bytes / 1e6,
-            "hook/payload_mb": step.payload_bytes / 1e6,
-            "hook/compression_ratio": step.compression_ratio,
-            "hook/communicate_ms": (step.communicate_s or 0.0) * 1e3,
-            "hook/buckets": float(step.buckets or 0),
-        }
-        if step.inter_node_bytes is not None:
-            metrics["hook/inter_node_mb"] = step.inter_node_bytes / 1e6
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        pl_module.log_dict(metrics(steps[-1]), on_step=True, on_epoch=False, batch_size=1)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -110,21 +99,10 @@ class HookStatistics(pl.Callback):
     def state_dict(self) -> dict[str, Any]:
         """Every rank's hook state (Lightning asks every rank when it writes a checkpoint: a collective)."""
         mine = self.state if self._trainer is None else self._hook(self._trainer)
-        if mine is None:
-            return {}
-        everyone: list[Any] = [mine.state_dict()]
-        if dist.is_initialized():
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine.state_dict())
-        return {"ranks": everyone}
+        return {} if mine is None else every_rank(mine)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """This rank's hook state from the checkpoint, handed to the hook when training starts; a
         checkpoint of another world size is refused."""
-        if not state_dict:
-            return
-        ranks = state_dict["ranks"]
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        if len(ranks) != world:
-            raise ValueError(f"the checkpoint holds the hook states of {len(ranks)} ranks; this run has {world}")
-        self._pending = ranks[rank]
+        if state_dict:
+            self._pending = own_rank(state_dict)

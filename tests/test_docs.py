@@ -135,5 +135,9 @@ def test_command_lines_in_the_docs_parse(where: str, line: str) -> None:
         script = next(i for i, w in enumerate(words) if w.endswith(".py") or w == "-m")
         skip = 2 if words[script] == "-m" else 1
         training_run.command_parser().parse_args(words[script + skip :])
+    elif words[:2] == ["accelerate", "launch"]:
+        from accelerate.commands.launch import launch_command_parser
+
+        launch_command_parser().parse_args(words[2:])
     else:
         assert words[0] in ("make", "tensorboard", ".", "pip"), f"{where}: a command this test does not know: {line}"
