@@ -20,9 +20,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
+
+from gradcomp import sync
 from gradcomp.engine.spec import HookSpecLike
+from gradcomp.hooks import auto
+from gradcomp.hooks.auto import AutoState
+from gradcomp.hooks.auto_spec import AutoSpec, is_auto_spec
 from gradcomp.hooks.ddp import HookState, make, register
 from gradcomp.hooks.trainers import every_rank, metrics, own_rank
+from gradcomp.state import TrainingHookState
 
 try:
     import lightning.pytorch as pl
@@ -35,23 +42,35 @@ class GradcompStrategy(DDPStrategy):
     """Lightning's DDP strategy averaging gradients through a gradcomp hook.
 
     Args:
-        spec: a hook spec (``"quantize:bits=4,ef=true"``, ``docs/hooks.md``), or a state that
+        spec: a hook spec (``"quantize:bits=4,ef=true"``, ``docs/hooks.md``), ``auto`` (its state is
+            made when Lightning wraps the model: it times the model's forward), ``noop`` (nothing
+            averaged: local SGD and DiLoCo, :class:`Synchronize`), or a state that
             :func:`gradcomp.hooks.make` returned (made before the process group is fine).
         kwargs: ``DDPStrategy``'s own (``process_group_backend``, ``find_unused_parameters``,
             ``static_graph``, ``start_method``, ...), not its communication hook arguments.
     """
 
-    def __init__(self, spec: HookSpecLike | HookState, **kwargs: Any) -> None:
+    def __init__(self, spec: HookSpecLike | AutoSpec | HookState, **kwargs: Any) -> None:
         taken = sorted({"ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper"} & set(kwargs))
         if taken:
             raise TypeError(f"GradcompStrategy registers gradcomp's hook itself; leave out {taken}")
-        self.hook_state = spec if isinstance(spec, HookState) else make(spec)[0]
-        """The hook's state: statistics (``steps()``), checkpoints, the error."""
+        self._auto = (
+            spec if isinstance(spec, AutoSpec) else AutoSpec.parse(spec) if isinstance(spec, str) and is_auto_spec(spec)
+            else None
+        )  # fmt: skip
+        self.hook_state: HookState | AutoState | None = None
+        """The hook's state: statistics (``steps()``), checkpoints, the error (``auto``'s: once
+        Lightning has wrapped the model)."""
+        if self._auto is None:
+            self.hook_state = spec if isinstance(spec, HookState) else make(spec)[0]  # type: ignore[arg-type]
         super().__init__(**kwargs)
 
     def _register_ddp_hooks(self) -> None:
         """On any device (Lightning's own registers a hook only on CUDA), on the DDP model's group."""
-        register(self.model, self.hook_state)  # type: ignore[arg-type]
+        if self._auto is not None:
+            self.hook_state = auto.register(self.model, self._auto)  # type: ignore[arg-type]
+        else:
+            register(self.model, self.hook_state)  # type: ignore[arg-type]
 
 
 class HookStatistics(pl.Callback):
@@ -64,19 +83,20 @@ class HookStatistics(pl.Callback):
         state: the hook's state; default: the trainer's :class:`GradcompStrategy`'s.
     """
 
-    def __init__(self, state: HookState | None = None) -> None:
+    def __init__(self, state: TrainingHookState | None = None) -> None:
         self.state = state
         self._next = 0  # the first hook step not logged yet
         self._pending: dict[str, Any] | None = None  # a checkpoint's hook state, until training starts
         self._trainer: pl.Trainer | None = None  # set at setup: the state to save is its strategy's hook's
 
-    def _hook(self, trainer: pl.Trainer) -> HookState:
+    def _hook(self, trainer: pl.Trainer) -> TrainingHookState:
         if self.state is not None:
             return self.state
         strategy = trainer.strategy
         if not isinstance(strategy, GradcompStrategy):
             kind = type(strategy).__name__
             raise TypeError(f"HookStatistics reads a GradcompStrategy's hook, not a {kind}'s: pass state=")
+        assert strategy.hook_state is not None, "the strategy's hook is registered when Lightning wraps the model"
         return strategy.hook_state
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
@@ -106,3 +126,71 @@ class HookStatistics(pl.Callback):
         checkpoint of another world size is refused."""
         if state_dict:
             self._pending = own_rank(state_dict)
+
+
+class Synchronize(pl.Callback):
+    """Local SGD or DiLoCo through Lightning (:class:`gradcomp.sync.Synchronizer`): each rank trains its
+    own replica, and every ``every`` optimizer steps the replicas synchronize through ``spec``.
+
+    Use it with ``strategy=GradcompStrategy("noop")``: Lightning's DDP then starts every replica from
+    rank 0's parameters and averages nothing per step; this callback synchronizes. It makes the
+    synchronizer when training starts, steps it after every optimizer step (not every micro-batch
+    under ``accumulate_grad_batches``), flushes it when training ends, logs ``sync/*`` metrics at each
+    synchronizing step, and keeps every rank's synchronizer state in checkpoints (a resumed run
+    continues bitwise). Evaluate or save the synchronized model inside ``callback.synchronizer.global_model()``.
+
+    Args:
+        sync_spec: ``"localsgd:every=8"``, ``"diloco:every=50,fragments=2,delay=2"``, ... (``docs/local-sgd.md``).
+        spec: the hook spec the outer gradients travel by (default: uncompressed).
+        kwargs: :class:`gradcomp.sync.Synchronizer`'s other options (``timeout``, ``history``).
+    """
+
+    def __init__(self, sync_spec: str, spec: HookSpecLike = "allreduce", **kwargs: Any) -> None:
+        self.sync_spec, self.spec, self.options = sync.SyncSpec.parse(sync_spec), spec, kwargs
+        self.synchronizer: sync.Synchronizer | None = None
+        self._stepped = 0  # the trainer's optimizer steps the synchronizer has seen
+        self._next = 0  # the first synchronizer step not logged yet
+        self._pending: dict[str, Any] | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        if dist.is_initialized() and not (isinstance(strategy, GradcompStrategy) and _averages_nothing(strategy)):
+            raise ValueError(
+                "Synchronize trains a replica per rank: give the trainer strategy=GradcompStrategy('noop'), "
+                f"not {type(strategy).__name__} (which would also average every step's gradients)"
+            )
+        optimizer = trainer.optimizers[0] if self.sync_spec.state else None
+        self.synchronizer = sync.Synchronizer(pl_module, self.sync_spec, self.spec, optimizer=optimizer, **self.options)
+        if self._pending is not None:
+            self.synchronizer.load_state_dict(self._pending)
+            self._pending = None
+        self._stepped = trainer.global_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        assert self.synchronizer is not None, "made at on_train_start"
+        while self._stepped < trainer.global_step:  # an optimizer step was taken (not a micro-batch)
+            self._stepped += 1
+            self.synchronizer.step()
+        for step in self.synchronizer.steps_since(self._next):
+            self._next = step.step + 1
+            if step.buckets:
+                pl_module.log_dict({key.replace("hook/", "sync/"): value for key, value in metrics(step).items()},
+                                   on_step=True, on_epoch=False, batch_size=1)  # fmt: skip
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.synchronizer is not None:
+            self.synchronizer.flush()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's synchronizer state (a collective: Lightning asks every rank)."""
+        return {} if self.synchronizer is None else every_rank(self.synchronizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """This rank's synchronizer state, applied when the synchronizer is made (training starts)."""
+        if state_dict:
+            self._pending = own_rank(state_dict)
+
+
+def _averages_nothing(strategy: GradcompStrategy) -> bool:
+    state = strategy.hook_state
+    return isinstance(state, HookState) and state.spec.noop

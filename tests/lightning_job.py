@@ -1,8 +1,10 @@
 """A 2-process Lightning job on the CPU for tests/test_lightning.py, run as ``python -m tests.lightning_job
 OUT SPEC STEPS [RESUME]`` (Lightning starts the second process with the same command): the toy model on
 each rank's own random batches (3 an epoch, the same every epoch), gradcomp's hook through
-GradcompStrategy, its statistics logged to a CSV logger, a checkpoint at every epoch's end; each rank
-writes its parameters to OUT/rank<r>.pt."""
+GradcompStrategy (SPEC a hook spec or ``auto``), or with a sync spec (``diloco:...``, ``localsgd:...``)
+no hook and the Synchronize callback (outer gradients as 4-bit codes with error feedback); statistics
+logged to a CSV logger, a checkpoint at every epoch's end (OUT/epoch<e>.ckpt); each rank writes its parameters to
+OUT/rank<r>.pt."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-from gradcomp.hooks.lightning import GradcompStrategy, HookStatistics
+from gradcomp.hooks.lightning import GradcompStrategy, HookStatistics, Synchronize
 from tests.toy_ddp import toy_model
 
 
@@ -46,10 +48,14 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 def main(out: Path, spec: str, steps: int, resume: str | None) -> None:
     torch.manual_seed(0)
     model = Toy()
+    synchronizes = spec.startswith(("diloco", "localsgd"))
+    averaging = Synchronize(spec, "quantize:bits=4,ef=true") if synchronizes else HookStatistics()
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=GradcompStrategy(spec, process_group_backend="gloo"),
+        accelerator="cpu", devices=2, strategy=GradcompStrategy("noop" if synchronizes else spec,
+                                                                process_group_backend="gloo"),
         max_steps=steps, logger=CSVLogger(out, name="logs", version=0), log_every_n_steps=1,
-        callbacks=[HookStatistics(), ModelCheckpoint(dirpath=out, filename="last", save_on_train_epoch_end=True)],
+        callbacks=[averaging, ModelCheckpoint(dirpath=out, filename="epoch{epoch}", save_top_k=-1,
+                                                save_on_train_epoch_end=True, auto_insert_metric_name=False)],
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
     )  # fmt: skip
     loader = torch.utils.data.DataLoader(_Batches(), batch_size=None)

@@ -1,8 +1,8 @@
 """PyTorch Lightning with gradcomp's hook (``gradcomp.hooks.lightning``), 2 CPU processes started as
 Lightning starts them (its own launcher re-runs the job's command for the second rank, gloo): the
 hook averages every step, its statistics reach Lightning's logger, the ranks end identical, and a
-run stopped at an epoch's end and resumed from Lightning's checkpoint ends bitwise where the run
-straight through does (every rank's error-feedback residuals in the checkpoint). Lightning is a
+run resumed from the checkpoint of its first epoch's end ends bitwise where the run straight through
+does (every rank's error-feedback residuals in the checkpoint). Lightning is a
 declared extra of the development set-up (``gradcomp[lightning]``): without it these tests fail."""
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ SPEC = "topk:ratio=0.1,ef=true"
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def job(out: Path, steps: int, resume: Path | None = None) -> None:
+def job(out: Path, steps: int, resume: Path | None = None, spec: str = SPEC) -> None:
     """``tests/lightning_job.py`` as a user runs a script: Lightning starts the second rank itself."""
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "tests.lightning_job", str(out), SPEC, str(steps)]
+    command = [sys.executable, "-m", "tests.lightning_job", str(out), spec, str(steps)]
     if resume is not None:
         command.append(str(resume))
     environment = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -38,17 +38,39 @@ def parameters(out: Path, rank: int) -> list[torch.Tensor]:
 
 @pytest.mark.timeout(600)
 def test_lightning_trains_with_a_gradcomp_hook_logs_it_and_resumes_bitwise(tmp_path: Path) -> None:
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     job(straight, 6)
     rows = list(csv.DictReader((straight / "logs" / "version_0" / "metrics.csv").open()))
     logged = [row for row in rows if row.get("hook/wire_mb")]
     assert [int(row["step"]) for row in logged] == list(range(6)), "the hook's statistics at every step"
     assert all(float(row["hook/compression_ratio"]) > 3 for row in logged)
     assert all(torch.equal(a, b) for a, b in zip(parameters(straight, 0), parameters(straight, 1), strict=True))
-    hooks_saved = torch.load(straight / "last.ckpt", weights_only=True)["callbacks"]["HookStatistics"]["ranks"]
+    hooks_saved = torch.load(straight / "epoch1.ckpt", weights_only=True)["callbacks"]["HookStatistics"]["ranks"]
     assert len(hooks_saved) == 2 and all(saved["compressor"] for saved in hooks_saved), "every rank's residuals"
 
-    job(stopped, 3)  # one epoch, its checkpoint
-    job(stopped, 6, resume=stopped / "last.ckpt")
-    resumed = parameters(stopped, 0)
-    assert all(torch.equal(a, b) for a, b in zip(resumed, parameters(straight, 0), strict=True))
+    job(resumed, 6, resume=straight / "epoch0.ckpt")  # from the checkpoint of the first epoch's end
+    assert all(torch.equal(a, b) for a, b in zip(parameters(resumed, 0), parameters(straight, 0), strict=True))
+
+def logged(out: Path, metric: str) -> list[dict[str, str]]:
+    rows = csv.DictReader((out / "logs" / "version_0" / "metrics.csv").open())
+    return [row for row in rows if row.get(metric)]
+
+
+@pytest.mark.timeout(600)
+def test_diloco_through_lightning_synchronizes_logs_and_resumes_bitwise(tmp_path: Path) -> None:
+    """Every 3 steps the replicas (each trained on its rank's own batches, nothing averaged per step)
+    synchronize: they end identical, the synchronizing steps are logged, a resumed run is bitwise."""
+    spec = "diloco:every=3"
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    job(straight, 6, spec=spec)
+    assert [int(row["step"]) for row in logged(straight, "sync/wire_mb")] == [2, 5], "the synchronizing steps"
+    assert all(torch.equal(a, b) for a, b in zip(parameters(straight, 0), parameters(straight, 1), strict=True))
+    job(resumed, 6, resume=straight / "epoch0.ckpt", spec=spec)
+    assert all(torch.equal(a, b) for a, b in zip(parameters(resumed, 0), parameters(straight, 0), strict=True))
+
+
+@pytest.mark.timeout(300)
+def test_auto_through_lightning_chooses_and_logs_every_step(tmp_path: Path) -> None:
+    job(tmp_path, 6, spec="auto:candidates=topk:ratio=0.1,ef=true,measure_at=2")
+    assert [int(row["step"]) for row in logged(tmp_path, "hook/wire_mb")] == list(range(6))
+    assert all(torch.equal(a, b) for a, b in zip(parameters(tmp_path, 0), parameters(tmp_path, 1), strict=True))
