@@ -23,8 +23,9 @@ from typing import Any
 import torch.distributed as dist
 
 from gradcomp import sync
+from gradcomp.engine.sharded import ShardSpec, ShardSpecLike
 from gradcomp.engine.spec import HookSpecLike
-from gradcomp.hooks import auto
+from gradcomp.hooks import auto, fsdp2
 from gradcomp.hooks.auto import AutoState
 from gradcomp.hooks.auto_spec import AutoSpec, is_auto_spec
 from gradcomp.hooks.ddp import HookState, make, register
@@ -33,7 +34,7 @@ from gradcomp.state import TrainingHookState
 
 try:
     import lightning.pytorch as pl
-    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 except ImportError as error:  # pragma: no cover - the extra is not installed
     raise ImportError("gradcomp.hooks.lightning needs PyTorch Lightning: pip install 'gradcomp[lightning]'") from error
 
@@ -73,6 +74,30 @@ class GradcompStrategy(DDPStrategy):
             register(self.model, self.hook_state)  # type: ignore[arg-type]
 
 
+class GradcompModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2, applied in ``LightningModule.configure_model``)
+    with gradcomp's reduce-scatter (:func:`gradcomp.hooks.fsdp`) on every FSDP2 module of the model.
+
+    Args:
+        spec: a sharded spec (``"quantize:bits=4,ef=true"``, ``"none"``: FSDP2's own reduce-scatter,
+            through gradcomp; ``docs/fsdp.md``).
+        kwargs: ``ModelParallelStrategy``'s own (``data_parallel_size``, ``tensor_parallel_size``: 1
+            here, gradcomp shards data only, ``process_group_backend``, ``save_distributed_checkpoint``, ...).
+    """
+
+    def __init__(self, spec: ShardSpecLike, **kwargs: Any) -> None:
+        self.spec = ShardSpec.parse(spec)  # a bad spec fails here, before any process starts
+        self.hook_state: HookState | None = None
+        """The hook's state (statistics, checkpoints, the error), once Lightning has sharded the model."""
+        super().__init__(**kwargs)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Lightning's (``configure_model`` shards the model), then gradcomp's reduce-scatter on it."""
+        super().setup(trainer)
+        assert self.lightning_module is not None, "Lightning sets the module before setup"
+        self.hook_state = fsdp2.fsdp(self.lightning_module, self.spec)
+
+
 class HookStatistics(pl.Callback):
     """Logs the gradcomp hook's statistics at every training step through Lightning's logger
     (``hook/wire_mb``, ``hook/payload_mb``, ``hook/compression_ratio``, ``hook/communicate_ms``,
@@ -93,9 +118,9 @@ class HookStatistics(pl.Callback):
         if self.state is not None:
             return self.state
         strategy = trainer.strategy
-        if not isinstance(strategy, GradcompStrategy):
+        if not isinstance(strategy, (GradcompStrategy, GradcompModelParallelStrategy)):
             kind = type(strategy).__name__
-            raise TypeError(f"HookStatistics reads a GradcompStrategy's hook, not a {kind}'s: pass state=")
+            raise TypeError(f"HookStatistics reads a gradcomp strategy's hook, not a {kind}'s: pass state=")
         assert strategy.hook_state is not None, "the strategy's hook is registered when Lightning wraps the model"
         return strategy.hook_state
 

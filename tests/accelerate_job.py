@@ -55,7 +55,7 @@ def main(out: Path, spec: str, steps: int, resume: str | None) -> None:
     torch.save([p.detach().clone() for p in model.parameters()], out / f"rank{accelerator.process_index}.pt")
     if accelerator.is_main_process:
         (out / "logged.json").write_text(json.dumps(logged))
-    accelerator.end_training()
+    accelerator.end_training()  # which also destroys the process group, as PyTorch documents
 
 
 if __name__ == "__main__":

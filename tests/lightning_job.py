@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-from gradcomp.hooks.lightning import GradcompStrategy, HookStatistics, Synchronize
+from gradcomp.hooks.lightning import GradcompModelParallelStrategy, GradcompStrategy, HookStatistics, Synchronize
 from tests.toy_ddp import toy_model
 
 
@@ -34,6 +34,19 @@ class Toy(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class ShardedToy(Toy):
+    """The toy model sharded with FSDP2 over the data-parallel ranks (ModelParallelStrategy's mesh)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+
 EPOCH = 3
 """Batches an epoch: a run stopped at an epoch's end resumes with the batches the straight run takes."""
 
@@ -45,23 +58,41 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(EPOCH)]  # fmt: skip
 
 
+def strategy(spec: str) -> L.pytorch.strategies.Strategy:
+    """SPEC's strategy: ``fsdp:<sharded spec>`` gradcomp's reduce-scatter under FSDP2, ``fsdp``
+    FSDP2's own; a sync spec no hook (Synchronize synchronizes); else the DDP hook SPEC."""
+    if spec.partition(":")[0] == "fsdp":
+        options = {"data_parallel_size": 2, "tensor_parallel_size": 1, "process_group_backend": "gloo",
+                   "save_distributed_checkpoint": False}  # fmt: skip
+        if spec == "fsdp":
+            return L.pytorch.strategies.ModelParallelStrategy(**options)
+        return GradcompModelParallelStrategy(spec.partition(":")[2], **options)
+    return GradcompStrategy("noop" if synchronizes(spec) else spec, process_group_backend="gloo")
+
+
+def synchronizes(spec: str) -> bool:
+    return spec.startswith(("diloco", "localsgd"))
+
+
 def main(out: Path, spec: str, steps: int, resume: str | None) -> None:
     torch.manual_seed(0)
-    model = Toy()
-    synchronizes = spec.startswith(("diloco", "localsgd"))
-    averaging = Synchronize(spec, "quantize:bits=4,ef=true") if synchronizes else HookStatistics()
+    model = ShardedToy() if spec.startswith("fsdp") else Toy()
+    averaging = Synchronize(spec, "quantize:bits=4,ef=true") if synchronizes(spec) else HookStatistics()
+    callbacks = [] if spec == "fsdp" else [averaging]
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=GradcompStrategy("noop" if synchronizes else spec,
-                                                                process_group_backend="gloo"),
+        accelerator="cpu", devices=2, strategy=strategy(spec),
         max_steps=steps, logger=CSVLogger(out, name="logs", version=0), log_every_n_steps=1,
-        callbacks=[averaging, ModelCheckpoint(dirpath=out, filename="epoch{epoch}", save_top_k=-1,
+        callbacks=[*callbacks, ModelCheckpoint(dirpath=out, filename="epoch{epoch}", save_top_k=-1,
                                                 save_on_train_epoch_end=True, auto_insert_metric_name=False)],
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
     )  # fmt: skip
     loader = torch.utils.data.DataLoader(_Batches(), batch_size=None)
     trainer.fit(model, loader, ckpt_path=resume)
     rank = trainer.global_rank
-    torch.save([p.detach().clone() for p in model.parameters()], out / f"rank{rank}.pt")
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]  # FSDP2's shards
+    torch.save([p.detach().clone() for p in full], out / f"rank{rank}.pt")
+    # as PyTorch documents: without it a process with gloo groups can abort at exit (std::terminate)
+    torch.distributed.destroy_process_group()
 
 
 class _Batches(torch.utils.data.IterableDataset):  # type: ignore[type-arg]

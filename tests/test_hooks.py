@@ -428,3 +428,35 @@ def made_before_the_group(rank: int, world: int, store: str) -> dict[str, Any]:
 
 def test_a_hook_state_made_before_the_process_group_binds_at_its_first_bucket(tmp_path: Path) -> None:
     run_checks(2, made_before_the_group, (str(tmp_path / "store"),), timeout=120, fresh=True)
+
+
+CYCLE_SPECS = ["allreduce", "topk:ratio=0.1,ef=true", "powersgd:rank=2,ef=true", "quantize:bits=4", "fp16:algo=ring"]
+
+
+def steps_leave_no_cycles(rank: int, world: int) -> Failures:
+    """What a step leaves behind is freed when its last reference goes, not by a garbage collection:
+    an object a collection frees late (or never, at exit) may hold a backend's future, whose
+    freeing at interpreter exit aborts a gloo process."""
+    import gc
+
+    failures = Failures()
+    for spec in CYCLE_SPECS:
+        ddp, _ = wrap(toy_model(), spec)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        sgd_steps(ddp, optimizer, toy_batches(rank, 3))  # DDP rebuilds its buckets at the first
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            sgd_steps(ddp, optimizer, toy_batches(rank, 2))
+            gc.collect()
+            left = sorted({type(o).__module__ + "." + type(o).__qualname__ for o in gc.garbage
+                           if type(o).__module__.startswith(("gradcomp", "concurrent", "torch"))})  # fmt: skip
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+        failures.expect(not left, f"{spec}: a step left cycles holding {left}")
+    return failures
+
+
+def test_steps_leave_no_reference_cycles() -> None:
+    run_checks(2, steps_leave_no_cycles, timeout=120)

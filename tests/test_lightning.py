@@ -1,9 +1,10 @@
-"""PyTorch Lightning with gradcomp's hook (``gradcomp.hooks.lightning``), 2 CPU processes started as
-Lightning starts them (its own launcher re-runs the job's command for the second rank, gloo): the
-hook averages every step, its statistics reach Lightning's logger, the ranks end identical, and a
-run resumed from the checkpoint of its first epoch's end ends bitwise where the run straight through
-does (every rank's error-feedback residuals in the checkpoint). Lightning is a
-declared extra of the development set-up (``gradcomp[lightning]``): without it these tests fail."""
+"""PyTorch Lightning with gradcomp (``gradcomp.hooks.lightning``), 2 CPU processes started as Lightning
+starts them (its own launcher re-runs the job's command for the second rank, gloo): a DDP hook, ``auto``,
+gradcomp's reduce-scatter under FSDP2 (ModelParallelStrategy) and DiLoCo (the Synchronize callback)
+each average, log their statistics through Lightning's logger and end with identical ranks; a run
+resumed from the checkpoint of its first epoch's end ends bitwise where the run straight through does
+(every rank's residuals in the checkpoint). Lightning is a declared extra of the development set-up
+(``gradcomp[lightning]``): without it these tests fail."""
 
 from __future__ import annotations
 
@@ -74,3 +75,23 @@ def test_auto_through_lightning_chooses_and_logs_every_step(tmp_path: Path) -> N
     job(tmp_path, 6, spec="auto:candidates=topk:ratio=0.1,ef=true,measure_at=2")
     assert [int(row["step"]) for row in logged(tmp_path, "hook/wire_mb")] == list(range(6))
     assert all(torch.equal(a, b) for a, b in zip(parameters(tmp_path, 0), parameters(tmp_path, 1), strict=True))
+
+
+@pytest.mark.timeout(600)
+def test_fsdp2_through_lightnings_model_parallel_strategy(tmp_path: Path) -> None:
+    """FSDP2 applied in configure_model, gradcomp's reduce-scatter installed on it by the strategy:
+    it logs every step, trains, and resumes bitwise from the first epoch's checkpoint (every rank's
+    residuals in it). gradcomp's reduce-scatter against FSDP2's own: tests/test_fsdp.py."""
+    compressed, resumed = tmp_path / "topk", tmp_path / "resumed"
+    spec = "fsdp:topk:ratio=0.1,ef=true"
+    job(compressed, 6, spec=spec)
+    assert [int(row["step"]) for row in logged(compressed, "hook/wire_mb")] == list(range(6))
+    assert all(float(row["hook/compression_ratio"]) > 3 for row in logged(compressed, "hook/wire_mb"))
+    trained = parameters(compressed, 0)
+    assert all(torch.equal(a, b) for a, b in zip(trained, parameters(compressed, 1), strict=True))
+    torch.manual_seed(0)
+    from tests.toy_ddp import toy_model
+
+    assert not all(torch.equal(a, b.detach()) for a, b in zip(trained, toy_model().parameters(), strict=True))
+    job(resumed, 6, resume=compressed / "epoch0.ckpt", spec=spec)
+    assert all(torch.equal(a, b) for a, b in zip(parameters(resumed, 0), trained, strict=True))

@@ -10,6 +10,7 @@ at once; synchronous calls are a submit and a wait.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from collections.abc import Callable
@@ -39,7 +40,9 @@ class Handle(Generic[T]):
     def then(self, callback: Callable[[Handle[T]], None]) -> None:
         """Call ``callback(handle)`` once the operation finished (at once if it has), on the thread
         that finishes it. Keep it short, and never communicate from it (rule "one ordered path")."""
-        self._future.add_done_callback(lambda _: callback(self))
+        # a new handle on the future, not this one: the future keeps its callbacks, and a callback
+        # holding this handle would make a cycle that only a garbage collection frees
+        self._future.add_done_callback(lambda future: callback(Handle(future)))
 
     @property
     def traffic(self) -> Traffic | None:
@@ -83,7 +86,9 @@ class Executor:
     """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Callable[[], tuple[object, Traffic | None]], Future]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Callable[[], tuple[object, Traffic | None]], Future] | None] = (
+            queue.SimpleQueue()
+        )
         self._turn = threading.Lock()  # held by whoever runs an operation
         self._state = threading.Lock()  # guards _pending
         self._pending = 0  # submitted, not finished
@@ -124,10 +129,19 @@ class Executor:
         with self._state:
             self._pending -= 1
 
+    def close(self) -> None:
+        """Let the worker finish what is queued, then end it (at interpreter exit: :func:`_close`)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
     def _run(self) -> None:
         match_torch_threads()
         while True:
-            operation, future = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            operation, future = item
             if future.set_running_or_notify_cancel():
                 with self._turn:
                     _run_into(operation, future)
@@ -151,7 +165,14 @@ def executor() -> Executor:
     with _lock:
         if _executor is None:
             _executor = Executor()
+            atexit.register(_close)
         return _executor
+
+
+def _close() -> None:
+    """At interpreter exit: end the worker while the interpreter is whole."""
+    if _executor is not None:
+        _executor.close()
 
 
 _matched = threading.local()

@@ -367,7 +367,8 @@ def _when_all(landings: Sequence[Future[Any]], then: Callable[[BaseException | N
     if not landings:
         then(None)
         return
-    remaining = [len(landings)]
+    pending = list(landings)
+    remaining = [len(pending)]
     lock = threading.Lock()
 
     def landed(_: Future[None]) -> None:
@@ -375,7 +376,9 @@ def _when_all(landings: Sequence[Future[Any]], then: Callable[[BaseException | N
             remaining[0] -= 1
             last = remaining[0] == 0
         if last:
-            then(next((f.exception() for f in landings if f.exception() is not None), None))
+            error = next((f.exception() for f in pending if f.exception() is not None), None)
+            pending.clear()  # no cycle through the futures' callbacks: freed now, not by a collection
+            then(error)
 
     for future in landings:
         future.add_done_callback(landed)
