@@ -29,7 +29,7 @@ from gradcomp.hooks import auto, fsdp2
 from gradcomp.hooks.auto import AutoState
 from gradcomp.hooks.auto_spec import AutoSpec, is_auto_spec
 from gradcomp.hooks.ddp import HookState, make, register
-from gradcomp.hooks.trainers import every_rank, metrics, own_rank
+from gradcomp.hooks.trainers import every_rank, gathered, metrics, own_rank
 from gradcomp.state import TrainingHookState
 
 try:
@@ -161,8 +161,9 @@ class Synchronize(pl.Callback):
     rank 0's parameters and averages nothing per step; this callback synchronizes. It makes the
     synchronizer when training starts, steps it after every optimizer step (not every micro-batch
     under ``accumulate_grad_batches``), flushes it when training ends, logs ``sync/*`` metrics at each
-    synchronizing step, and keeps every rank's synchronizer state in checkpoints (a resumed run
-    continues bitwise). Evaluate or save the synchronized model inside ``callback.synchronizer.global_model()``.
+    synchronizing step, and keeps every rank's synchronizer and inner optimizer states in checkpoints
+    (Lightning keeps rank 0's optimizer only; a resumed run continues bitwise). Evaluate or save the
+    synchronized model inside ``callback.synchronizer.global_model()``.
 
     Args:
         sync_spec: ``"localsgd:every=8"``, ``"diloco:every=50,fragments=2,delay=2"``, ... (``docs/local-sgd.md``).
@@ -176,6 +177,7 @@ class Synchronize(pl.Callback):
         self._stepped = 0  # the trainer's optimizer steps the synchronizer has seen
         self._next = 0  # the first synchronizer step not logged yet
         self._pending: dict[str, Any] | None = None
+        self._trainer: pl.Trainer | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
@@ -186,8 +188,10 @@ class Synchronize(pl.Callback):
             )
         optimizer = trainer.optimizers[0] if self.sync_spec.state else None
         self.synchronizer = sync.Synchronizer(pl_module, self.sync_spec, self.spec, optimizer=optimizer, **self.options)
-        if self._pending is not None:
-            self.synchronizer.load_state_dict(self._pending)
+        if self._pending is not None:  # after Lightning restored rank 0's optimizer state on every rank
+            self.synchronizer.load_state_dict(self._pending["sync"])
+            for inner, saved in zip(trainer.optimizers, self._pending["optimizers"], strict=True):
+                inner.load_state_dict(saved)
             self._pending = None
         self._stepped = trainer.global_step
 
@@ -207,11 +211,19 @@ class Synchronize(pl.Callback):
             self.synchronizer.flush()
 
     def state_dict(self) -> dict[str, Any]:
-        """Every rank's synchronizer state (a collective: Lightning asks every rank)."""
-        return {} if self.synchronizer is None else every_rank(self.synchronizer)
+        """Every rank's synchronizer state and inner optimizers' (a collective: Lightning asks every
+        rank). Lightning keeps rank 0's optimizer state only, which is every rank's under DDP; each
+        replica's own (its momentum, Adam's moments) differs here."""
+        if self.synchronizer is None or self._trainer is None:
+            return {}
+        optimizers = [inner.state_dict() for inner in self._trainer.optimizers]
+        return gathered({"sync": self.synchronizer.state_dict(), "optimizers": optimizers})
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = trainer
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """This rank's synchronizer state, applied when the synchronizer is made (training starts)."""
+        """This rank's synchronizer and inner optimizer states, applied when training starts."""
         if state_dict:
             self._pending = own_rank(state_dict)
 

@@ -34,19 +34,23 @@ def metrics(step: StepStats) -> dict[str, float]:
 
 def every_rank(state: TrainingHookState) -> dict[str, Any]:
     """Every rank's ``state.state_dict()``, in rank order: a collective over the world."""
-    everyone: list[Any] = [state.state_dict()]
+    return gathered(state.state_dict())
+
+
+def gathered(mine: Any) -> dict[str, Any]:
+    """Every rank's ``mine``, in rank order, as :func:`own_rank` reads it back: a collective."""
+    everyone: list[Any] = [mine]
     if dist.is_initialized():
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, state.state_dict())
+        dist.all_gather_object(everyone, mine)
     return {"ranks": everyone}
 
 
-def own_rank(saved: dict[str, Any]) -> dict[str, Any]:
-    """This rank's state from what :func:`every_rank` returned; a checkpoint of another world size
-    is refused."""
+def own_rank(saved: dict[str, Any]) -> Any:
+    """This rank's state from what :func:`every_rank` (or :func:`gathered`) returned; a checkpoint
+    of another world size is refused."""
     ranks = saved["ranks"]
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if len(ranks) != world:
         raise ValueError(f"the checkpoint holds the hook states of {len(ranks)} ranks; this run has {world}")
-    state: dict[str, Any] = ranks[rank]
-    return state
+    return ranks[rank]

@@ -31,7 +31,8 @@ class Toy(L.LightningModule):
         return nn.functional.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        # momentum: a per-parameter state (ModelParallelStrategy cannot load an optimizer without one)
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
 class ShardedToy(Toy):
