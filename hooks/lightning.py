@@ -186,7 +186,7 @@ class Synchronize(pl.Callback):
                 "Synchronize trains a replica per rank: give the trainer strategy=GradcompStrategy('noop'), "
                 f"not {type(strategy).__name__} (which would also average every step's gradients)"
             )
-        optimizer = trainer.optimizers[0] if self.sync_spec.state else None
+        optimizer = trainer.optimizers[0]  # restarted with a replica that diverged; averaged with state=true
         self.synchronizer = sync.Synchronizer(pl_module, self.sync_spec, self.spec, optimizer=optimizer, **self.options)
         if self._pending is not None:  # after Lightning restored rank 0's optimizer state on every rank
             self.synchronizer.load_state_dict(self._pending["sync"])

@@ -91,8 +91,13 @@ def run_snippet(rank: int, world: int, code: str, directory: str) -> None:
     import torch.distributed as dist
 
     os.chdir(directory)
-    dist.init_process_group = lambda *args, **kwargs: None  # type: ignore[assignment]  # already initialized
-    exec(compile(code, "snippet", "exec"), {"__name__": "__main__"})
+    # the group is the test's (already initialized, and kept for the next snippet)
+    init, destroy = dist.init_process_group, dist.destroy_process_group
+    dist.init_process_group = dist.destroy_process_group = lambda *args, **kwargs: None  # type: ignore[assignment]
+    try:
+        exec(compile(code, "snippet", "exec"), {"__name__": "__main__"})
+    finally:
+        dist.init_process_group, dist.destroy_process_group = init, destroy  # type: ignore[assignment]
 
 
 TOML = blocks("toml")

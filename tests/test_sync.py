@@ -420,3 +420,44 @@ def test_diloco_across_nodes_with_ddp_inside_matches_one_rank_per_node() -> None
     across = run_checks(4, diloco_across_nodes, timeout=120)[0]["parameters"]
     for mine, theirs in zip(across, reference, strict=True):
         assert torch.allclose(torch.tensor(mine), torch.tensor(theirs), rtol=0, atol=1e-5)
+
+
+NAN_CASES = [(inner, fragments, delay) for inner in ("sgd", "adamw") for fragments in (1, 2) for delay in (0, 2)]
+
+
+def one_nan_batch(rank: int, world: int) -> Failures:
+    """The README's DiLoCo (every 10 steps, 4-bit codes with error feedback), rank 1's loss NaN once
+    at step 25 of 80: the synchronizations it poisons are skipped, its replica restarts whole with a
+    fresh inner optimizer state, and training goes on: every synchronization after the first clean
+    one is applied, the global model keeps moving, and every replica ends finite."""
+    failures = Failures()
+    for inner, count, delay in NAN_CASES:
+        where = f"{inner}, fragments={count}, delay={delay}"
+        model = toy_model()
+        optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-2) if inner == "adamw"
+                     else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))  # fmt: skip
+        outer = DiLoCo(model, optimizer, every=10, spec="quantize:bits=4,ef=true", fragments=count, delay=delay)
+        moved_after = None
+        for step, (x, y) in enumerate(toy_batches(rank, 80), 1):
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            if rank == 1 and step == 25:
+                loss = loss * float("nan")
+            loss.backward()
+            optimizer.step()
+            outer.step()
+            if step == 50:
+                moved_after = [g.clone() for g in outer.globals]
+        outer.flush()
+        skipped = [s.step for s in outer.steps() if s.skipped]
+        failures.expect(bool(skipped) and max(skipped) < 50, f"{where}: skipped synchronizations at steps {skipped}")
+        failures.expect(all(bool(torch.isfinite(g).all()) for g in outer.globals), f"{where}: globals not finite")
+        failures.expect(all(bool(torch.isfinite(p).all()) for p in model.parameters()), f"{where}: replica not finite")
+        assert moved_after is not None
+        moved = any(not torch.equal(a, b) for a, b in zip(moved_after, outer.globals, strict=True))
+        failures.expect(moved, f"{where}: the global model stood still after step 50")
+    return failures
+
+
+def test_one_nan_batch_costs_a_synchronization_not_the_run() -> None:
+    run_checks(2, one_nan_batch, timeout=200)

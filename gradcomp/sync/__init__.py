@@ -1,9 +1,9 @@
 """Infrequent synchronization: local SGD and DiLoCo (and Streaming DiLoCo), through any compressor.
 
 >>> from gradcomp import sync
->>> outer = sync.DiLoCo(model, every=50, spec="quantize:bits=4,ef=true", fragments=4, delay=2)
+>>> outer = sync.DiLoCo(model, inner, every=50, spec="quantize:bits=4,ef=true", fragments=4, delay=2)
 >>> for batch in data:
-...     loss(model, batch).backward(); inner_optimizer.step(); inner_optimizer.zero_grad()
+...     loss(model, batch).backward(); inner.step(); inner.zero_grad()
 ...     outer.step()                                      # every rank, after every inner step
 
 - :mod:`~gradcomp.sync.spec`: :class:`SyncSpec`, how often and how replicas synchronize, parsed once.

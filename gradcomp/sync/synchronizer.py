@@ -97,7 +97,9 @@ class Synchronizer(TrainingHookState):
             ``"diloco:every=50,fragments=4,delay=2"``.
         spec: the hook spec the outer gradients travel by (``"allreduce"``, ``"quantize:bits=4,ef=true"``,
             any compressor, with ``algo`` and ``seed``).
-        optimizer: the inner optimizer, needed only when the sync spec averages its state (``state=true``).
+        optimizer: the inner optimizer: a replica that diverged restarts its state too (AdamW's
+            moments, which would otherwise stay NaN); needed when the sync spec averages its state
+            (``state=true``).
         group: the ranks to synchronize (default: the world).
         timeout: what any collective may take before it fails (a frozen or dead peer); default: the
             group's own.
@@ -105,7 +107,8 @@ class Synchronizer(TrainingHookState):
 
     A non-finite outer gradient (a replica diverged) skips that fragment's outer step, on every rank
     alike (they all see the same average): the global parameters and the outer momentum stay as they
-    were and every replica restarts the fragment from them.
+    were, every replica restarts the fragment from them, and a replica holding a non-finite value
+    anywhere restarts whole, with a fresh inner optimizer state.
     """
 
     def __init__(
@@ -271,9 +274,34 @@ class Synchronizer(TrainingHookState):
                     p.copy_(g)
                 else:  # keep * own + (1 - keep) * global
                     p.lerp_(g.to(p.dtype), 1 - keep)
+        if not finite:
+            self._restart_if_diverged()
         if self._state_engine is not None:
             self._average_optimizer_state(members, records)
         return waited, finite
+
+    def _restart_if_diverged(self) -> None:
+        """After a skipped outer step: a replica that holds a non-finite value anywhere (its other
+        fragments, its inner optimizer's state: AdamW's moments) restarts whole from the global
+        parameters, with a fresh inner optimizer state, so that the NaN of one step costs that step
+        and not the rest of the run (a replica restarted in one fragment only would poison it again
+        from the others). The others keep their own. Host reads: only here, after a skipped step."""
+        states = [] if self.optimizer is None else [self.optimizer.state.get(p, {}) for p in self.parameters]
+        values = [*self.tensors, *(local(v) for state in states for v in state.values())]
+        checks = [torch.isfinite(v).all() for v in values if isinstance(v, Tensor) and v.is_floating_point()]
+        if bool(torch.stack(checks).all()):
+            return
+        logger.warning(
+            "step %d: this replica holds non-finite values: it restarts from the global parameters%s",
+            self.steps_done, "" if self.optimizer is not None else
+            " (its inner optimizer's state stays as it is: pass optimizer= to restart it too)",
+        )  # fmt: skip
+        with torch.no_grad():
+            for t, g in zip(self.tensors, self.globals, strict=True):
+                t.copy_(g)
+        if self.optimizer is not None:
+            for p in self.parameters:
+                self.optimizer.state.pop(p, None)  # made anew at its next step (AdamW's moments at zero)
 
     def _average_optimizer_state(self, members: list[int], records: list[BucketRecord]) -> None:
         """The inner optimizer's per-parameter tensors (momentum, Adam's moments) of ``members``,
@@ -431,7 +459,7 @@ class LocalSGD(_Kind):
 class DiLoCo(_Kind):
     """DiLoCo (Douillard et al., 2023), and Streaming DiLoCo with ``fragments`` and ``delay``.
 
-    >>> sync = DiLoCo(model, every=50, spec="quantize:bits=4,ef=true", fragments=4, delay=2)
+    >>> sync = DiLoCo(model, inner, every=50, spec="quantize:bits=4,ef=true", fragments=4, delay=2)
 
     Options (``every``, ``outer_lr``, ``momentum``, ``nesterov``, ``fragments``, ``delay``, ``mix``,
     ``state``) as :class:`SyncSpec`'s; the defaults are the paper's (outer Nesterov SGD, lr 0.7,
