@@ -44,14 +44,17 @@ STEPS = 40
 LABEL = "digits-mlp"
 
 
-def _write_run(root: Path, hook: str, network: str, seed: int, *, status: str = "finished", error: str = "") -> str:
+def _write_run(
+    root: Path, hook: str, network: str, seed: int, *, status: str = "finished", error: str = "", parallel: str = "ddp"
+) -> str:
     name = f"{LABEL}_{re.sub(r'[^A-Za-z0-9._=+]+', '-', hook)}_p2_{network}_seed{seed}"
+    name += "" if parallel == "ddp" else f"_{parallel}"
     out = root / name
     speed = SPEED[network].get(hook, 1.0)
     accuracy = ACCURACY.get(hook, ACCURACY["torch:allreduce"])[seed]
     record: dict[str, Any] = {
         "name": name,
-        "config": {"task": "digits", "hook": hook, "network": network, "ranks": 2, "seed": seed},
+        "config": {"task": "digits", "hook": hook, "network": network, "ranks": 2, "seed": seed, "parallel": parallel},
         "world_size": 2,
         "task": {"name": "digits", "model": "mlp", "headline": "eval_accuracy"},
         "environment": {"cpu": "Fixture CPU", "cpus": 2, "torch": "2.13.0", "backend": "gloo"},
@@ -314,3 +317,31 @@ def test_the_page_renders_in_headless_chromium(sweep: Path, tmp_path: Path) -> N
     assert pixels.shape[0] == 3000 and pixels.shape[1] == 1400
     assert float(pixels[..., :3].std()) > 0.05  # not blank: text, tables and charts
     assert (pixels[..., :3].min(axis=2) < 0.5).mean() > 0.01  # a share of dark pixels (text and lines)
+
+
+def test_parallel_modes_are_groups_of_their_own_and_unreadable_runs_are_listed(tmp_path: Path) -> None:
+    """A DDP and an FSDP2 run of the same hook and seed are two groups, each against its own
+    baseline, not one method of "2/2 seeds"; a cut-short, a garbage and a non-record run.json are
+    listed with the reason (in the page, its count and the Markdown), never silently dropped."""
+    _write_run(tmp_path, "torch:allreduce", "loopback", 0)
+    _write_run(tmp_path, "torch:fp16", "loopback", 0)
+    _write_run(tmp_path, "torch:fp16", "loopback", 0, parallel="fsdp")
+    _write_run(tmp_path, "torch:reduce_scatter", "loopback", 0, parallel="fsdp")
+    for name, text in (("cut", '{"name": "cut", "sta'), ("garbage", "\x00\x01 not json"), ("list", "[1, 2]")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "run.json").write_text(text)
+    runs = records.load(str(tmp_path))
+    groups = analysis.analyze(runs)
+    assert sorted(g.title for g in groups) == ["digits-mlp, loopback, 2 ranks", "digits-mlp, loopback, 2 ranks, fsdp"]
+    for group in groups:
+        assert all(len(m.runs) == 1 for m in group.methods), group.title
+    fsdp = next(g for g in groups if g.parallel == "fsdp")
+    assert fsdp.baseline == "torch:reduce_scatter" and {m.hook for m in fsdp.methods} == {
+        "torch:fp16", "torch:reduce_scatter"}  # fmt: skip
+    unreadable = {r.name: r.error for r in runs if r.status == "unreadable"}
+    assert set(unreadable) == {"cut", "garbage", "list"}
+    assert "JSONDecodeError" in (unreadable["cut"] or "") and "a JSON list" in (unreadable["list"] or "")
+    assert main(["report", str(tmp_path), "--markdown", str(tmp_path / "report.md")]) == 0
+    page = (tmp_path / "report.html").read_text()
+    assert "3 unreadable (listed at the end)" in page and "Runs that could not be read (3)" in page
+    assert "- unreadable: cut: run.json unreadable: JSONDecodeError" in (tmp_path / "report.md").read_text()

@@ -1,6 +1,7 @@
 """What a report says about a set of runs: groups, the target, time to target, speedups, the verdict.
 
-A **group** is the runs of one task label, network and world size; within it, a **method** is a hook
+A **group** is the runs of one task label, network, world size and parallel mode (DDP, FSDP2, HSDP:
+each against its own baseline); within it, a **method** is a hook
 spec, and its runs are its seeds. The **target** is the baseline's final metric (mean over its
 finished seeds) less the tolerance: percentage points for accuracy, percent of the baseline's value
 for other metrics (loss and perplexity count lower as better). A method's **time to target** is the
@@ -176,11 +177,12 @@ class MethodRuns:
 
 @dataclasses.dataclass
 class Group:
-    """The runs of one task label, network and world size."""
+    """The runs of one task label, network, world size and parallel mode."""
 
     label: str
     network: str
     world: int
+    parallel: str
     metric: Metric | None
     methods: list[MethodRuns]
     baseline: str | None = None
@@ -190,7 +192,8 @@ class Group:
 
     @property
     def title(self) -> str:
-        return f"{self.label}, {self.network}, {self.world} rank{'s' if self.world != 1 else ''}"
+        ranks = f"{self.world} rank{'s' if self.world != 1 else ''}"
+        return f"{self.label}, {self.network}, {ranks}" + ("" if self.parallel == "ddp" else f", {self.parallel}")
 
     def method(self, hook: str | None) -> MethodRuns | None:
         return next((m for m in self.methods if m.hook == hook), None)
@@ -204,12 +207,13 @@ def analyze(
     ``metric`` (an evaluation metric's name, ``loss``; default: each task's headline)."""
     if not math.isfinite(tolerance) or tolerance < 0:
         raise ValueError(f"the target tolerance must be a number >= 0, got {tolerance}")
-    keys = list(dict.fromkeys(r.group for r in runs))
-    return [_group(key, [r for r in runs if r.group == key], tolerance, baseline, metric) for key in keys]
+    readable = [r for r in runs if r.status != "unreadable"]  # listed apart (page.render), compared nowhere
+    keys = list(dict.fromkeys(r.group for r in readable))
+    return [_group(key, [r for r in readable if r.group == key], tolerance, baseline, metric) for key in keys]
 
 
 def _group(
-    key: tuple[str, str, int], runs: list[Run], tolerance: float, baseline: str | None, chosen_metric: str | None
+    key: tuple[str, str, int, str], runs: list[Run], tolerance: float, baseline: str | None, chosen_metric: str | None
 ) -> Group:
     hooks = list(dict.fromkeys(r.hook for r in runs))
     methods = [MethodRuns(hook, [r for r in runs if r.hook == hook]) for hook in hooks]

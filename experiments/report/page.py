@@ -34,7 +34,8 @@ def render(groups: Sequence[Group], runs: Sequence[Run], source: str, tolerance:
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>gradcomp report: {_e(source)}</title><style>{STYLE}</style></head><body>",
         f"<h1>Time to accuracy: {_e(source)}</h1>",
-        f'<p class="note">{len(runs)} runs, {finished} finished, in {len(groups)} group(s); {_e(settings)}; '
+        f'<p class="note">{len(runs)} runs, {finished} finished{_unreadable_count(runs)}, in {len(groups)} group(s); '
+        f"{_e(settings)}; "
         f"baseline {_e(baseline or 'torch:allreduce, else allreduce, torch:reduce_scatter or none')}. Generated "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC by gradcomp report.</p>",
         _environment(runs),
@@ -48,8 +49,17 @@ def render(groups: Sequence[Group], runs: Sequence[Run], source: str, tolerance:
     if missing:
         parts += [f"<h2>Runs not made yet ({len(missing)})</h2>", '<p class="note">',
                   ", ".join(_e(r.name) for r in missing), "</p>"]  # fmt: skip
+    unreadable = [r for r in runs if r.status == "unreadable"]
+    if unreadable:
+        parts += [f'<h2 class="failed">Runs that could not be read ({len(unreadable)})</h2><ul class="failed">',
+                  *(f"<li>{_e(r.name)}: {_e(r.error or '')}</li>" for r in unreadable), "</ul>"]  # fmt: skip
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
+
+
+def _unreadable_count(runs: Sequence[Run]) -> str:
+    count = sum(r.status == "unreadable" for r in runs)
+    return f", {count} unreadable (listed at the end)" if count else ""
 
 
 def _section(number: int, group: Group, colours: dict[str, str]) -> list[str]:
@@ -131,9 +141,11 @@ def cells_of(group: Group, method: MethodRuns) -> list[str]:
     ]
 
 
-def markdown(groups: Sequence[Group]) -> str:
-    """The verdicts and tables as Markdown (for documents that quote a report: ``--markdown FILE``)."""
-    parts = []
+def markdown(groups: Sequence[Group], runs: Sequence[Run] = ()) -> str:
+    """The verdicts and tables as Markdown (for documents that quote a report: ``--markdown FILE``),
+    and the runs of ``runs`` that could not be read."""
+    parts = [f"- unreadable: {r.name}: {r.error}" for r in runs if r.status == "unreadable"]
+    parts += [""] if parts else []
     for group in groups:
         parts += [f"### {group.title}", "", group.verdict, ""]
         if group.metric is None:

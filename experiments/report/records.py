@@ -18,13 +18,13 @@ from gradcomp.experiments.training.config import method
 
 PLAN = "sweep.json"
 """What a sweep writes in its output directory when it starts: ``{"config": path, "runs": [{"name",
-"label", "hook", "network", "ranks", "seed"}, ...]}``."""
+"label", "hook", "network", "ranks", "seed", "parallel"}, ...]}``."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One run as recorded: its group (label, network, world size), method (hook) and seed, how it
-    ended, its final metrics and its curves."""
+    """One run as recorded: its group (label, network, world size, parallel mode), method (hook) and
+    seed, how it ended, its final metrics and its curves."""
 
     name: str
     label: str
@@ -35,7 +35,8 @@ class Run:
     world: int
     seed: int
     status: str
-    """finished, stopped, running, failed, or missing (planned by the sweep, not started)."""
+    """finished, stopped, running, failed, missing (planned by the sweep, not started), or
+    unreadable (its run.json could not be read: :attr:`error` says why)."""
     metric: str | None = None
     """The headline metric's key in ``metrics`` (``eval_accuracy``), None if the run never started."""
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -44,10 +45,13 @@ class Run:
     """The machine and versions it ran on (``runinfo.environment``)."""
     evals: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     trains: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    parallel: str = "ddp"
+    """How the model was parallelized (``ddp``, ``fsdp``, ``hsdp``): runs of different modes are
+    different systems, each compared against its own baseline (DDP's all-reduce, FSDP2's reduce-scatter)."""
 
     @property
-    def group(self) -> tuple[str, str, int]:
-        return (self.label, self.network, self.world)
+    def group(self) -> tuple[str, str, int, str]:
+        return (self.label, self.network, self.world, self.parallel)
 
     @property
     def reason(self) -> str:
@@ -76,7 +80,7 @@ def load(directory: str) -> list[Run]:
         run = read_run(os.path.join(directory, name), planned)
         if run is None and planned is not None:
             where = (planned["label"], planned["hook"], planned["network"], planned["ranks"], planned["seed"])
-            run = Run(name, *where, "missing")
+            run = Run(name, *where, "missing", parallel=planned.get("parallel", "ddp"))
         if run is not None:
             runs.append(run)
     if not runs:
@@ -85,10 +89,18 @@ def load(directory: str) -> list[Run]:
 
 
 def read_run(out: str, planned: dict[str, Any] | None) -> Run | None:
-    """The run in ``out``, or None if it has no readable run.json."""
-    record = runinfo.read(out)
-    if record is None:
+    """The run in ``out``; None if it has no run.json; a run of status ``unreadable`` (the reason in
+    its error) if its run.json cannot be read (cut short, not JSON, not a run's)."""
+    name = os.path.basename(os.path.normpath(out))
+    try:
+        with open(runinfo.path(out)) as file:
+            record = json.load(file)
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError) as error:
+        return _unreadable(name, planned, f"{type(error).__name__}: {error}")
+    if not isinstance(record, dict):
+        return _unreadable(name, planned, f"it holds a JSON {type(record).__name__}, not a run's record")
     config = record.get("config") or {}
     task = record.get("task") or {}
     label = planned["label"] if planned else _label(config, task)
@@ -107,7 +119,16 @@ def read_run(out: str, planned: dict[str, Any] | None) -> Run | None:
         environment=dict(record.get("environment") or {}),
         evals=[p for p in points if p["kind"] == "eval"],
         trains=[p for p in points if p["kind"] == "train"],
+        parallel=str(config.get("parallel", "ddp")),
     )
+
+
+def _unreadable(name: str, planned: dict[str, Any] | None, why: str) -> Run:
+    """A run whose run.json cannot be read: listed with the reason, in no group's comparison."""
+    where = planned or {}
+    return Run(name, str(where.get("label", "?")), str(where.get("hook", "?")), str(where.get("network", "?")),
+               int(where.get("ranks", 0)), int(where.get("seed", 0)), "unreadable",
+               error=f"run.json unreadable: {why}", parallel=str(where.get("parallel", "ddp")))  # fmt: skip
 
 
 def _label(config: dict[str, Any], task: dict[str, Any]) -> str:

@@ -58,7 +58,8 @@ def _command(args: argparse.Namespace) -> int:
     try:
         with lock(out):
             planned = [{"name": r.name, "label": r.label, "hook": method(r.config.to_dict()),
-                        "network": r.config.network, "ranks": r.config.ranks, "seed": r.config.seed}
+                        "network": r.config.network, "ranks": r.config.ranks, "seed": r.config.seed,
+                        "parallel": r.config.parallel}
                        for r in runs]  # fmt: skip
             records.write_plan(out, os.path.abspath(path), planned)  # a report lists what is not made yet
             rows = run_sweep(runs, Progress(sys.stderr))
