@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import GradBucket
 
+from gradcomp import host
 from gradcomp.collectives.executor import Handle
 from gradcomp.engine import Engine
 from gradcomp.engine.sharded import ShardedEngine, ShardSpec
@@ -74,6 +75,9 @@ class HookState(TrainingHookState):
         self.keys = ParameterKeys()
         self._group, self._timeout = group, timeout
         self._saved: dict[str, Any] | None = None  # loaded before the engine was made
+        self.scaler: torch.amp.GradScaler | None = None
+        """A gradient scaler whose loss scale the hook follows (:meth:`follow`)."""
+        self._scale: Tensor | None = None  # the scale the state's gradients were last in
 
     def bind(self, group: dist.ProcessGroup | None = None) -> Engine | ShardedEngine | None:
         """The engine; made now if the hook was made before the process group, on ``group`` (or the
@@ -94,6 +98,29 @@ class HookState(TrainingHookState):
                 saved, self._saved = self._saved, None
                 self.load_state_dict(saved)
         return self.engine
+
+    def follow(self, scaler: torch.amp.GradScaler) -> None:
+        """Keep what the hook carries between steps (error feedback's residuals, momentum
+        correction's velocities) in the units of ``scaler``'s loss scale: when the scale changes
+        (grown, or backed off after an overflow), they are multiplied by the new scale over the old
+        before the step's first bucket, so that they are added to gradients of their own size.
+        Costs: on the CPU nothing unless the scale changed; on an accelerator one multiply pass over
+        them per step (deciding without it would read the scale on the host)."""
+        self.scaler = scaler
+
+    def _follow_scale(self) -> None:
+        """At a step's first bucket: rescale the carried state if the loss scale changed."""
+        assert self.scaler is not None and isinstance(self.engine, Engine)
+        scale = self.scaler._get_scale_async()  # the scale tensor, not read on the host
+        if scale is None:  # a disabled scaler
+            return
+        if self._scale is None:
+            self._scale = scale.detach().clone()
+            return
+        if host.reads_are_free(scale.device) and bool(scale == self._scale):
+            return
+        self.engine.compressor.rescale(scale / self._scale)
+        self._scale.copy_(scale)
 
     def steps_since(self, first: int) -> list[StepStats]:
         return [] if self.engine is None else steps_since(self.engine.records, first)
@@ -150,6 +177,8 @@ def gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[
     if engine is None:  # noop: the compute floor
         return unchanged(bucket)
     assert isinstance(engine, Engine), "a sharded engine reduce-scatters for FSDP2, not for DDP"
+    if state.scaler is not None and bucket.index() == 0:  # DDP hands buckets over in index order
+        state._follow_scale()
     keys, shapes = None, None
     if engine.per_tensor:
         parameters = bucket.parameters()
@@ -203,6 +232,7 @@ def make(
     aggregation: str | None = None,
     seed: int | None = None,
     timeout: datetime.timedelta | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> tuple[HookState, Hook]:
     """A (state, hook) pair for ``ddp_model.register_comm_hook``. A bad spec fails here, before training.
 
@@ -220,6 +250,9 @@ def make(
         seed: seed of the compressor's generators (default 0); the same on every rank.
         timeout: what any collective of the hook may take before it fails, naming the peer (a frozen
             or failed rank); default: ``group``'s own (what ``init_process_group`` was given).
+        scaler: the ``torch.amp.GradScaler`` of a mixed-precision run: error feedback's residuals
+            then follow its loss scale (:meth:`HookState.follow`); without it they would be added at
+            the size of the scale they were made in.
     """
     if is_auto_spec(spec):
         raise ValueError(
@@ -228,9 +261,12 @@ def make(
     given = {"algo": algo, "aggregation": aggregation, "seed": seed}
     parsed = HookSpec.parse(spec, **{key: value for key, value in given.items() if value is not None})
     if not dist.is_initialized():  # the engine at the first bucket
-        return HookState(parsed, None, 1, group, timeout, world_known=False), gradcomp_hook
-    state = HookState(parsed, None, dist.get_world_size(group), group, timeout)
-    state.bind()
+        state = HookState(parsed, None, 1, group, timeout, world_known=False)
+    else:
+        state = HookState(parsed, None, dist.get_world_size(group), group, timeout)
+        state.bind()
+    if scaler is not None:
+        state.follow(scaler)
     return state, gradcomp_hook
 
 

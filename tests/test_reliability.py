@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from gradcomp import hooks
 from gradcomp.engine.spec import HookSpec
@@ -54,6 +55,48 @@ def nan_at_step_5(rank: int, world: int, specs: list[str]) -> Failures:
 def test_one_non_finite_batch_skips_one_step_under_gradscaler() -> None:
     specs = ["topk:ratio=0.1,ef=true", "powersgd:rank=2,ef=true", "fp16:ef=true", "sign:ef=true"]
     run_checks(2, nan_at_step_5, (specs,), timeout=240)
+
+
+def under_a_changing_scale(rank: int, world: int, specs: list[str]) -> Failures:
+    """Error feedback under a GradScaler whose scale doubles every step: the hook that follows the
+    scaler trains bitwise as it does without a scaler (a loss scale changes by powers of two, so
+    every residual rescales exactly); one that does not follow it trains otherwise (its residuals
+    are added at the size of the scale they were made in)."""
+    failures = Failures()
+
+    def trained(spec: str, scaled: bool, follow: bool) -> list[torch.Tensor]:
+        ddp = DistributedDataParallel(toy_model(), bucket_cap_mb=0.005)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1) if scaled else None
+        hooks.register(ddp, spec, scaler=scaler if follow else None)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for x, y in toy_batches(rank, 8):
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+                continue
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        assert scaler is None or scaler.get_scale() == 2.0**12, "the scale doubled at each of 8 steps"
+        return [p.detach().clone() for p in ddp.parameters()]
+
+    for spec in specs:
+        plain = trained(spec, scaled=False, follow=False)
+        followed = trained(spec, scaled=True, follow=True)
+        failures.expect(all(torch.equal(a, b) for a, b in zip(followed, plain, strict=True)),
+                        f"{spec}: under a changing scale it differs from the run without a scaler")  # fmt: skip
+        lost = trained(spec, scaled=True, follow=False)
+        failures.expect(not all(torch.equal(a, b) for a, b in zip(lost, plain, strict=True)),
+                        f"{spec}: not following the scale changes nothing: the test proves nothing")  # fmt: skip
+    return failures
+
+
+def test_error_feedback_follows_the_loss_scale() -> None:
+    specs = ["topk:ratio=0.05,ef=true", "topk:ratio=0.05,ef=true,momentum=0.9", "sign:ef=ef21",
+             "quantize:bits=4,ef=true"]  # fmt: skip
+    run_checks(2, under_a_changing_scale, (specs,), timeout=240)
 
 
 # -- the group DDP communicates on ----------------------------------------------------------------

@@ -296,6 +296,14 @@ class Compressor(ABC):
         error feedback's variants: :meth:`gradcomp.compressors.feedback.ErrorFeedback.take_residual`)."""
         return None
 
+    def rescale(self, ratio: Tensor) -> None:
+        """Multiply the state this compressor keeps in the units of its gradients by ``ratio`` (a
+        0-d tensor): the gradients' scale changed (a ``GradScaler``'s loss scale, which the hook
+        follows). A compressor that keeps no such state (the default) has nothing to do; error
+        feedback multiplies its residuals, velocities and estimates, exactly (the scale's ratios are
+        powers of two)."""
+        return None
+
     def sent_indices(self, payload: Payload, ctx: Any) -> Tensor | None:
         """The flat indices (int64) of the elements ``payload`` carries, for compressors that select
         some (sparsifiers, random-k); None for the others, which carry every element in part.

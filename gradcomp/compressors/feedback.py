@@ -194,6 +194,14 @@ class ErrorFeedback(Compressor):
     def set_ratio(self, ratio: float) -> None:
         self.inner.set_ratio(ratio)
 
+    def rescale(self, ratio: Tensor) -> None:
+        """Residuals, velocities and EF21's estimates follow the gradients' new scale: one
+        multi-tensor multiply (exact: a loss scale changes by powers of two)."""
+        state = [*self.residuals.values(), *self.shares.values(), *self.velocities.values(), *self.estimates.values()]
+        if state:
+            torch._foreach_mul_(state, ratio.to(device=state[0].device))
+        self.inner.rescale(ratio)
+
     def carried(self, key: Key, like: Tensor) -> Tensor:
         """What ``key`` carries from step to step (zeros the first time), checked against the new
         gradient: the residual e (classic, added to it) or the share estimate h (EF21, subtracted)."""
