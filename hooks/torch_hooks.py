@@ -307,6 +307,8 @@ def register(
     requires one. ``seed`` seeds PowerSGD's generator (as a gradcomp hook's ``seed``).
     """
     parsed = spec if isinstance(spec, TorchHookSpec) else TorchHookSpec.parse(spec)
+    if parsed.powersgd is not None:
+        _check_powersgd(parsed.powersgd, model)
     state = TorchHookState(parsed, model, seed)
     if parsed.name == BUILTIN:
         gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -320,6 +322,32 @@ def register(
         return state
     model.register_comm_hook(state, _HOOKS[parsed.name])
     return state
+
+
+def _check_powersgd(options: PowerSGDOptions, model: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Refuse, before the first step, what torch's PowerSGD hooks cannot run here."""
+    if options.batched and not _batched_runs():
+        raise ValueError(
+            f"torch {torch.__version__}'s batched_powerSGD_hook fails at its first compressed step (its "
+            "_orthogonalize takes a batch of matrices, and the batched hook hands it one: AssertionError): "
+            "use torch:powersgd without batched, or gradcomp's powersgd"
+        )
+    if getattr(model, "find_unused_parameters", False) and dist.get_backend(model.process_group) == "gloo":
+        raise ValueError(
+            "torch's PowerSGD hook aborts on gloo with find_unused_parameters=True (DDP's own collective for "
+            "the unused parameters meets the hook's second all-reduce, which it issues from the first one's "
+            "callback, in another order on each rank: 'Received data size doesn't match'; torch's own "
+            "powerSGD_hook does too): use gradcomp's powersgd, or NCCL"
+        )
+
+
+def _batched_runs() -> bool:
+    """Whether this torch's batched PowerSGD can orthogonalize its one matrix (torch 2.13's cannot)."""
+    try:
+        powerSGD_hook._orthogonalize(torch.ones(4, 2))
+    except AssertionError:
+        return False
+    return True
 
 
 def _forwarding(hook: Callable[[Any, GradBucket], torch.futures.Future[Tensor]], element_bytes: int | None) -> Hook:

@@ -193,6 +193,29 @@ def _several_buckets_refused(rank: int, world: int) -> Failures:
     return failures
 
 
+def _refused_setups(rank: int, world: int) -> Failures:
+    """What torch's PowerSGD cannot run here is refused when registered, with the reason: its batched
+    hook where this torch's _orthogonalize rejects one matrix (torch 2.13), find_unused_parameters on
+    gloo (measured: torch's own powerSGD_hook aborted 3 of 3 runs with a layer used every third step)."""
+    failures = Failures()
+    batched = DistributedDataParallel(toy_model())
+    if torch_hooks._batched_runs():
+        torch_hooks.register(batched, "torch:powersgd:rank=2,batched=true")  # this torch's runs: taken
+    else:
+        with pytest.raises(ValueError, match="batched_powerSGD_hook fails at its first compressed step"):
+            torch_hooks.register(batched, "torch:powersgd:rank=2,batched=true")
+    unused = DistributedDataParallel(toy_model(), find_unused_parameters=True)
+    with pytest.raises(ValueError, match="aborts on gloo with find_unused_parameters=True"):
+        torch_hooks.register(unused, "torch:powersgd:rank=2")
+    torch_hooks.register(DistributedDataParallel(toy_model(), find_unused_parameters=True), "torch:fp16")
+    return failures
+
+
+@pytest.mark.timeout(180)
+def test_torch_powersgd_refuses_what_torch_cannot_run_here() -> None:
+    run_checks(2, _refused_setups, timeout=60)
+
+
 @pytest.mark.timeout(180)
 def test_torch_hooks_record_what_they_send_and_match_torch_registered_directly() -> None:
     run_checks(2, _records_and_gradients, timeout=120)
