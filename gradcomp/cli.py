@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import typing
 from collections.abc import Sequence
@@ -204,6 +205,15 @@ def _bench_collectives(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_writable(path: str) -> None:
+    """Refuse an output file that could not be written: its directory missing or not writable."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ValueError(f"cannot write {path}: no directory {directory}")
+    if not os.access(directory, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"cannot write {path}: not writable")
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     from gradcomp.cost import calibrate
 
@@ -213,6 +223,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     netem.check(profiles[0], args.ranks)
     sizes = [size.as_bytes() for size in parse_sizes(args.sizes)]
     specs = [s.strip() for s in args.specs.split(";") if s.strip()] if args.specs else list(calibrate.KERNEL_SPECS)
+    _check_writable(args.output)  # before minutes of measurements that would have nowhere to go
     profile = calibrate.calibrate(
         profiles[0], args.ranks, name=args.name, sizes=sizes, repeats=args.repeats, specs=specs, device=args.device
     )

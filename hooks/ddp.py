@@ -13,6 +13,7 @@ from torch.distributed import GradBucket
 
 from gradcomp import host
 from gradcomp.collectives.executor import Handle
+from gradcomp.collectives.groups import as_timeout
 from gradcomp.engine import Engine
 from gradcomp.engine.sharded import ShardedEngine, ShardSpec
 from gradcomp.engine.spec import HookSpec, HookSpecLike
@@ -66,7 +67,7 @@ class HookState(TrainingHookState):
         engine: Engine | ShardedEngine | None,
         world: int,
         group: dist.ProcessGroup | None = None,
-        timeout: datetime.timedelta | None = None,
+        timeout: datetime.timedelta | float | None = None,
         world_known: bool = True,
     ) -> None:
         self.spec, self.engine, self.world = spec, engine, world
@@ -231,7 +232,7 @@ def make(
     algo: str | None = None,
     aggregation: str | None = None,
     seed: int | None = None,
-    timeout: datetime.timedelta | None = None,
+    timeout: datetime.timedelta | float | None = None,
     scaler: torch.amp.GradScaler | None = None,
 ) -> tuple[HookState, Hook]:
     """A (state, hook) pair for ``ddp_model.register_comm_hook``. A bad spec fails here, before training.
@@ -254,6 +255,7 @@ def make(
             then follow its loss scale (:meth:`HookState.follow`); without it they would be added at
             the size of the scale they were made in.
     """
+    timeout = as_timeout(timeout)  # a number of seconds, or refused here
     if is_auto_spec(spec):
         raise ValueError(
             "auto times the model's forward and backward: attach it with gradcomp.hooks.register(model, 'auto')"

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from gradcomp.collectives.groups import as_timeout
 from gradcomp.engine.sharded import ShardedEngine, ShardSpec, ShardSpecLike
 from gradcomp.engine.transport import all_gather_single
 from gradcomp.hooks.ddp import HookState
@@ -134,7 +135,7 @@ def fsdp(
     group: dist.ProcessGroup | None = None,
     algo: str | None = None,
     seed: int | None = None,
-    timeout: datetime.timedelta | None = None,
+    timeout: datetime.timedelta | float | None = None,
 ) -> HookState:
     """Install gradcomp's reduce-scatter on every FSDP2 module of ``model`` that holds parameters
     (call it after ``fully_shard``, on every rank); returns the hook's state (statistics and
@@ -154,6 +155,7 @@ def fsdp(
         timeout: what any collective of the hook may take before it fails, naming the peer;
             default: ``group``'s own.
     """
+    timeout = as_timeout(timeout)  # a number of seconds, or refused here
     if not available():
         raise RuntimeError(
             f"torch {torch.__version__} has no FSDP2 custom reduce-scatter (FSDPModule.set_custom_reduce_scatter)"

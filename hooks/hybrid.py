@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from gradcomp.collectives.groups import as_timeout
 from gradcomp.collectives.hierarchical import subgroups
 from gradcomp.compressors import REGISTRY
 from gradcomp.engine import Engine
@@ -158,7 +159,7 @@ def hsdp(
     algo: str | None = None,
     aggregation: str | None = None,
     seed: int | None = None,
-    timeout: datetime.timedelta | None = None,
+    timeout: datetime.timedelta | float | None = None,
 ) -> HSDPState:
     """Average an FSDP2 model's gradient shards across its replicas through ``spec`` (HSDP with a
     compressed all-reduce across nodes). Call it after ``fully_shard`` over each node's ranks (a 1-D
@@ -178,6 +179,7 @@ def hsdp(
         algo, aggregation, seed: defaults for the spec's options where its text sets none.
         timeout: what any collective of the hook may take before it fails, naming the peer.
     """
+    timeout = as_timeout(timeout)  # a number of seconds, or refused here
     if not available():
         raise RuntimeError(f"torch {torch.__version__} has no FSDP2 custom collectives")
     given = {"algo": algo, "aggregation": aggregation, "seed": seed}

@@ -57,6 +57,11 @@ def test_bad_arguments_exit_with_a_message(capsys: pytest.CaptureFixture[str]) -
     assert "unknown compressor 'topq'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "compressors", "--threads", "0"])
+    # refused before the calibration's minutes of measurements, not after them
+    with pytest.raises(SystemExit) as exit_info:
+        main(["calibrate", "-o", "/nonexistent/dir/profile.json"])
+    assert exit_info.value.code == 2
+    assert "cannot write /nonexistent/dir/profile.json: no directory /nonexistent/dir" in capsys.readouterr().err
 
 
 def test_bench_collectives_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -147,7 +147,13 @@ def test_a_calibrated_cluster_gives_the_link_inside_a_node(tmp_path, capsys) -> 
         ),
         (["--params", "25M", "--compute-ms", "1", "--ranks", "0", "--net", "1gbit"], "--ranks must be"),
         (["--params", "25M", "--compute-ms", "1", "--ranks", "8", "--net", "fast"], "bandwidth 'fast'"),
-        (["--params", "25M", "--compute-ms", "-1", "--ranks", "8", "--net", "1gbit"], "--compute-ms must be >= 0"),
+        (["--params", "25M", "--compute-ms", "-1", "--ranks", "8", "--net", "1gbit"], "--compute-ms must be a finite"),
+        (["--params", "25M", "--compute-ms", "nan", "--ranks", "8", "--net", "1gbit"], "--compute-ms must be a finite"),
+        (["--params", "25M", "--compute-ms", "inf", "--ranks", "8", "--net", "1gbit"], "--compute-ms must be a finite"),
+        (
+            ["--params", "1M", "--compute-ms", "1", "--ranks", "8", "--net", "1gbit", "--candidates", "noop"],
+            "noop sends nothing",
+        ),
         (["--model", "nomodule:f", "--compute-ms", "1", "--ranks", "8", "--net", "1gbit"], "cannot build"),
         (
             ["--params", "1M", "--compute-ms", "1", "--ranks", "8", "--net", "1gbit", "--candidates", "zip"],

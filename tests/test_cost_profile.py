@@ -70,3 +70,8 @@ def test_profiles_round_trip_through_json(tmp_path) -> None:  # type: ignore[no-
         Profile.load(tmp_path / "broken.json")
     with pytest.raises(ValueError, match="cannot read"):
         Profile.load(tmp_path / "absent.json")
+    edited = profile.to_json()
+    edited["links"]["all_reduce"]["beta"] = float("nan")  # a hand-edited profile: refused, not NaN predictions
+    (tmp_path / "nan.json").write_text(json.dumps(edited))
+    with pytest.raises(ValueError, match="must be finite numbers >= 0"):
+        Profile.load(tmp_path / "nan.json")

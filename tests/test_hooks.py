@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 from pathlib import Path
@@ -460,3 +461,17 @@ def steps_leave_no_cycles(rank: int, world: int) -> Failures:
 
 def test_steps_leave_no_reference_cycles() -> None:
     run_checks(2, steps_leave_no_cycles, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("timeout", "error"),
+    [(datetime.timedelta(0), ValueError), (-1, ValueError), (float("inf"), ValueError), ("30", TypeError),
+     (True, TypeError)],
+)  # fmt: skip
+def test_a_timeout_is_a_positive_time_in_seconds_or_a_timedelta(timeout: Any, error: type) -> None:
+    """Refused when the hook is made (before the process group), not as an AttributeError or a peer
+    that seems not to answer (a zero timeout) at the first bucket; a number is seconds."""
+    with pytest.raises(error, match="timeout must be"):
+        hooks.make("topk:ratio=0.1,ef=true", timeout=timeout)
+    state, _ = hooks.make("topk:ratio=0.1,ef=true", timeout=30)
+    assert state._timeout == datetime.timedelta(seconds=30)

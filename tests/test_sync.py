@@ -4,6 +4,7 @@ between synchronizations and with one in flight, the non-finite policy, and a de
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -370,6 +371,22 @@ def test_bad_arguments_are_refused_before_any_collective() -> None:
     frozen = nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters"):
         LocalSGD(frozen)
+    for bad, error in ((datetime.timedelta(0), ValueError), (-5, ValueError), ("30", TypeError)):
+        with pytest.raises(error, match="timeout must be"):
+            DiLoCo(model, timeout=bad)
+
+
+def another_models_state(rank: int, world: int) -> Failures:
+    failures = Failures()
+    saved = DiLoCo(toy_model(), every=2).state_dict()
+    other = DiLoCo(nn.Sequential(nn.Linear(32, 10)), every=2)
+    with pytest.raises(ValueError, match=r"this state is of another model: 6 trainable tensors of shapes \[64, 32\]"):
+        other.load_state_dict(saved)
+    return failures
+
+
+def test_a_state_of_another_model_is_refused_naming_both() -> None:
+    run_checks(2, another_models_state, timeout=60)
 
 
 # -- across nodes: DDP inside a node, DiLoCo between nodes -----------------------------------------

@@ -98,8 +98,8 @@ def _workload(args: argparse.Namespace) -> tuple[Workload, str]:
     from gradcomp.experiments.bench.workloads import PRESETS
 
     compute_s = None if args.compute_ms is None else args.compute_ms / 1e3
-    if compute_s is not None and compute_s < 0:
-        raise ValueError(f"--compute-ms must be >= 0, got {args.compute_ms}")
+    if compute_s is not None and not (math.isfinite(compute_s) and compute_s >= 0):
+        raise ValueError(f"--compute-ms must be a finite number of milliseconds >= 0, got {args.compute_ms}")
     if (args.params is None) == (args.model is None):
         raise ValueError("give the model as --params N or --model PRESET_OR_IMPORT_PATH (one of them)")
     if args.params is not None:
@@ -206,6 +206,8 @@ def _kernels(device: str, profile: Profile | None, path: str | None) -> tuple[Ke
 def methods_of(candidates: Sequence[str], torch_hooks: Sequence[str]) -> list[Method]:
     """gradcomp's candidates and torch's hooks as cost-model methods (a bad spec is refused here)."""
     found = [method_of(c) for c in candidates] + [TorchHookSpec.parse(t).cost_method() for t in torch_hooks]
+    if any(m.spec.noop for m in found):
+        raise ValueError("noop sends nothing, so its replicas drift apart: it is no candidate for averaging gradients")
     labels = [m.label for m in found]
     if len(set(labels)) != len(labels):
         raise ValueError(f"a candidate is given twice: {labels}")

@@ -46,8 +46,9 @@ class LinkCosts:
     gamma: float = 0.0
 
     def __post_init__(self) -> None:
-        if min(self.alpha, self.beta, self.gamma) < 0:
-            raise ValueError(f"alpha, beta and gamma must be >= 0, got {self}")
+        values = (self.alpha, self.beta, self.gamma)
+        if not all(math.isfinite(v) and v >= 0 for v in values):
+            raise ValueError(f"alpha, beta and gamma must be finite numbers >= 0, got {self}")
 
 
 def power_below(p: int) -> int:

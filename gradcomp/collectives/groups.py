@@ -9,11 +9,26 @@ so every wait on it is bounded by the user's timeout (rule "bounded waits", ``do
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Sequence
 
 import torch.distributed as dist
 
 from gradcomp.errors import PeerError
+
+
+def as_timeout(value: datetime.timedelta | float | None, what: str = "timeout") -> datetime.timedelta | None:
+    """A timeout as given by a user: a ``timedelta`` or a number of seconds, positive and finite
+    (None: the group's own). Anything else is refused here, naming ``what``, rather than failing
+    later as an AttributeError or as a peer that seems not to answer (a zero timeout)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (datetime.timedelta, int, float)):
+        raise TypeError(f"{what} must be a datetime.timedelta or a number of seconds, got {value!r}")
+    seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else float(value)
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{what} must be a positive, finite time, got {value!r}")
+    return value if isinstance(value, datetime.timedelta) else datetime.timedelta(seconds=seconds)
 
 
 def timeout_of(group: dist.ProcessGroup | None = None) -> datetime.timedelta:
@@ -32,7 +47,7 @@ def subgroup(
     parent: dist.ProcessGroup | None,
     ranks: Sequence[int] | None = None,
     *,
-    timeout: datetime.timedelta | None = None,
+    timeout: datetime.timedelta | float | None = None,
     purpose: str = "gradcomp's collectives",
 ) -> dist.ProcessGroup:
     """A new process group of ``ranks`` (global ranks; None: every rank of ``parent``, default the
@@ -42,7 +57,7 @@ def subgroup(
     what the group was for (``purpose``)."""
     if ranks is None and parent is not None:
         ranks = [dist.get_global_rank(parent, r) for r in range(dist.get_world_size(parent))]
-    timeout = timeout if timeout is not None else timeout_of(parent)
+    timeout = as_timeout(timeout) or timeout_of(parent)
     try:
         return dist.new_group(
             list(ranks) if ranks is not None else None, timeout=timeout, use_local_synchronization=ranks is not None
@@ -60,7 +75,7 @@ def subgroup(
 _private: dict[tuple[str, float], dist.ProcessGroup] = {}
 
 
-def private(parent: dist.ProcessGroup | None, timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
+def private(parent: dist.ProcessGroup | None, timeout: datetime.timedelta | float | None = None) -> dist.ProcessGroup:
     """gradcomp's own group with the ranks of ``parent`` (default: the world), created once per parent
     and timeout and shared by every engine on it: its collectives never interleave with the user's
     (DDP's) on ``parent``, and among themselves they are ordered by the one executor.
@@ -71,7 +86,7 @@ def private(parent: dist.ProcessGroup | None, timeout: datetime.timedelta | None
     """
     pg = parent if parent is not None else dist.group.WORLD
     assert pg is not None, "no default process group: call torch.distributed.init_process_group first"
-    timeout = timeout if timeout is not None else timeout_of(parent)
+    timeout = as_timeout(timeout) or timeout_of(parent)
     key = (dist.distributed_c10d._get_process_group_name(pg), timeout.total_seconds())
     if key not in _private or _private[key] not in dist.distributed_c10d._world.pg_map:  # (a new world)
         world = pg is dist.group.WORLD  # all ranks: created by all, named by a counter

@@ -64,7 +64,7 @@ from torch import Tensor
 
 from gradcomp import collectives
 from gradcomp.collectives.executor import Handle, executor
-from gradcomp.collectives.groups import private
+from gradcomp.collectives.groups import as_timeout, private
 from gradcomp.collectives.hierarchical import subgroups
 from gradcomp.collectives.link import Traffic
 from gradcomp.compressors import Compressor, Key, make_compressor
@@ -109,9 +109,10 @@ class Engine:
         spec: HookSpecLike,
         *,
         group: dist.ProcessGroup | None = None,
-        timeout: datetime.timedelta | None = None,
+        timeout: datetime.timedelta | float | None = None,
         history: int = 10_000,
     ) -> None:
+        timeout = as_timeout(timeout)  # a number of seconds, or refused here
         self.spec = HookSpec.parse(spec)  # before touching any process group: a bad spec fails first
         if self.spec.compressor is None:
             raise ValueError("noop sends nothing: it needs no engine (gradcomp.hooks.make handles it)")

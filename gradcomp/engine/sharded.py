@@ -35,7 +35,7 @@ from torch import Tensor
 
 from gradcomp.collectives import hierarchical
 from gradcomp.collectives.executor import executor
-from gradcomp.collectives.groups import private
+from gradcomp.collectives.groups import as_timeout, private
 from gradcomp.compressors import REGISTRY, Compressor, Key, Meta, Spec, make_compressor
 from gradcomp.engine import reduce_scatter, transport
 from gradcomp.engine.pipeline import check_same_spec
@@ -170,9 +170,10 @@ class ShardedEngine:
         spec: ShardSpecLike,
         *,
         group: dist.ProcessGroup | None = None,
-        timeout: datetime.timedelta | None = None,
+        timeout: datetime.timedelta | float | None = None,
         history: int = 10_000,
     ) -> None:
+        timeout = as_timeout(timeout)  # a number of seconds, or refused here
         self.spec = ShardSpec.parse(spec)  # before touching any process group: a bad spec fails first
         if self.spec.compressor is None:
             raise ValueError("noop sends nothing: it needs no engine")

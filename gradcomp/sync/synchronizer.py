@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from gradcomp import collectives
 from gradcomp.collectives.executor import Handle
+from gradcomp.collectives.groups import as_timeout
 from gradcomp.engine import Engine, HookSpec, HookSpecLike
 from gradcomp.engine.pipeline import check_same_spec
 from gradcomp.engine.stats import BucketRecord, StepStats, newest, per_step, write_trace
@@ -119,9 +120,10 @@ class Synchronizer(TrainingHookState):
         *,
         optimizer: torch.optim.Optimizer | None = None,
         group: dist.ProcessGroup | None = None,
-        timeout: datetime.timedelta | None = None,
+        timeout: datetime.timedelta | float | None = None,
         history: int = 10_000,
     ) -> None:
+        timeout = as_timeout(timeout)  # a number of seconds, or refused here
         self.sync = SyncSpec.parse(sync)
         self.spec = HookSpec.parse(spec)  # both checked before any collective
         if self.spec.noop:
@@ -402,6 +404,13 @@ class Synchronizer(TrainingHookState):
                 f"this state was saved by {saved[0]} over {saved[1]} at world size {saved[2]}; "
                 f"this synchronizer is {mine[0]} over {mine[1]} at world size {mine[2]}"
             )
+        shapes = [tuple(t.shape) for t in state["globals"]]
+        if shapes != [tuple(g.shape) for g in self.globals]:
+            raise ValueError(
+                f"this state is of another model: {len(shapes)} trainable tensors of shapes {_shapes(shapes)}; "
+                f"this synchronizer's model has {len(self.globals)} of shapes "
+                f"{_shapes([tuple(g.shape) for g in self.globals])}"
+            )
         with torch.no_grad():
             for g, s in zip(self.globals, state["globals"], strict=True):
                 g.copy_(s)
@@ -438,7 +447,7 @@ class _Kind(Synchronizer):
         *,
         spec: HookSpecLike = "allreduce",
         group: dist.ProcessGroup | None = None,
-        timeout: datetime.timedelta | None = None,
+        timeout: datetime.timedelta | float | None = None,
         **options: Any,
     ) -> None:
         super().__init__(model, (self.kind, options), spec, optimizer=optimizer, group=group, timeout=timeout)
@@ -467,6 +476,12 @@ class DiLoCo(_Kind):
     """
 
     kind = "diloco"
+
+
+def _shapes(shapes: list[tuple[int, ...]], most: int = 6) -> str:
+    """Shapes in a message: the first few, and how many more."""
+    shown = ", ".join(str(list(shape)) for shape in shapes[:most])
+    return shown + (f", ... ({len(shapes) - most} more)" if len(shapes) > most else "")
 
 
 def local(value: Any) -> Any:
