@@ -27,14 +27,14 @@ import torch
 
 from gradcomp.engine.sharded import ShardSpec
 from gradcomp.engine.spec import HookSpec
-from gradcomp.hooks import auto, ddp, fsdp2, hybrid, torch_fsdp
+from gradcomp.hooks import auto, ddp, fsdp2, hybrid, torch_fsdp, torch_hooks
 from gradcomp.hooks.auto import AutoSpec, AutoState, is_auto_spec
 from gradcomp.hooks.compressed_adamw import CompressedAdamW, CompressedAdamWState
 from gradcomp.hooks.compressed_adamw_spec import CompressedAdamWSpec
 from gradcomp.hooks.ddp import HookState, make
 from gradcomp.hooks.hybrid import HSDPState
 from gradcomp.hooks.torch_fsdp import TorchFSDPSpec, TorchFSDPState
-from gradcomp.hooks.torch_hooks import TorchHookSpec, is_torch_spec
+from gradcomp.hooks.torch_hooks import TorchHookSpec, TorchHookState, is_torch_spec
 from gradcomp.state import TrainingHookState
 
 __all__ = [
@@ -109,8 +109,10 @@ def parse_hybrid(spec: "str | HookSpec | TorchFSDPSpec", seed: int | None = None
 
 @typing.overload
 def register(
-    model: torch.nn.parallel.DistributedDataParallel, spec: "str | HookSpec | AutoSpec | HookState", **options: Any
-) -> "HookState | AutoState": ...
+    model: torch.nn.parallel.DistributedDataParallel,
+    spec: "str | HookSpec | AutoSpec | TorchHookSpec | HookState",
+    **options: Any,
+) -> "HookState | AutoState | TorchHookState": ...
 
 
 @typing.overload
@@ -120,10 +122,12 @@ def register(
 
 
 def register(
-    model: torch.nn.Module, spec: "str | HookSpec | AutoSpec | AnyShardedSpec | HookState", **options: Any
-) -> "HookState | AutoState | TorchFSDPState":
-    """Attach a gradcomp hook (or ``auto``, or a state :func:`make` returned before the process group
-    existed) to a DDP ``model``, averaging over the group DDP
+    model: torch.nn.Module,
+    spec: "str | HookSpec | AutoSpec | TorchHookSpec | AnyShardedSpec | HookState",
+    **options: Any,
+) -> "HookState | AutoState | TorchHookState | TorchFSDPState":
+    """Attach a gradcomp hook (or ``auto``, torch's own ``torch:...`` hooks recorded, or a state
+    :func:`make` returned before the process group existed) to a DDP ``model``, averaging over the group DDP
     communicates on unless ``group`` is given, or gradcomp's reduce-scatter to an FSDP2 model
     (:func:`fsdp`, or FSDP2's own for ``torch:reduce_scatter`` and the like); returns its state (for
     statistics and checkpoints). ``options`` as :func:`make`'s (``auto`` takes ``group``, ``timeout``
@@ -133,6 +137,8 @@ def register(
             raise TypeError("a state made by hooks.make is a DDP hook's; give an FSDP2 model a sharded spec")
         if isinstance(spec, AutoSpec):
             raise ValueError("auto chooses among DDP hooks; a sharded run names a sharded spec (docs/fsdp.md)")
+        if isinstance(spec, TorchHookSpec):
+            raise TypeError(f"{spec} is a DDP hook of torch's; an FSDP2 model takes torch:reduce_scatter and the like")
         parsed = parse_sharded(spec)
         if isinstance(parsed, TorchFSDPSpec):
             return torch_fsdp.register(model, parsed)
@@ -143,4 +149,6 @@ def register(
         raise TypeError(f"{spec} is a spec of sharded training; this model is DDP's")
     if isinstance(spec, AutoSpec) or (isinstance(spec, str) and is_auto_spec(spec)):
         return auto.register(model, spec, **options)
+    if isinstance(spec, TorchHookSpec) or (isinstance(spec, str) and is_torch_spec(spec)):
+        return torch_hooks.register(model, spec, **options)  # torch's own, recorded (as FSDP2's are above)
     return ddp.register(model, spec, **options)

@@ -55,6 +55,11 @@ def test_defaults_apply_where_the_text_is_silent() -> None:
         ("noop:ratio=1", "noop takes no options"),
         ("sign:seed=1.5", "seed must be an integer"),
         ("topk:ratio=2", "invalid options for 'topk'"),
+        # specs of other kinds say where they go
+        ("auto", r"auto is no compressor: .*gradcomp.hooks.register\(ddp_model, 'auto'\)"),
+        ("torch:fp16", r"torch's hooks .* are DDP's own.*gradcomp.hooks.register\(ddp_model, 'torch:fp16'\)"),
+        ("diloco:every=5", "diloco is a sync spec, not a hook spec"),
+        ("topk:ratio=0.1,ef=true,momentum=true", "momentum=true takes a training run's own momentum"),
     ],
 )
 def test_bad_specs_are_refused_with_the_valid_choices(spec: str, message: str) -> None:

@@ -14,6 +14,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from gradcomp import hooks
 from gradcomp.experiments.training.config import TrainConfig
 from gradcomp.experiments.training.run import launch
 from gradcomp.hooks import torch_hooks
@@ -208,6 +209,9 @@ def _refused_setups(rank: int, world: int) -> Failures:
     with pytest.raises(ValueError, match="aborts on gloo with find_unused_parameters=True"):
         torch_hooks.register(unused, "torch:powersgd:rank=2")
     torch_hooks.register(DistributedDataParallel(toy_model(), find_unused_parameters=True), "torch:fp16")
+    # the one entry for every kind of spec takes torch's too
+    state = hooks.register(DistributedDataParallel(toy_model()), "torch:fp16")
+    failures.expect(isinstance(state, torch_hooks.TorchHookState), f"hooks.register gave {type(state).__name__}")
     return failures
 
 

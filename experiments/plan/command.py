@@ -240,9 +240,11 @@ def _command(args: argparse.Namespace) -> int:
     chosen = setting(args)
     from gradcomp.experiments.bench.command import split_hooks
 
-    candidates = split_hooks(args.candidates)
+    given = split_hooks(args.candidates)
+    candidates = [c for c in given if not is_torch_spec(c)]  # torch's among them priced as --torch-hooks are
     named = [] if args.torch_hooks.strip() == "none" else split_hooks(args.torch_hooks)
-    torch_hooks = [h if is_torch_spec(h) else "torch:" + h for h in named]
+    torch_hooks = list(dict.fromkeys([*(h if is_torch_spec(h) else "torch:" + h for h in named),
+                                      *(c for c in given if is_torch_spec(c))]))  # fmt: skip
     methods = methods_of(candidates, torch_hooks)
     torch_labels = [m.label for m in methods if is_torch_spec(m.label)]
     found = plan.options(chosen.workload, chosen.cluster(), methods, chosen.kernels, torch_labels)
@@ -338,7 +340,9 @@ def add_command(commands: argparse._SubParsersAction) -> None:
         help=f"what computes: cpu (this machine's kernels, timed or from --calibration) or {', '.join(DEVICES)} "
         "(a roofline estimate from the bytes the kernels move); default %(default)s",
     )
-    parser.add_argument("--candidates", default=";".join(plan.CANDIDATES), help="gradcomp hook specs, ';'-separated")
+    parser.add_argument(
+        "--candidates", default=";".join(plan.CANDIDATES), help="hook specs, ';'-separated (torch's: torch:fp16)"
+    )
     parser.add_argument(
         "--torch-hooks", default=";".join(DEFAULT_TORCH_HOOKS), help="torch's hooks to compare, or none"
     )

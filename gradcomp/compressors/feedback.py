@@ -97,6 +97,11 @@ class Feedback:
         if "mask" in values and not float(convert("momentum", values.get("momentum", 0.0), float)):
             raise ValueError("mask applies to the momentum correction: it needs momentum")
         hints = {"momentum": float, "nesterov": bool, "mask": bool, "clip": float}
+        if str(values.get("momentum", "")).strip().lower() == "true":
+            raise ValueError(
+                "momentum=true takes a training run's own momentum (on its command line); "
+                "everywhere else give the number: momentum=0.9"
+            )
         return cls(variant, **{key: convert(key, value, hints[key]) for key, value in values.items()})
 
     def words(self) -> list[str]:

@@ -44,6 +44,17 @@ TWO_PHASE_FROM = 8
 compression error; from 8 ranks on, bytes dominate."""
 
 
+OTHER_KINDS = {
+    "auto": "auto is no compressor: it chooses among hooks itself; attach it with "
+    "gradcomp.hooks.register(ddp_model, 'auto') (a training run's --hook auto)",
+    "torch": "torch's hooks (torch:fp16, torch:powersgd, ...) are DDP's own, not gradcomp's engine's: attach one "
+    "with gradcomp.hooks.register(ddp_model, 'torch:fp16'); here take gradcomp's (fp16, powersgd, ...)",
+    "localsgd": "localsgd is a sync spec, not a hook spec: gradcomp.sync.LocalSGD, or a run's --sync",
+    "diloco": "diloco is a sync spec, not a hook spec: gradcomp.sync.DiLoCo, or a run's --sync",
+}
+"""Spec names of other kinds that a hook spec is not, with where they go (a user's likely mix-up)."""
+
+
 class Route(str, enum.Enum):
     """How a spec's payloads travel (:meth:`HookSpec.route`): the engine runs it, the cost model prices it."""
 
@@ -145,6 +156,8 @@ class HookSpec:
         unknown = sorted(set(defaults) - set(ENGINE_OPTIONS))
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; valid: {', '.join(ENGINE_OPTIONS)}")
+        if isinstance(spec, str) and spec.strip().partition(":")[0] in OTHER_KINDS:
+            raise ValueError(OTHER_KINDS[spec.strip().partition(":")[0]])  # before its options are read as ours
         name, options = split_hook_spec(spec)
         engine = {**defaults, **{key: options.pop(key) for key in ENGINE_OPTIONS if key in options}}
         for key in ("seed", "warmup", "min_numel", "pieces", "local_size"):
@@ -159,7 +172,7 @@ class HookSpec:
             return cls(None, **engine)
         if name not in REGISTRY and name != ALLREDUCE:
             valid = ", ".join([ALLREDUCE, NOOP, *sorted(REGISTRY)])
-            raise ValueError(f"unknown compressor {name!r}; valid hook names: {valid}")
+            raise ValueError(OTHER_KINDS.get(name) or f"unknown compressor {name!r}; valid hook names: {valid}")
         return cls(parse_spec(("none" if name == ALLREDUCE else name, options)), **engine)
 
     @property
