@@ -86,6 +86,22 @@ def test_runnable_python_blocks_run(where: str, marker: str, code: str, tmp_path
     assert done.returncode == 0, f"{where} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
 
 
+TORCHRUN = [b for b in PYTHON if b[1] == "runnable with torchrun"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("where", "marker", "code"), TORCHRUN, ids=[b[0] for b in TORCHRUN])
+def test_torchrun_snippets_run_under_torchrun(where: str, marker: str, code: str, tmp_path: Path) -> None:
+    """The same snippets under real ``torchrun`` (``make test-slow``: about 5 s each), exit included."""
+    script = tmp_path / "snippet.py"
+    script.write_text(code)
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    done = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, f"{where} under torchrun:\n{done.stdout[-1500:]}\n{done.stderr[-3000:]}"
+
+
 def run_snippet(rank: int, world: int, code: str, directory: str) -> None:
     """Inside each rank: the snippet as a program, in ``directory``, its process group already up."""
     import torch.distributed as dist

@@ -478,3 +478,34 @@ def one_nan_batch(rank: int, world: int) -> Failures:
 
 def test_one_nan_batch_costs_a_synchronization_not_the_run() -> None:
     run_checks(2, one_nan_batch, timeout=200)
+
+
+UNFLUSHED = """
+import atexit, sys
+def check():  # registered first, so it runs last: after gradcomp's exit handlers
+    print("in flight at the end:", len(outer._in_flight), "steps recorded:", len(outer.steps()))
+atexit.register(check)
+import torch, torch.distributed as dist
+from gradcomp import sync
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+model = torch.nn.Linear(8, 2)
+inner = torch.optim.SGD(model.parameters(), lr=0.1)
+outer = sync.DiLoCo(model, inner, every=4, spec="quantize:bits=4,ef=true", delay=3)
+for _ in range(5):                  # a synchronization started at step 4, due at step 7: in flight at the end
+    inner.zero_grad(); model(torch.randn(4, 8)).sum().backward(); inner.step(); outer.step()
+print("in flight before exit:", len(outer._in_flight))
+"""
+
+
+def test_a_synchronization_in_flight_at_exit_lands_before_the_interpreter_ends(tmp_path: Any) -> None:
+    """Left to interpreter exit, its collective would be torn down mid-way (a gloo process aborts);
+    the synchronizer flushes it while the interpreter and the group are whole."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", UNFLUSHED, str(tmp_path / "store")], cwd=root, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "in flight before exit: 1" in done.stdout and "in flight at the end: 0" in done.stdout, done.stdout

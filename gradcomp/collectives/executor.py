@@ -93,6 +93,7 @@ class Executor:
         self._state = threading.Lock()  # guards _pending
         self._pending = 0  # submitted, not finished
         self._inside = threading.local()  # .running: this thread runs an operation (the worker, or inline)
+        self._closed = False  # closed: every operation runs in its caller's thread
         self._thread = threading.Thread(target=self._run, name="gradcomp-collectives", daemon=True)
         self._thread.start()
 
@@ -108,7 +109,7 @@ class Executor:
             _run_into(operation, future)
             return Handle(future)
         with self._state:
-            inline = (wait or issues_only) and self._pending == 0
+            inline = ((wait or issues_only) and self._pending == 0) or self._closed
             self._pending += 1
             if not inline:
                 self._queue.put((operation, future))
@@ -130,7 +131,10 @@ class Executor:
             self._pending -= 1
 
     def close(self) -> None:
-        """Let the worker finish what is queued, then end it (at interpreter exit: :func:`_close`)."""
+        """Let the worker finish what is queued, then end it (at interpreter exit: :func:`_close`).
+        What is submitted afterwards runs in the caller's thread (another exit handler's flush)."""
+        with self._state:
+            self._closed = True
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()

@@ -21,6 +21,7 @@ in float32 or wider, and a send buffer) and the outer optimizer's momentum.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import dataclasses
@@ -28,6 +29,7 @@ import datetime
 import logging
 import os
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -179,6 +181,7 @@ class Synchronizer(TrainingHookState):
         self._calls = 0  # engine calls made by this process: the number its records carry
         self._stats: collections.deque[SyncStepStats] = collections.deque(maxlen=history)
         self._steps_here = 0  # step() calls in this process (statistics count from 0, also on resume)
+        _unflushed.add(self)  # flushed at interpreter exit if still in flight then (_flush_at_exit)
 
     # -- the training loop's calls ---------------------------------------------------------------
 
@@ -476,6 +479,28 @@ class DiLoCo(_Kind):
     """
 
     kind = "diloco"
+
+
+_unflushed: weakref.WeakSet[Synchronizer] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """A synchronization still in flight when the script ends lands now, while the interpreter and
+    the process group are whole (every rank ends its script alike, so every rank flushes it): left
+    to interpreter exit, its collective would be torn down mid-way and abort the process. If the
+    group is gone already (``destroy_process_group`` before ``flush``), it cannot land: say so."""
+    for synchronizer in list(_unflushed):
+        if not synchronizer._in_flight or synchronizer.error is not None:
+            continue
+        if not dist.is_initialized():
+            logger.warning("a synchronization was still in flight when the process group was destroyed: "
+                           "call flush() before destroy_process_group()")  # fmt: skip
+            continue
+        try:
+            synchronizer.flush()
+        except Exception as error:  # exit goes on; the cause is in the synchronizer's error
+            logger.warning("flushing a synchronization at exit failed: %s", error)
 
 
 def _shapes(shapes: list[tuple[int, ...]], most: int = 6) -> str:
