@@ -50,6 +50,7 @@ def test_hook_lists_split_on_names_not_on_options(text: str, specs: list[str]) -
         ({"specs": ("torch:powersgd:rank=0",)}, "rank must be >= 1"),
         ({"steps": 1, "rounds": 2}, "steps >= rounds"),
         ({"runs": 0}, "--runs must be >= 1"),
+        ({"specs": ("quantize:bits=4,local_size=3",)}, "local_size=3 does not divide the 2 ranks into nodes"),
     ],
 )
 def test_bad_settings_fail_before_any_rank_starts(kwargs: dict[str, object], message: str) -> None:

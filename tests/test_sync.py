@@ -382,6 +382,8 @@ def another_models_state(rank: int, world: int) -> Failures:
     other = DiLoCo(nn.Sequential(nn.Linear(32, 10)), every=2)
     with pytest.raises(ValueError, match=r"this state is of another model: 6 trainable tensors of shapes \[64, 32\]"):
         other.load_state_dict(saved)
+    with pytest.raises(TypeError, match="communicate twice; give it the plain module"):
+        DiLoCo(nn.parallel.DistributedDataParallel(toy_model()), every=2)
     return failures
 
 

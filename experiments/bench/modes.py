@@ -64,6 +64,11 @@ class Mode(Protocol):
     def check(self, network: str, ranks: int) -> None:
         """Refuse a network or rank count the mode cannot run on (before any rank starts)."""
 
+    def local_size(self, variant: str) -> int:
+        """Ranks per node of ``variant`` (its ``local_size``; 0: flat), checked against the ranks
+        before any starts."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Replicas:
@@ -104,6 +109,9 @@ class Replicas:
     def check(self, network: str, ranks: int) -> None:
         pass
 
+    def local_size(self, variant: str) -> int:
+        return 0 if variant == NOOP else int(getattr(hooks.parse(variant), "local_size", 0))
+
 
 @dataclasses.dataclass(frozen=True)
 class Shards:
@@ -138,6 +146,9 @@ class Shards:
 
     def check(self, network: str, ranks: int) -> None:
         pass
+
+    def local_size(self, variant: str) -> int:
+        return 0 if variant == NOOP else int(getattr(hooks.parse_sharded(variant), "local_size", 0))
 
 
 @dataclasses.dataclass(frozen=True)

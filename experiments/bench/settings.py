@@ -70,7 +70,10 @@ class BenchSettings:
         if self.backend == "nccl" and self.device != "cuda":
             raise ValueError("--backend nccl needs --device cuda (NCCL moves GPU memory)")
         self.mode.check(self.network, self.ranks)
-        _ = self.variants  # parses every spec: a bad one fails here, before any rank starts
+        for variant in self.variants:  # parses every spec: a bad one fails here, before any rank starts
+            local = self.mode.local_size(variant)
+            if local > 1 and self.ranks % local:
+                raise ValueError(f"{variant}: local_size={local} does not divide the {self.ranks} ranks into nodes")
 
     @property
     def workload(self) -> BenchModel:

@@ -160,6 +160,12 @@ class TrainConfig:
             hook = self._hook
         except ValueError as error:
             raise ValueError(f"hook {self.hook!r}: {error}") from None
+        warmup = getattr(hook, "warmup", 0)
+        if warmup and self.steps is not None and warmup >= self.steps:  # (epochs: the data decides later)
+            raise ValueError(
+                f"hook {self.hook!r}: its warmup={warmup} is the whole run ({self.steps} steps): it would never "
+                "compress; lower warmup, or give the uncompressed hook (allreduce) by its name"
+            )
         if self.sync != NO_SYNC:
             self._check_sync(hook)
         if self.compresses_momentum:

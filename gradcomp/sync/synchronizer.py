@@ -137,6 +137,11 @@ class Synchronizer(TrainingHookState):
             )
         if self.sync.state and optimizer is None:
             raise ValueError("state=true averages the inner optimizer's state: pass the optimizer")
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            raise TypeError(
+                "the model is wrapped in DistributedDataParallel, which averages every step's gradients: with a "
+                "synchronizer the run would communicate twice; give it the plain module (model.module), unwrapped"
+            )
         self.optimizer = optimizer
         self.model = model
         self.parameters = [p for p in model.parameters() if p.requires_grad]
