@@ -168,3 +168,22 @@ def test_the_plan_command_refuses_impossible_inputs(arguments: list[str], messag
         cli.main(["plan", *arguments])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_lossy_method_must_win_by_a_margin_and_a_close_runner_up_is_named() -> None:
+    """3% faster than the uncompressed gradient is within the model's error, not worth an accuracy
+    risk: the uncompressed gradient is recommended, saying why; a runner-up within 5% is named."""
+    import dataclasses
+
+    found = plan.options(WORKLOAD, Cluster(8, LinkCosts(1e-4, 8e-8)), METHODS, cheap)
+    allreduce = plan.best(found, "allreduce")
+    assert allreduce is not None
+    topk = next(o for o in found if o.method.label.startswith("topk") and o.available)
+    close = dataclasses.replace(topk, step=dataclasses.replace(topk.step, step_s=allreduce.step.step_s / 1.03))
+    choice, reason = plan.recommend([allreduce, close])
+    assert choice is allreduce, reason
+    assert "is predicted 3% faster, less than the 10% a lossy method must win by" in reason
+    assert "within 5%" in reason  # and the two may trade places
+    clear = dataclasses.replace(topk, step=dataclasses.replace(topk.step, step_s=allreduce.step.step_s / 1.5))
+    choice, reason = plan.recommend([allreduce, clear])
+    assert choice is clear and "Lossy" in reason and "within" not in reason

@@ -216,7 +216,8 @@ def methods_of(candidates: Sequence[str], torch_hooks: Sequence[str]) -> list[Me
 
 def _table(found: Sequence[plan.Option], baseline: plan.Option | None) -> str:
     rows = sorted(found, key=lambda o: o.step.step_s)
-    header = ("method", "route", "hook runs it", "ms/step", "vs allreduce", "beyond compute", "MB sent/rank")
+    versus = f"vs allreduce ({baseline.route})" if baseline else "vs allreduce"
+    header = ("method", "route", "hook runs it", "ms/step", versus, "beyond compute", "MB sent/rank")
     lines = [
         (short_name(o.method.label), o.route, "yes" if o.available else "predicted only", f"{o.step.step_s * 1e3:.1f}",
          f"{baseline.step.step_s / o.step.step_s:.2f}x" if baseline else "-", f"{o.step.communication_share:.0%}",
@@ -257,7 +258,7 @@ def _command(args: argparse.Namespace) -> int:
              if chosen.intra else "")  # fmt: skip
     sys.stdout.write(
         f"gradcomp plan: {chosen.model}; {chosen.ranks} ranks{nodes}; link between nodes: {chosen.link_source}{intra}; "
-        f"kernels: {chosen.kernel_source}\n\n{_table(found, baseline)}\n\nRecommendation: {reason}\n\n"
+        f"kernels: {chosen.kernel_source}\n\nRecommendation: {reason}\n\n{_table(found, baseline)}\n\n"
         f"Predicted ms per step from 2 to {ranks[-1]} ranks (each method over its fastest route a hook runs):\n\n"
         f"{_scaling_table(curves)}\n\nThese are step times, not accuracy: lossy compressors may need more steps "
         "to the same accuracy (the time-to-accuracy study: docs/results.md).\n"

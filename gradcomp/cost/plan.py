@@ -113,17 +113,31 @@ def recommend(
         raise ValueError("no candidate can run as a hook")
     choice = min(runnable, key=lambda o: o.step.step_s)
     reference = best(found, baseline)
+    safe = [o for o in runnable if _keeps_the_training(o)]
+    safest = min(safe, key=lambda o: o.step.step_s) if safe else None
+    held_back = ""
+    lossy = not _keeps_the_training(choice)
+    if lossy and safest is not None and safest.step.step_s < LOSSY_MARGIN * choice.step.step_s:
+        gain = safest.step.step_s / choice.step.step_s - 1
+        held_back = (
+            f" {name(choice.method.label)} is predicted {gain:.0%} faster, less than the {LOSSY_MARGIN - 1:.0%} "
+            "a lossy method must win by to be worth its accuracy risk (and the model's own error)."
+        )
+        choice = safest
     step = choice.step
     text = (
         f"{name(choice.method.label)} over {choice.route}: {step.step_s * 1e3:.1f} ms per step predicted, "
         f"{step.communication_share:.0%} of it beyond the model's compute, {step.sent_bytes / 1e6:.2f} MB sent per rank"
     )
+    text += _runner_up(choice, runnable, name)
     if reference is None:  # nothing to compare against: say so, do not guess
         missing = f"{baseline} is not among the candidates: add it to compare with the uncompressed gradient"
-        return choice, f"{text}; {missing}."
+        return choice, f"{text}; {missing}.{held_back}"
     if reference is choice:
         why = "nothing compressed is predicted faster than the uncompressed gradient: compression does not pay here"
-        return choice, f"{text}. {why.capitalize()}."
+        if held_back:
+            why = "nothing compressed is predicted enough faster than the uncompressed gradient"
+        return choice, f"{text}. {why.capitalize()}.{held_back}"
     gain = reference.step.step_s / step.step_s
     text += (
         f"; {gain:.2f}x faster per step than {baseline} over {reference.route} ({reference.step.step_s * 1e3:.1f} ms)"
@@ -134,7 +148,34 @@ def recommend(
         if lossless
         else "lossy: per step only; check that it reaches your accuracy in as many steps (docs/results.md)"
     )
-    return choice, f"{text}. {caveat.capitalize()}."
+    return choice, f"{text}. {caveat.capitalize()}.{held_back}"
+
+
+LOSSY_MARGIN = 1.10
+"""How much faster than the fastest method that keeps the training (the uncompressed gradient, a
+cast) a lossy method must be predicted to be recommended: 10%, beyond the planner's error on
+comparisons and worth an accuracy risk."""
+
+CLOSE = 0.05
+"""A runner-up predicted within this of the choice is named: kernel timings vary from run to run by
+about as much, so the order of the two may too."""
+
+
+def _keeps_the_training(option: Option) -> bool:
+    """Uncompressed, or a cast: the same training (to rounding), whatever the step costs (noop,
+    which sends nothing, does not: its replicas drift apart)."""
+    compressor = option.method.compressor
+    return compressor is not None and compressor.name in ("none", "fp16", "bf16") and not compressor.ef
+
+
+def _runner_up(choice: Option, runnable: Sequence[Option], name: Callable[[str], str]) -> str:
+    """The next method within :data:`CLOSE` of the choice, said (the answer's stability), or nothing."""
+    others = sorted((o for o in runnable if o.method.label != choice.method.label), key=lambda o: o.step.step_s)
+    for other in others:
+        if abs(other.step.step_s / choice.step.step_s - 1) <= CLOSE:
+            return (f" ({name(other.method.label)} over {other.route} is within {CLOSE:.0%}, "
+                    f"{other.step.step_s * 1e3:.1f} ms: the two may trade places from run to run)")  # fmt: skip
+    return ""
 
 
 def scaling(
