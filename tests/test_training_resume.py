@@ -84,6 +84,12 @@ def test_resuming_with_other_settings_is_refused(straight_run: TrainingRun) -> N
     with pytest.raises(ValueError, match="written by 2 ranks"):
         checkpoint.load(path, TrainConfig(**SETTINGS), 4, torch.device("cpu"))
     assert os.path.isfile(path)
+    # through the launcher: refused before any rank starts, one error, the run left as it was
+    record = (straight_run.out / "run.json").read_text()
+    resumed = TrainConfig(**{**SETTINGS, "lr": 0.1}, out=str(straight_run.out), resume="auto")
+    with pytest.raises(ValueError, match=r"other settings \(lr: 0.05 -> 0.1\)"):
+        launch(resumed)
+    assert (straight_run.out / "run.json").read_text() == record
 
 
 @pytest.mark.timeout(240)

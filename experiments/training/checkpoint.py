@@ -74,6 +74,13 @@ def load(path: str, config: TrainConfig, world_size: int, device: torch.device) 
         checkpoint: dict[str, Any] = torch.load(path, map_location=device, weights_only=True)
     except Exception as error:  # torch raises OSError, EOFError, RuntimeError, UnpicklingError, ...
         raise ValueError(f"{path} is not a readable checkpoint ({type(error).__name__}: {error})") from None
+    check(path, checkpoint, config, world_size)
+    return checkpoint
+
+
+def check(path: str, checkpoint: Any, config: TrainConfig, world_size: int) -> None:
+    """Refuse ``checkpoint`` (loaded from ``path``) for ``config`` at ``world_size`` where it cannot
+    resume it: another format, world size or run's settings (each changed setting named)."""
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
         raise ValueError(f"{path}: not a checkpoint of this format ({FORMAT})")
     if checkpoint["world_size"] != world_size:
@@ -83,4 +90,23 @@ def load(path: str, config: TrainConfig, world_size: int, device: torch.device) 
     if changed:
         details = ", ".join(f"{k}: {saved.get(k)!r} -> {mine[k]!r}" for k in changed)
         raise ValueError(f"{path} belongs to a run with other settings ({details})")
-    return checkpoint
+
+
+def check_before_start(config: TrainConfig) -> None:
+    """:func:`load`'s refusals, in the process that starts the ranks, before any starts: a resume that
+    cannot work fails as one line, and the run it would have continued stays as it was."""
+    path = resume_path(config)
+    if path is not None:
+        load(path, config, config.ranks, torch.device("cpu"))
+
+
+def resume_path(config: TrainConfig) -> str | None:
+    """The checkpoint ``config`` resumes from: its ``resume`` file, for ``auto`` the run's own if it
+    has one, None when it starts afresh."""
+    if config.resume is None:
+        return None
+    if config.resume == "auto":
+        return config.checkpoint_path if os.path.isfile(config.checkpoint_path) else None
+    if not os.path.isfile(config.resume):
+        raise ValueError(f"no checkpoint at {config.resume!r} to resume from")
+    return config.resume

@@ -157,13 +157,7 @@ def _device(backend: str, rank: int) -> torch.device:
 
 
 def _resume_path(config: TrainConfig) -> str | None:
-    if config.resume is None:
-        return None
-    if config.resume == "auto":
-        return config.checkpoint_path if os.path.isfile(config.checkpoint_path) else None
-    if not os.path.isfile(config.resume):
-        raise ValueError(f"no checkpoint at {config.resume!r} to resume from")
-    return config.resume
+    return checkpoint.resume_path(config)
 
 
 def _save(
@@ -237,7 +231,9 @@ def launch(config: TrainConfig, *, verbose: bool = False) -> dict[str, Any]:
     """Start ``config.ranks`` ranks on this machine (behind ``config.network``), run, return rank 0's
     run record. A failure is recorded in run.json (status ``failed``) and raised (``RankError``, or
     ``NetemError`` where the network cannot be built). An output directory that holds another run
-    is refused first (``runinfo.prepare``)."""
+    is refused first (``runinfo.prepare``), and so is a resume the checkpoint cannot serve (other
+    settings, world size: before any rank starts, the run left as it was)."""
+    checkpoint.check_before_start(config)  # the ranks it starts are the world: config.ranks
     runinfo.prepare(config.out, config.checkpoint_path, config.resume, config.overwrite)
     try:
         results = spawn(
