@@ -9,8 +9,6 @@ resumed from the checkpoint of its first epoch's end ends bitwise where the run 
 from __future__ import annotations
 
 import csv
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,8 +16,9 @@ import lightning  # noqa: F401  (the extra: missing, this test fails rather than
 import pytest
 import torch
 
+from tests.jobs import alike, rank_parameters, run_job
+
 SPEC = "topk:ratio=0.1,ef=true"
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def job(out: Path, steps: int, resume: Path | None = None, spec: str = SPEC) -> None:
@@ -28,13 +27,9 @@ def job(out: Path, steps: int, resume: Path | None = None, spec: str = SPEC) -> 
     command = [sys.executable, "-m", "tests.lightning_job", str(out), spec, str(steps)]
     if resume is not None:
         command.append(str(resume))
-    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_job(command)
 
 
-def parameters(out: Path, rank: int) -> list[torch.Tensor]:
-    return torch.load(out / f"rank{rank}.pt", weights_only=True)
 
 
 @pytest.mark.timeout(600)
@@ -45,12 +40,12 @@ def test_lightning_trains_with_a_gradcomp_hook_logs_it_and_resumes_bitwise(tmp_p
     logged = [row for row in rows if row.get("hook/wire_mb")]
     assert [int(row["step"]) for row in logged] == list(range(6)), "the hook's statistics at every step"
     assert all(float(row["hook/compression_ratio"]) > 3 for row in logged)
-    assert all(torch.equal(a, b) for a, b in zip(parameters(straight, 0), parameters(straight, 1), strict=True))
+    assert alike(rank_parameters(straight, 0), rank_parameters(straight, 1))
     hooks_saved = torch.load(straight / "epoch1.ckpt", weights_only=True)["callbacks"]["HookStatistics"]["ranks"]
     assert len(hooks_saved) == 2 and all(saved["compressor"] for saved in hooks_saved), "every rank's residuals"
 
     job(resumed, 6, resume=straight / "epoch0.ckpt")  # from the checkpoint of the first epoch's end
-    assert all(torch.equal(a, b) for a, b in zip(parameters(resumed, 0), parameters(straight, 0), strict=True))
+    assert alike(rank_parameters(resumed, 0), rank_parameters(straight, 0))
 
 def logged(out: Path, metric: str) -> list[dict[str, str]]:
     rows = csv.DictReader((out / "logs" / "version_0" / "metrics.csv").open())
@@ -65,16 +60,16 @@ def test_diloco_through_lightning_synchronizes_logs_and_resumes_bitwise(tmp_path
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     job(straight, 6, spec=spec)
     assert [int(row["step"]) for row in logged(straight, "sync/wire_mb")] == [2, 5], "the synchronizing steps"
-    assert all(torch.equal(a, b) for a, b in zip(parameters(straight, 0), parameters(straight, 1), strict=True))
+    assert alike(rank_parameters(straight, 0), rank_parameters(straight, 1))
     job(resumed, 6, resume=straight / "epoch0.ckpt", spec=spec)
-    assert all(torch.equal(a, b) for a, b in zip(parameters(resumed, 0), parameters(straight, 0), strict=True))
+    assert alike(rank_parameters(resumed, 0), rank_parameters(straight, 0))
 
 
 @pytest.mark.timeout(300)
 def test_auto_through_lightning_chooses_and_logs_every_step(tmp_path: Path) -> None:
     job(tmp_path, 6, spec="auto:candidates=topk:ratio=0.1,ef=true,measure_at=2")
     assert [int(row["step"]) for row in logged(tmp_path, "hook/wire_mb")] == list(range(6))
-    assert all(torch.equal(a, b) for a, b in zip(parameters(tmp_path, 0), parameters(tmp_path, 1), strict=True))
+    assert alike(rank_parameters(tmp_path, 0), rank_parameters(tmp_path, 1))
 
 
 @pytest.mark.timeout(600)
@@ -87,11 +82,11 @@ def test_fsdp2_through_lightnings_model_parallel_strategy(tmp_path: Path) -> Non
     job(compressed, 6, spec=spec)
     assert [int(row["step"]) for row in logged(compressed, "hook/wire_mb")] == list(range(6))
     assert all(float(row["hook/compression_ratio"]) > 3 for row in logged(compressed, "hook/wire_mb"))
-    trained = parameters(compressed, 0)
-    assert all(torch.equal(a, b) for a, b in zip(trained, parameters(compressed, 1), strict=True))
+    trained = rank_parameters(compressed, 0)
+    assert alike(trained, rank_parameters(compressed, 1))
     torch.manual_seed(0)
     from tests.toy_ddp import toy_model
 
-    assert not all(torch.equal(a, b.detach()) for a, b in zip(trained, toy_model().parameters(), strict=True))
+    assert not alike(trained, [p.detach() for p in toy_model().parameters()])
     job(resumed, 6, resume=compressed / "epoch0.ckpt", spec=spec)
-    assert all(torch.equal(a, b) for a, b in zip(parameters(resumed, 0), trained, strict=True))
+    assert alike(rank_parameters(resumed, 0), trained)
