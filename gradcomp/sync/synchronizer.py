@@ -186,7 +186,8 @@ class Synchronizer(TrainingHookState):
         self._calls = 0  # engine calls made by this process: the number its records carry
         self._stats: collections.deque[SyncStepStats] = collections.deque(maxlen=history)
         self._steps_here = 0  # step() calls in this process (statistics count from 0, also on resume)
-        _unflushed.add(self)  # flushed at interpreter exit if still in flight then (_flush_at_exit)
+        _made[:] = [made for made in _made if made() is not None]
+        _made.append(weakref.ref(self))  # flushed at interpreter exit if still in flight then (_flush_at_exit)
 
     # -- the training loop's calls ---------------------------------------------------------------
 
@@ -486,17 +487,20 @@ class DiLoCo(_Kind):
     kind = "diloco"
 
 
-_unflushed: weakref.WeakSet[Synchronizer] = weakref.WeakSet()
+_made: list[weakref.ref[Synchronizer]] = []
+"""Every synchronizer of the process, in the order made (the same on every rank), while it lives."""
 
 
 @atexit.register
 def _flush_at_exit() -> None:
     """A synchronization still in flight when the script ends lands now, while the interpreter and
-    the process group are whole (every rank ends its script alike, so every rank flushes it): left
-    to interpreter exit, its collective would be torn down mid-way and abort the process. If the
-    group is gone already (``destroy_process_group`` before ``flush``), it cannot land: say so."""
-    for synchronizer in list(_unflushed):
-        if not synchronizer._in_flight or synchronizer.error is not None:
+    the process group are whole (every rank ends its script alike, so every rank flushes the same,
+    in the order the synchronizers were made): left to interpreter exit, its collective would be
+    torn down mid-way and abort the process. If the group is gone already (``destroy_process_group``
+    before ``flush``), it cannot land: say so."""
+    for made in _made:
+        synchronizer = made()
+        if synchronizer is None or not synchronizer._in_flight or synchronizer.error is not None:
             continue
         if not dist.is_initialized():
             logger.warning("a synchronization was still in flight when the process group was destroyed: "
