@@ -27,7 +27,7 @@ def job(out: Path, steps: int, resume: Path | None = None, spec: str = SPEC) -> 
     command = [sys.executable, "-m", "tests.lightning_job", str(out), spec, str(steps)]
     if resume is not None:
         command.append(str(resume))
-    run_job(command)
+    run_job(command, OMP_NUM_THREADS="1")
 
 
 

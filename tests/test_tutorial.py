@@ -1,7 +1,6 @@
 """docs/your-compressor.md, end to end: the example package (examples/tophalf) is the one the page
 shows, and once installed (its .dist-info on the path, as pip leaves it) its compressor is listed,
-passes the conformance kit on two ranks and trains in a sweep whose report compares it with torch's
-all-reduce."""
+passes the conformance kit and trains in a sweep whose report compares it with torch's all-reduce."""
 
 from __future__ import annotations
 
@@ -15,8 +14,10 @@ EXAMPLE = ROOT / "examples" / "tophalf"
 PAGE = ROOT / "docs" / "your-compressor.md"
 CHECK = """
 from gradcomp.testing import check_compressor
-print(check_compressor("tophalf:ratio=0.01,ef=true", ranks=2).passed)
+print(check_compressor("tophalf:ratio=0.01,ef=true").passed)
 """
+# (across ranks the kit is tested in tests/test_conformance.py, and the docs test runs the page's own
+# ranks=2 snippet: here, the installed entry point is what is new)
 
 
 def test_the_page_shows_the_example_as_it_is() -> None:
@@ -48,10 +49,10 @@ def test_the_example_installs_checks_and_trains_against_torch(tmp_path: Path) ->
     environment = installed(tmp_path / "site")
     listing = run(["-c", "from gradcomp.cli import main; main(['compressors'])"], tmp_path, environment)
     assert "tophalf" in listing
-    assert "'across 2 ranks, the same on every rank'" in run(["-c", CHECK], tmp_path, environment)
+    assert "'error feedback'" in run(["-c", CHECK], tmp_path, environment)
     # the page's sweep, cut to one seed of a few steps on loopback, with the baseline and tophalf
     config = (EXAMPLE / "sweep.toml").read_text()
-    config = config.replace("steps = 200", "steps = 12").replace("eval_every = 20", "eval_every = 4")
+    config = config.replace("steps = 200", "steps = 6").replace("eval_every = 20", "eval_every = 3")
     config = config.replace('networks = ["loopback", "1gbit"]', 'networks = ["loopback"]')
     config = config.replace("seeds = [0, 1, 2]", "seeds = [0]")
     for hook in ('    "torch:bf16",', '    "topk:ratio=0.01,ef=true",'):
