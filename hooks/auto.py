@@ -128,6 +128,9 @@ class AutoState(TrainingHookState):
 
     # -- what DDP and the model call -------------------------------------------------------------
 
+    # Bookkeeping in Python (timestamps, lists): under torch.compile it runs as it is, not traced (a
+    # traced branch on the list's length would recompile at every step up to dynamo's limit).
+    @torch.compiler.disable
     def forward_started(self, *_: Any) -> None:
         """The DDP module's forward pre-hook: a step (or a micro-batch) starts."""
         now = time.perf_counter()
@@ -138,6 +141,7 @@ class AutoState(TrainingHookState):
         self._timelines = self._timelines[-(self.spec.check_every + self.spec.measure_at) :]
         self._timelines.append(online.Timeline(now))
 
+    @torch.compiler.disable
     def forward_ended(self, *_: Any) -> None:
         """The DDP module's forward hook: backward comes next."""
         if self._timelines:

@@ -85,3 +85,35 @@ def python_reducer(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(120)
 def test_hooks_handed_parameters_by_the_python_reducer_are_refused() -> None:
     run_checks(2, python_reducer, timeout=90)
+
+
+def auto_compiled(rank: int, world: int) -> dict[str, Any]:
+    """``auto``'s forward hooks keep their bookkeeping out of the graph: after a warm-up the compiled
+    model runs step after step without one recompilation (traced, a branch on their list's length
+    recompiled at every step, up to dynamo's limit)."""
+    from gradcomp import hooks
+    from tests.toy_ddp import toy_batches, toy_model
+
+    failures = Failures()
+    torch._dynamo.reset()
+    ddp = torch.nn.parallel.DistributedDataParallel(toy_model())
+    hooks.register(ddp, "auto:candidates=topk:ratio=0.1,ef=true,measure_at=2")
+    model = torch.compile(ddp, backend="inductor")
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    try:
+        for step, (x, y) in enumerate(toy_batches(rank, 1) * 10):
+            torch._dynamo.config.error_on_recompile = step >= 5
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    except Exception as error:
+        failures.append(f"{type(error).__name__}: {str(error)[:300]}")
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+        torch._dynamo.reset()
+    return {"failures": failures}
+
+
+@pytest.mark.timeout(280)
+def test_auto_under_compile_does_not_recompile_at_every_step() -> None:
+    run_checks(2, auto_compiled, timeout=250)
