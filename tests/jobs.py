@@ -12,9 +12,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_job(command: list[str], **environment: str) -> None:
-    """``command`` from the repository's root with it on the path; its exit must be clean."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **environment}
+def run_job(command: list[str], out: Path, resume: Path | None = None) -> None:
+    """``command`` (a job writing to ``out``, resumed from ``resume`` when given: its last argument)
+    from the repository's root with it on the path, one thread a rank; its exit must be clean."""
+    out.mkdir(parents=True, exist_ok=True)
+    command = [*command, *([] if resume is None else [str(resume)])]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
 

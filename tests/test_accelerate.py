@@ -30,17 +30,11 @@ def free_port() -> int:
 
 def launch(out: Path, steps: int, resume: Path | None = None) -> None:
     """``tests/accelerate_job.py`` as a user launches a script: ``accelerate launch``, two processes."""
-    out.mkdir(parents=True, exist_ok=True)
     launcher = shutil.which("accelerate", path=str(Path(sys.executable).parent))
     assert launcher, "accelerate launch is not installed beside this Python"
-    command = [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-               "-m", "tests.accelerate_job", str(out), SPEC, str(steps)]  # fmt: skip
-    if resume is not None:
-        command.append(str(resume))
-    run_job(command, OMP_NUM_THREADS="1")
-
-
+    run_job([launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+             "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+             "-m", "tests.accelerate_job", str(out), SPEC, str(steps)], out, resume)  # fmt: skip
 
 
 @pytest.mark.timeout(600)

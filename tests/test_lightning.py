@@ -23,13 +23,7 @@ SPEC = "topk:ratio=0.1,ef=true"
 
 def job(out: Path, steps: int, resume: Path | None = None, spec: str = SPEC) -> None:
     """``tests/lightning_job.py`` as a user runs a script: Lightning starts the second rank itself."""
-    out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "tests.lightning_job", str(out), spec, str(steps)]
-    if resume is not None:
-        command.append(str(resume))
-    run_job(command, OMP_NUM_THREADS="1")
-
-
+    run_job([sys.executable, "-m", "tests.lightning_job", str(out), spec, str(steps)], out, resume)
 
 
 @pytest.mark.timeout(600)

@@ -142,10 +142,9 @@ def recommend(
     text += (
         f"; {gain:.2f}x faster per step than {baseline} over {reference.route} ({reference.step.step_s * 1e3:.1f} ms)"
     )
-    lossless = choice.method.compressor is not None and choice.method.compressor.name in ("none", "fp16", "bf16")
     caveat = (
         "a cast: the same training, half the bytes"
-        if lossless
+        if _keeps_the_training(choice)
         else "lossy: per step only; check that it reaches your accuracy in as many steps (docs/results.md)"
     )
     return choice, f"{text}. {caveat.capitalize()}.{held_back}"
