@@ -10,7 +10,9 @@ Inside the ranks, :func:`identical_on_all_ranks` and :func:`torch_all_reduce` ar
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +25,15 @@ from tests.rank_pool import poolable, run_in_pool
 MAX_TIMEOUT = 300.0
 # Failures shown per test: the first ones are the informative ones, the rest often consequences.
 SHOWN = 20
+
+
+def stay_until_written(record: str, at_most: float) -> None:
+    """Stay alive and silent, as a peer stuck in user code does, until ``record`` exists (the peer
+    under test wrote what it saw) or ``at_most`` seconds have passed: a fault test then lasts as long
+    as the wait it checks, not a fixed sleep sized for the slowest machine."""
+    deadline = time.monotonic() + at_most
+    while not Path(record).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 class Failures(list[str]):

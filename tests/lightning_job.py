@@ -1,10 +1,13 @@
 """A 2-process Lightning job on the CPU for tests/test_lightning.py, run as ``python -m tests.lightning_job
-OUT SPEC STEPS [RESUME]`` (Lightning starts the second process with the same command): the toy model on
+OUT SPEC STEPS [resumed]`` (Lightning starts the second process with the same command): the toy model on
 each rank's own random batches (3 an epoch, the same every epoch), gradcomp's hook through
 GradcompStrategy (SPEC a hook spec or ``auto``), or with a sync spec (``diloco:...``, ``localsgd:...``)
 no hook and the Synchronize callback (outer gradients as 4-bit codes with error feedback); statistics
-logged to a CSV logger, a checkpoint at every epoch's end (OUT/epoch<e>.ckpt); each rank writes its parameters to
-OUT/rank<r>.pt."""
+logged to a CSV logger, a checkpoint at every epoch's end (OUT/straight/epoch<e>.ckpt); each rank writes its
+parameters to OUT/straight/rank<r>.pt. With ``resumed``, a second run in the same processes (a new
+Trainer, model and strategy, as a script that fits twice makes them; the process group is Lightning's
+to reuse) resumes from the first one's checkpoint of its first epoch's end into OUT/resumed: starting
+Lightning's processes costs more than the runs."""
 
 from __future__ import annotations
 
@@ -75,7 +78,8 @@ def synchronizes(spec: str) -> bool:
     return spec.startswith(("diloco", "localsgd"))
 
 
-def main(out: Path, spec: str, steps: int, resume: str | None) -> None:
+def fit(out: Path, spec: str, steps: int, resume: Path | None) -> None:
+    """One run of STEPS steps into ``out``, from the checkpoint ``resume`` when given."""
     torch.manual_seed(0)
     model = ShardedToy() if spec.startswith("fsdp") else Toy()
     averaging = Synchronize(spec, "quantize:bits=4,ef=true") if synchronizes(spec) else HookStatistics()
@@ -92,6 +96,12 @@ def main(out: Path, spec: str, steps: int, resume: str | None) -> None:
     rank = trainer.global_rank
     full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]  # FSDP2's shards
     torch.save([p.detach().clone() for p in full], out / f"rank{rank}.pt")
+
+
+def main(out: Path, spec: str, steps: int, resumed: bool) -> None:
+    fit(out / "straight", spec, steps, None)
+    if resumed:
+        fit(out / "resumed", spec, steps, out / "straight" / "epoch0.ckpt")
     # as PyTorch documents: without it a process with gloo groups can abort at exit (std::terminate)
     torch.distributed.destroy_process_group()
 
@@ -102,4 +112,4 @@ class _Batches(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)
+    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4:] == ["resumed"])

@@ -31,7 +31,7 @@ from gradcomp.compressors.simulate import roundtrip
 from gradcomp.engine.sharded import ShardedEngine, ShardSpec
 from gradcomp.errors import SpecMismatchError
 from gradcomp.hooks import fsdp2
-from tests.distributed import Failures, identical_on_all_ranks, run_checks, spawn_ranks
+from tests.distributed import Failures, identical_on_all_ranks, run_checks, spawn_ranks, stay_until_written
 
 pytestmark = pytest.mark.skipif(not fsdp2.available(), reason="this torch has no FSDP2 custom reduce-scatter")
 
@@ -264,7 +264,7 @@ def silent_peer(rank: int, world: int, record: str) -> None:
     gradients(net, rank, 1)
     loss = net(batch(rank, 1)).square().sum()
     if rank == 1:
-        time.sleep(4 * GROUP_TIMEOUT)
+        stay_until_written(record, at_most=4 * GROUP_TIMEOUT)
         return
     began = time.monotonic()
     try:

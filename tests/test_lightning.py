@@ -21,15 +21,17 @@ from tests.jobs import alike, rank_parameters, run_job
 SPEC = "topk:ratio=0.1,ef=true"
 
 
-def job(out: Path, steps: int, resume: Path | None = None, spec: str = SPEC) -> None:
-    """``tests/lightning_job.py`` as a user runs a script: Lightning starts the second rank itself."""
-    run_job([sys.executable, "-m", "tests.lightning_job", str(out), spec, str(steps)], out, resume)
+def job(out: Path, steps: int, spec: str = SPEC, resumed: bool = False) -> tuple[Path, Path]:
+    """``tests/lightning_job.py`` as a user runs a script (Lightning starts the second rank itself):
+    the run straight through and, with ``resumed``, the one resumed from its first epoch's checkpoint."""
+    command = [sys.executable, "-m", "tests.lightning_job", str(out), spec, str(steps)]
+    run_job([*command, "resumed"] if resumed else command, out)
+    return out / "straight", out / "resumed"
 
 
 @pytest.mark.timeout(600)
 def test_lightning_trains_with_a_gradcomp_hook_logs_it_and_resumes_bitwise(tmp_path: Path) -> None:
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    job(straight, 6)
+    straight, resumed = job(tmp_path, 6, resumed=True)
     rows = list(csv.DictReader((straight / "logs" / "version_0" / "metrics.csv").open()))
     logged = [row for row in rows if row.get("hook/wire_mb")]
     assert [int(row["step"]) for row in logged] == list(range(6)), "the hook's statistics at every step"
@@ -37,8 +39,6 @@ def test_lightning_trains_with_a_gradcomp_hook_logs_it_and_resumes_bitwise(tmp_p
     assert alike(rank_parameters(straight, 0), rank_parameters(straight, 1))
     hooks_saved = torch.load(straight / "epoch1.ckpt", weights_only=True)["callbacks"]["HookStatistics"]["ranks"]
     assert len(hooks_saved) == 2 and all(saved["compressor"] for saved in hooks_saved), "every rank's residuals"
-
-    job(resumed, 6, resume=straight / "epoch0.ckpt")  # from the checkpoint of the first epoch's end
     assert alike(rank_parameters(resumed, 0), rank_parameters(straight, 0))
 
 def logged(out: Path, metric: str) -> list[dict[str, str]]:
@@ -51,19 +51,17 @@ def test_diloco_through_lightning_synchronizes_logs_and_resumes_bitwise(tmp_path
     """Every 3 steps the replicas (each trained on its rank's own batches, nothing averaged per step)
     synchronize: they end identical, the synchronizing steps are logged, a resumed run is bitwise."""
     spec = "diloco:every=3"
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    job(straight, 6, spec=spec)
+    straight, resumed = job(tmp_path, 6, spec, resumed=True)
     assert [int(row["step"]) for row in logged(straight, "sync/wire_mb")] == [2, 5], "the synchronizing steps"
     assert alike(rank_parameters(straight, 0), rank_parameters(straight, 1))
-    job(resumed, 6, resume=straight / "epoch0.ckpt", spec=spec)
     assert alike(rank_parameters(resumed, 0), rank_parameters(straight, 0))
 
 
 @pytest.mark.timeout(300)
 def test_auto_through_lightning_chooses_and_logs_every_step(tmp_path: Path) -> None:
-    job(tmp_path, 6, spec="auto:candidates=topk:ratio=0.1,ef=true,measure_at=2")
-    assert [int(row["step"]) for row in logged(tmp_path, "hook/wire_mb")] == list(range(6))
-    assert alike(rank_parameters(tmp_path, 0), rank_parameters(tmp_path, 1))
+    out, _ = job(tmp_path, 6, "auto:candidates=topk:ratio=0.1,ef=true,measure_at=2")
+    assert [int(row["step"]) for row in logged(out, "hook/wire_mb")] == list(range(6))
+    assert alike(rank_parameters(out, 0), rank_parameters(out, 1))
 
 
 @pytest.mark.timeout(600)
@@ -71,9 +69,7 @@ def test_fsdp2_through_lightnings_model_parallel_strategy(tmp_path: Path) -> Non
     """FSDP2 applied in configure_model, gradcomp's reduce-scatter installed on it by the strategy:
     it logs every step, trains, and resumes bitwise from the first epoch's checkpoint (every rank's
     residuals in it). gradcomp's reduce-scatter against FSDP2's own: tests/test_fsdp.py."""
-    compressed, resumed = tmp_path / "topk", tmp_path / "resumed"
-    spec = "fsdp:topk:ratio=0.1,ef=true"
-    job(compressed, 6, spec=spec)
+    compressed, resumed = job(tmp_path, 6, "fsdp:topk:ratio=0.1,ef=true", resumed=True)
     assert [int(row["step"]) for row in logged(compressed, "hook/wire_mb")] == list(range(6))
     assert all(float(row["hook/compression_ratio"]) > 3 for row in logged(compressed, "hook/wire_mb"))
     trained = rank_parameters(compressed, 0)
@@ -82,5 +78,4 @@ def test_fsdp2_through_lightnings_model_parallel_strategy(tmp_path: Path) -> Non
     from tests.toy_ddp import toy_model
 
     assert not alike(trained, [p.detach() for p in toy_model().parameters()])
-    job(resumed, 6, resume=compressed / "epoch0.ckpt", spec=spec)
     assert alike(rank_parameters(resumed, 0), trained)

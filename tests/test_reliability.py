@@ -18,7 +18,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradcomp import hooks
 from gradcomp.engine.spec import HookSpec
-from tests.distributed import Failures, parameters_identical_on_all_ranks, run_checks, spawn_ranks
+from tests.distributed import (
+    Failures,
+    parameters_identical_on_all_ranks,
+    run_checks,
+    spawn_ranks,
+    stay_until_written,
+)
 from tests.toy_ddp import sgd_steps, toy_batches, toy_model, wrap
 
 GROUP_TIMEOUT = 5.0
@@ -183,7 +189,7 @@ def frozen_or_absent_peer(rank: int, world: int, how: str, spec: str, record: st
         if how == "frozen":
             os.kill(os.getpid(), signal.SIGSTOP)  # until rank 0 has its error and wakes this one up
         else:
-            time.sleep(3 * GROUP_TIMEOUT)  # a peer that failed in user code and stays alive
+            stay_until_written(record, at_most=3 * GROUP_TIMEOUT)  # failed in user code, stays alive
         return {}
     began = time.monotonic()
     try:
@@ -221,21 +227,23 @@ def test_a_frozen_or_silent_peer_is_an_error_within_the_timeout(
     assert seen["kept"] == "PeerError", seen
 
 
-def noop_against_topk(rank: int, world: int) -> str:
+def noop_against_topk(rank: int, world: int, record: str) -> str:
     try:
         ddp, _ = wrap(toy_model(), "noop" if rank == 0 else "topk:ratio=0.1")
         sgd_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), toy_batches(rank, 2))
     except RuntimeError as error:
+        Path(record).write_text("gave up")
         return f"{type(error).__name__}: {error}"
-    time.sleep(2 * GROUP_TIMEOUT)  # noop finished without communicating; stay until rank 1 gave up
+    # noop finished without communicating; it stays until rank 1 gave up
+    stay_until_written(record, at_most=2 * GROUP_TIMEOUT)
     return "finished"
 
 
-def test_a_rank_with_another_hook_is_named_as_the_likely_cause() -> None:
+def test_a_rank_with_another_hook_is_named_as_the_likely_cause(tmp_path: Path) -> None:
     """Rank 0 (noop) creates no process group for its hook, so rank 1's engine waits for it in vain;
     rank 0 may finish, or time out in DDP's own collectives waiting for rank 1: either way no hang."""
     began = time.monotonic()
-    results = spawn_ranks(2, noop_against_topk, timeout=120, group_timeout=GROUP_TIMEOUT)
+    results = spawn_ranks(2, noop_against_topk, (str(tmp_path / "gave-up"),), timeout=120, group_timeout=GROUP_TIMEOUT)
     assert time.monotonic() - began < 60
     assert results[1].startswith("PeerError") and "another hook (noop creates none)" in results[1], results[1]
 
