@@ -128,9 +128,6 @@ class AutoState(TrainingHookState):
 
     # -- what DDP and the model call -------------------------------------------------------------
 
-    # Bookkeeping in Python (timestamps, lists): under torch.compile it runs as it is, not traced (a
-    # traced branch on the list's length would recompile at every step up to dynamo's limit).
-    @torch.compiler.disable
     def forward_started(self, *_: Any) -> None:
         """The DDP module's forward pre-hook: a step (or a micro-batch) starts."""
         now = time.perf_counter()
@@ -141,7 +138,6 @@ class AutoState(TrainingHookState):
         self._timelines = self._timelines[-(self.spec.check_every + self.spec.measure_at) :]
         self._timelines.append(online.Timeline(now))
 
-    @torch.compiler.disable
     def forward_ended(self, *_: Any) -> None:
         """The DDP module's forward hook: backward comes next."""
         if self._timelines:
@@ -417,8 +413,11 @@ def register(model: torch.nn.parallel.DistributedDataParallel, spec: str | AutoS
         parsed = dataclasses.replace(parsed, seed=options["seed"])
     group = options.get("group") or model.process_group
     state = AutoState(parsed, group, options.get("timeout"), options.get("link"))
-    model.register_forward_pre_hook(state.forward_started)
-    model.register_forward_hook(state.forward_ended)
+    # Bookkeeping in Python (timestamps, lists): under torch.compile it runs as it is, not traced (a
+    # traced branch on the list's length would recompile at every step up to dynamo's limit). Wrapped
+    # here, not where they are defined: torch.compiler.disable imports dynamo, a second at every import.
+    model.register_forward_pre_hook(torch.compiler.disable(state.forward_started))
+    model.register_forward_hook(torch.compiler.disable(state.forward_ended))
     model.register_comm_hook(state, _auto_hook)
     return state
 

@@ -24,7 +24,6 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from scipy import stats
 
 from gradcomp.engine.sharded import SHARD_OPTIONS, ShardSpec
 from gradcomp.engine.spec import ENGINE_OPTIONS, HookSpec
@@ -233,6 +232,8 @@ def _group(
     for method in methods:
         method.final = [float(r.metrics[metric.key]) for r in method.finished if r.metrics.get(metric.key) is not None]
         if len(method.final) > 1 and statistics.stdev(method.final) > 0:
+            from scipy import stats  # here: scipy.stats costs half a second at every start of the command line
+
             interval = stats.t.interval(CONFIDENCE, len(method.final) - 1, loc=method.final_mean,
                                         scale=stats.sem(method.final))  # fmt: skip
             method.final_ci = (float(interval[0]), float(interval[1]))
@@ -365,6 +366,8 @@ def _welch(a: Sequence[float], b: Sequence[float]) -> float | None:
     or no spread at all: the test is undefined)."""
     if len(a) < 2 or len(b) < 2 or (statistics.stdev(a) == 0 and statistics.stdev(b) == 0):
         return None
+    from scipy import stats  # here, as above
+
     with warnings.catch_warnings():  # scipy warns of lost precision where the seeds agree to many digits
         warnings.simplefilter("ignore", RuntimeWarning)
         p = float(stats.ttest_ind(a, b, equal_var=False).pvalue)

@@ -24,7 +24,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from scipy.stats import theilslopes
 
 from gradcomp.collectives.cost_model import LinkCosts
 from gradcomp.cost.cluster import Cluster
@@ -76,6 +75,8 @@ def fit_link(collective: str, ranks: int, sizes: Sequence[float], seconds: Seque
     # of slopes does not. Latency: with that slope, the intercept that minimizes the relative
     # errors' absolute sum (a median weighted by 1 / t), so that the small sizes, where latency is
     # all there is, decide it rather than the large ones' noise.
+    from scipy.stats import theilslopes  # here: scipy.stats costs half a second at every import of gradcomp
+
     slope, _, low, high = theilslopes(t, x, alpha=0.68)
     if slope <= 0:
         raise ValueError(
