@@ -105,13 +105,30 @@ def identical_on_all_ranks(tensor: torch.Tensor) -> bool:
     Its bytes are gathered as int32 words (gloo gathers no 1- or 2-byte types), so every dtype
     compares bit for bit: -0.0 differs from 0.0, and NaNs compare by their bits.
     """
-    raw = _bytes(tensor)
-    if raw.numel() % 4:
-        raw = torch.cat([raw, raw.new_zeros(4 - raw.numel() % 4)])
-    words = raw.view(torch.int32)
+    words = _words(tensor)
     copies = [torch.empty_like(words) for _ in range(dist.get_world_size())]
     dist.all_gather(copies, words)
     return all(torch.equal(copy, words) for copy in copies)
+
+
+def identical_each_on_all_ranks(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """Whether each of ``tensors`` (the same shapes on every rank) is bitwise the same on every rank,
+    as :func:`identical_on_all_ranks` says, in one all-gather for them all (one per tensor costs a
+    collective each: most of a test that checks hundreds of small results)."""
+    words = [_words(t) for t in tensors]
+    mine = torch.cat(words) if words else torch.zeros(0, dtype=torch.int32)
+    copies = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(copies, mine)
+    theirs = [copy.split([w.numel() for w in words]) for copy in copies]  # per rank, per tensor
+    return [all(torch.equal(pieces[i], w) for pieces in theirs) for i, w in enumerate(words)]
+
+
+def _words(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes as int32 words, zero-padded (gloo gathers no 1- or 2-byte types)."""
+    raw = _bytes(tensor)
+    if raw.numel() % 4:
+        raw = torch.cat([raw, raw.new_zeros(4 - raw.numel() % 4)])
+    return raw.view(torch.int32)
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
