@@ -1,9 +1,11 @@
 """A 2-process Accelerate job on the CPU for tests/test_accelerate.py, run as ``accelerate launch
---multi_gpu --num_processes 2 -m tests.accelerate_job OUT SPEC STEPS [RESUME]``: the toy model on each
-rank's own batches, two micro-batches an optimizer step (``accelerator.accumulate``), gradcomp's hook
-on the prepared model, its statistics logged to TensorBoard through ``accelerator.log``, the state saved
-after 3 steps (OUT/state) or, with RESUME, loaded from there. Each rank writes its parameters to
-OUT/rank<r>.pt; rank 0 writes what it logged to OUT/logged.json."""
+--multi_gpu --num_processes 2 -m tests.accelerate_job OUT SPEC STEPS``: the toy model on each rank's own
+batches, two micro-batches an optimizer step (``accelerator.accumulate``), gradcomp's hook on the
+prepared model, its statistics logged to TensorBoard through ``accelerator.log``, the state saved after
+3 steps (OUT/straight/state). Then, in the same processes (a new Accelerator, model, optimizer and hook,
+as a script that trains twice makes them: starting Accelerate's processes costs more than the runs),
+the run resumed from that state into OUT/resumed. Each rank writes its parameters to
+OUT/<run>/rank<r>.pt; rank 0 writes what it logged to OUT/<run>/logged.json."""
 
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ def batch(rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 32, generator=generator), torch.randint(0, 10, (16,), generator=generator)
 
 
-def main(out: Path, spec: str, steps: int, resume: str | None) -> None:
+def train(out: Path, spec: str, steps: int, resume: Path | None) -> Accelerator:
+    """One run of STEPS optimizer steps into ``out``, from the saved state ``resume`` when given."""
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=MICRO, log_with="tensorboard", project_dir=out)
     accelerator.init_trackers("logs")
     torch.manual_seed(0)
@@ -40,7 +43,7 @@ def main(out: Path, spec: str, steps: int, resume: str | None) -> None:
     statistics = gradcomp_accelerate.Statistics(accelerator, state)
     start = 0
     if resume is not None:
-        accelerator.load_state(resume)  # the model, the optimizer and every rank's hook state
+        accelerator.load_state(str(resume))  # the model, the optimizer and every rank's hook state
         start = SAVE_AFTER
     logged = []
     for step in range(start, steps):
@@ -56,6 +59,12 @@ def main(out: Path, spec: str, steps: int, resume: str | None) -> None:
     torch.save([p.detach().clone() for p in model.parameters()], out / f"rank{accelerator.process_index}.pt")
     if accelerator.is_main_process:
         (out / "logged.json").write_text(json.dumps(logged))
+    return accelerator
+
+
+def main(out: Path, spec: str, steps: int) -> None:
+    train(out / "straight", spec, steps, None)
+    accelerator = train(out / "resumed", spec, steps, out / "straight" / "state")
     accelerator.end_training()  # which also destroys the process group, as PyTorch documents
     # What this job checks is written; gloo's processes still abort at exit now and then after
     # Accelerate's end_training (1 of about 8 runs here, "terminate called without an active exception",
@@ -66,4 +75,4 @@ def main(out: Path, spec: str, steps: int, resume: str | None) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)
+    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]))

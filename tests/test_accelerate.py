@@ -28,27 +28,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(out: Path, steps: int, resume: Path | None = None) -> None:
-    """``tests/accelerate_job.py`` as a user launches a script: ``accelerate launch``, two processes."""
+def launch(out: Path, steps: int) -> tuple[Path, Path]:
+    """``tests/accelerate_job.py`` as a user launches a script (``accelerate launch``, two processes):
+    the run straight through and the one resumed from the state it saved after 3 steps."""
     launcher = shutil.which("accelerate", path=str(Path(sys.executable).parent))
     assert launcher, "accelerate launch is not installed beside this Python"
     run_job([launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
              "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-             "-m", "tests.accelerate_job", str(out), SPEC, str(steps)], out, resume)  # fmt: skip
+             "-m", "tests.accelerate_job", str(out), SPEC, str(steps)], out)  # fmt: skip
+    return out / "straight", out / "resumed"
 
 
 @pytest.mark.timeout(600)
 def test_accelerate_trains_with_a_gradcomp_hook_logs_it_and_resumes_bitwise(tmp_path: Path) -> None:
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    launch(straight, 6)
+    straight, resumed = launch(tmp_path, 6)
     logged = json.loads((straight / "logged.json").read_text())
     assert len(logged) == 6 and all(step["hook/compression_ratio"] > 3 for step in logged), logged
     events = EventAccumulator(str(next((straight / "logs").rglob("events.out.tfevents.*")).parent))
     events.Reload()
     assert [e.step for e in events.Scalars("hook/wire_mb")] == list(range(6)), "the statistics in TensorBoard"
     assert alike(rank_parameters(straight, 0), rank_parameters(straight, 1))
-
-    launch(resumed, 6, resume=straight / "state")  # from the state saved after 3 steps
+    # the resumed run, from the state saved after 3 steps
     assert alike(rank_parameters(resumed, 0), rank_parameters(straight, 0))
     assert alike(rank_parameters(resumed, 1), rank_parameters(straight, 1))
 
