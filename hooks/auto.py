@@ -67,6 +67,7 @@ from gradcomp.engine.stats import StepStats, per_step, write_trace
 from gradcomp.flat import numel, views
 from gradcomp.hooks.auto_spec import DEFAULT_CANDIDATES, NAME, AutoSpec, is_auto_spec
 from gradcomp.hooks.ddp import ParameterKeys, check_saved, deliver, shapes_of
+from gradcomp.hooks.loss_scale import LossScale
 from gradcomp.state import TrainingHookState
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,8 @@ class AutoState(TrainingHookState):
         step, and a bucket whose tensors have different candidates is averaged in runs, one per candidate."""
         self.pending: dict[int, Tensor] = {}
         """Residuals of a compressor a tensor left, added to its next gradient (units of gradient / world)."""
+        self.loss_scale: LossScale | None = None
+        """The loss scale of the gradient scaler whose units the carried state follows (``scaler=``)."""
         self.decisions: list[dict[str, Any]] = []
         """Every decision: its step, the candidate of each bucket, the predictions, the reason."""
         self.compute: Workload | None = None
@@ -127,6 +130,22 @@ class AutoState(TrainingHookState):
         self._copies: dict[Bucket, Tensor] = {}
 
     # -- what DDP and the model call -------------------------------------------------------------
+
+    def follow(self, scaler: torch.amp.GradScaler) -> None:
+        """Keep what the hook carries between steps (every candidate's residuals, velocities and
+        estimates, and the residuals in hand-over between candidates) in the units of ``scaler``'s
+        loss scale, as a gradcomp hook does (:meth:`gradcomp.hooks.ddp.HookState.follow`)."""
+        self.loss_scale = LossScale(scaler)
+
+    def _follow_scale(self) -> None:
+        assert self.loss_scale is not None
+        ratio = self.loss_scale.change()
+        if ratio is None:
+            return
+        for engine in self.engines:
+            engine.compressor.rescale(ratio)
+        if self.pending:
+            torch._foreach_mul_(list(self.pending.values()), ratio)
 
     def forward_started(self, *_: Any) -> None:
         """The DDP module's forward pre-hook: a step (or a micro-batch) starts."""
@@ -146,6 +165,8 @@ class AutoState(TrainingHookState):
     def reduce(self, bucket: GradBucket) -> torch.futures.Future[Tensor]:
         """Average one of DDP's buckets with the candidate chosen for it."""
         now = time.perf_counter()
+        if self.loss_scale is not None and bucket.index() == 0:  # DDP hands buckets over in index order
+            self._follow_scale()
         parameters = bucket.parameters()
         keys, shapes = self.keys(parameters), shapes_of(parameters)
         identity = tuple(keys)
@@ -403,16 +424,19 @@ class AutoState(TrainingHookState):
 def register(model: torch.nn.parallel.DistributedDataParallel, spec: str | AutoSpec, **options: Any) -> AutoState:
     """Attach the ``auto`` hook to ``model`` (and the forward hooks that time its compute); returns
     its state (for statistics and checkpoints). ``options``: ``group`` (default: the model's),
-    ``timeout``, ``seed``, and ``link`` (a :class:`~gradcomp.collectives.cost_model.LinkCosts` to
+    ``timeout``, ``seed``, ``scaler`` (a mixed-precision run's ``GradScaler``, whose loss scale the
+    carried residuals follow), and ``link`` (a :class:`~gradcomp.collectives.cost_model.LinkCosts` to
     decide with instead of measuring the link: when you know it, or to test the decision)."""
     parsed = spec if isinstance(spec, AutoSpec) else AutoSpec.parse(spec)
-    unknown = sorted(set(options) - {"group", "timeout", "seed", "link"})
+    unknown = sorted(set(options) - {"group", "timeout", "seed", "link", "scaler"})
     if unknown:
-        raise TypeError(f"unknown option(s) {unknown} for the auto hook; valid: group, timeout, seed, link")
+        raise TypeError(f"unknown option(s) {unknown} for the auto hook; valid: group, timeout, seed, link, scaler")
     if options.get("seed") is not None:
         parsed = dataclasses.replace(parsed, seed=options["seed"])
     group = options.get("group") or model.process_group
     state = AutoState(parsed, group, options.get("timeout"), options.get("link"))
+    if options.get("scaler") is not None:
+        state.follow(options["scaler"])
     # Bookkeeping in Python (timestamps, lists): under torch.compile it runs as it is, not traced (a
     # traced branch on the list's length would recompile at every step up to dynamo's limit). Wrapped
     # here, not where they are defined: torch.compiler.disable imports dynamo, a second at every import.

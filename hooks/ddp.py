@@ -11,7 +11,6 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import GradBucket
 
-from gradcomp import host
 from gradcomp.collectives.executor import Handle
 from gradcomp.collectives.groups import as_timeout
 from gradcomp.engine import Engine
@@ -19,6 +18,7 @@ from gradcomp.engine.sharded import ShardedEngine, ShardSpec
 from gradcomp.engine.spec import HookSpec, HookSpecLike
 from gradcomp.engine.stats import StepStats, steps_since, write_trace
 from gradcomp.hooks.auto_spec import is_auto_spec
+from gradcomp.hooks.loss_scale import LossScale
 from gradcomp.state import TrainingHookState
 
 Hook = Callable[["HookState", GradBucket], torch.futures.Future[Tensor]]
@@ -76,9 +76,8 @@ class HookState(TrainingHookState):
         self.keys = ParameterKeys()
         self._group, self._timeout = group, timeout
         self._saved: dict[str, Any] | None = None  # loaded before the engine was made
-        self.scaler: torch.amp.GradScaler | None = None
-        """A gradient scaler whose loss scale the hook follows (:meth:`follow`)."""
-        self._scale: Tensor | None = None  # the scale the state's gradients were last in
+        self.loss_scale: LossScale | None = None
+        """The loss scale of the gradient scaler the hook follows (:meth:`follow`)."""
 
     def bind(self, group: dist.ProcessGroup | None = None) -> Engine | ShardedEngine | None:
         """The engine; made now if the hook was made before the process group, on ``group`` (or the
@@ -107,21 +106,14 @@ class HookState(TrainingHookState):
         before the step's first bucket, so that they are added to gradients of their own size.
         Costs: on the CPU nothing unless the scale changed; on an accelerator one multiply pass over
         them per step (deciding without it would read the scale on the host)."""
-        self.scaler = scaler
+        self.loss_scale = LossScale(scaler)
 
     def _follow_scale(self) -> None:
-        """At a step's first bucket: rescale the carried state if the loss scale changed."""
-        assert self.scaler is not None and isinstance(self.engine, Engine)
-        scale = self.scaler._get_scale_async()  # the scale tensor, not read on the host
-        if scale is None:  # a disabled scaler
-            return
-        if self._scale is None:
-            self._scale = scale.detach().clone()
-            return
-        if host.reads_are_free(scale.device) and bool(scale == self._scale):
-            return
-        self.engine.compressor.rescale(scale / self._scale)
-        self._scale.copy_(scale)
+        """At a step's start: rescale the carried state if the loss scale changed."""
+        assert self.loss_scale is not None
+        ratio = self.loss_scale.change()
+        if ratio is not None and self.engine is not None:
+            self.engine.compressor.rescale(ratio)
 
     def steps_since(self, first: int) -> list[StepStats]:
         return [] if self.engine is None else steps_since(self.engine.records, first)
@@ -178,7 +170,7 @@ def gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[
     if engine is None:  # noop: the compute floor
         return unchanged(bucket)
     assert isinstance(engine, Engine), "a sharded engine reduce-scatters for FSDP2, not for DDP"
-    if state.scaler is not None and bucket.index() == 0:  # DDP hands buckets over in index order
+    if state.loss_scale is not None and bucket.index() == 0:  # DDP hands buckets over in index order
         state._follow_scale()
     keys, shapes = None, None
     if engine.per_tensor:

@@ -80,6 +80,8 @@ class CompressedReduceScatter(ReduceScatter if ReduceScatter is not None else ob
                 torch.div(input_tensor.view(world, -1)[group.rank()], divisor, out=output_tensor)
             else:
                 assert isinstance(engine, ShardedEngine)
+                if self.state.loss_scale is not None and engine.calls.starts_step(self.key):
+                    self.state._follow_scale()
                 engine.reduce_scatter(output_tensor, input_tensor, divisor, self.key)
         except Exception as error:
             self.state.error = self.state.error or error  # the first is the cause; later ones its consequences
@@ -136,6 +138,7 @@ def fsdp(
     algo: str | None = None,
     seed: int | None = None,
     timeout: datetime.timedelta | float | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> HookState:
     """Install gradcomp's reduce-scatter on every FSDP2 module of ``model`` that holds parameters
     (call it after ``fully_shard``, on every rank); returns the hook's state (statistics and
@@ -154,6 +157,9 @@ def fsdp(
         algo, seed: defaults for the spec's ``algo`` and ``seed`` where its text sets none.
         timeout: what any collective of the hook may take before it fails, naming the peer;
             default: ``group``'s own.
+        scaler: the ``torch.amp.GradScaler`` of a mixed-precision run: error feedback's residuals
+            then follow its loss scale, rescaled at a step's first reduce-scatter when it changed
+            (:meth:`~gradcomp.hooks.ddp.HookState.follow`).
     """
     timeout = as_timeout(timeout)  # a number of seconds, or refused here
     if not available():
@@ -167,6 +173,8 @@ def fsdp(
         group = shard_group(modules[0][1])
     engine = None if parsed.noop else ShardedEngine(parsed, group=group, timeout=timeout)
     state = HookState(parsed, engine, dist.get_world_size(group))
+    if scaler is not None:
+        state.follow(scaler)
     for name, module in modules:
         module.set_custom_reduce_scatter(CompressedReduceScatter(state, name))
         if parsed.param_bits:

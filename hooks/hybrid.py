@@ -69,6 +69,8 @@ class HSDPState(HookState):
         assert isinstance(engine, Engine)
         if self._calls == 0:  # the step ends with backward: FSDP2's last module reduces before that
             torch.autograd.Variable._execution_engine.queue_callback(self._end_step)
+            if self.loss_scale is not None:
+                self._follow_scale()
         bucket, self._calls = self._calls, self._calls + 1
         engine.reduce(shard, [(key, shard.numel())], [shard.shape], bucket, last=False).wait()
         record = engine.records[-1]  # the hook waits: the newest record is this call's
@@ -160,6 +162,7 @@ def hsdp(
     aggregation: str | None = None,
     seed: int | None = None,
     timeout: datetime.timedelta | float | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> HSDPState:
     """Average an FSDP2 model's gradient shards across its replicas through ``spec`` (HSDP with a
     compressed all-reduce across nodes). Call it after ``fully_shard`` over each node's ranks (a 1-D
@@ -178,6 +181,8 @@ def hsdp(
             a block of consecutive ranks (node-major ranks, as torchrun and ``init_device_mesh`` lay out).
         algo, aggregation, seed: defaults for the spec's options where its text sets none.
         timeout: what any collective of the hook may take before it fails, naming the peer.
+        scaler: the ``torch.amp.GradScaler`` of a mixed-precision run: error feedback's residuals
+            then follow its loss scale (:meth:`~gradcomp.hooks.ddp.HookState.follow`).
     """
     timeout = as_timeout(timeout)  # a number of seconds, or refused here
     if not available():
@@ -191,6 +196,8 @@ def hsdp(
     across = _replicate_group(replicate, inside, local, world)
     engine = None if parsed.noop else Engine(parsed, group=across, timeout=timeout)
     state = HSDPState(parsed, engine, dist.get_world_size(across), local)
+    if scaler is not None:
+        state.follow(scaler)
     if engine is not None:
         for name, module in modules:
             reduce_scatter = NodeReduceScatter()

@@ -34,6 +34,7 @@ import collections
 import dataclasses
 import math
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -298,17 +299,30 @@ class TorchHookState(TrainingHookState):
 
 
 def register(
-    model: torch.nn.parallel.DistributedDataParallel, spec: TorchHookSpec | str, seed: int = 0
+    model: torch.nn.parallel.DistributedDataParallel,
+    spec: TorchHookSpec | str,
+    seed: int = 0,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> TorchHookState:
     """Attach torch's hook ``spec`` to ``model`` (on the group it communicates on) and return its state.
 
     ``torch:allreduce`` registers nothing (DDP's built-in path); its steps are recorded by a forward
     pre-hook on ``model`` (each training forward outside ``no_sync`` is a step), each sending every gradient that
-    requires one. ``seed`` seeds PowerSGD's generator (as a gradcomp hook's ``seed``).
+    requires one. ``seed`` seeds PowerSGD's generator (as a gradcomp hook's ``seed``). ``scaler`` is
+    taken as gradcomp's hooks take it, and has nothing to follow in torch's casts and all-reduce (they
+    keep nothing between steps); torch's PowerSGD keeps its error feedback at the scale it was made in
+    (a warning says so: gradcomp's ``powersgd`` follows it).
     """
     parsed = spec if isinstance(spec, TorchHookSpec) else TorchHookSpec.parse(spec)
     if parsed.powersgd is not None:
         _check_powersgd(parsed.powersgd, model)
+        if scaler is not None and scaler.is_enabled():
+            warnings.warn(
+                f"{parsed}: torch's PowerSGD keeps its error feedback at the loss scale it was made in; when the "
+                "scaler changes the scale, the residuals are added at the wrong size (gradcomp's powersgd:ef=true "
+                "follows the scale)",
+                stacklevel=2,
+            )
     state = TorchHookState(parsed, model, seed)
     if parsed.name == BUILTIN:
         gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

@@ -322,3 +322,41 @@ def test_fsdp_divisors_follow_its_ops() -> None:
     assert fsdp2.divisor_of(ReduceOp.PREMUL_SUM(0.4), 4) == pytest.approx(2.5)
     with pytest.raises(ValueError, match="SUM, AVG"):
         fsdp2.divisor_of(dist.ReduceOp.MAX, 4)
+
+
+def under_a_changing_scale(rank: int, world: int) -> Failures:
+    """A GradScaler whose scale doubles every step, given to the hook (``scaler=``): 4-bit codes
+    with error feedback train bitwise as without a scaler (residuals rescale exactly at a step's
+    first reduce-scatter); a hook that does not follow the scale trains otherwise."""
+    failures = Failures()
+
+    def trained(scaled: bool, follow: bool) -> list[torch.Tensor]:
+        net = sharded()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1) if scaled else None
+        hooks.fsdp(net, "quantize:bits=4,ef=true", scaler=scaler if follow else None)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+        for step in range(6):
+            optimizer.zero_grad()
+            loss = net(batch(rank, step)).square().mean()
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+                continue
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        assert scaler is None or scaler.get_scale() == 2.0**10, "the scale doubled at each of 6 steps"
+        return [p.full_tensor().clone() for p in net.parameters()]
+
+    plain = trained(scaled=False, follow=False)
+    followed = trained(scaled=True, follow=True)
+    failures.expect(all(torch.equal(a, b) for a, b in zip(followed, plain, strict=True)),
+                    "under a changing scale it differs from the run without a scaler")  # fmt: skip
+    lost = trained(scaled=True, follow=False)
+    failures.expect(not all(torch.equal(a, b) for a, b in zip(lost, plain, strict=True)),
+                    "not following the scale changes nothing: the test proves nothing")  # fmt: skip
+    return failures
+
+
+def test_error_feedback_follows_the_loss_scale_under_fsdp2() -> None:
+    run_checks(2, under_a_changing_scale, timeout=120)

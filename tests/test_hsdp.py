@@ -208,3 +208,37 @@ def test_bad_hsdp_specs_are_refused_without_a_process_group(spec: str, message: 
 def test_hsdp_specs_in_runs_take_gradcomp_or_fsdp2s_own() -> None:
     assert hooks.parse_hybrid("quantize:bits=4,ef=true", seed=3) == hooks.parse("quantize:bits=4,ef=true,seed=3")
     assert isinstance(hooks.parse_hybrid("torch:bf16"), hooks.TorchFSDPSpec)
+
+
+def under_a_changing_scale(rank: int, world: int) -> Failures:
+    """A GradScaler whose scale doubles every step, given to the HSDP hook (``scaler=``): 4-bit codes
+    with error feedback across nodes train bitwise as without a scaler; not following it differs."""
+    failures = Failures()
+
+    def trained(scaled: bool, follow: bool) -> list[torch.Tensor]:
+        grid = mesh()
+        net = sharded(grid["shard"])
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1) if scaled else None
+        hooks.hsdp(net, "quantize:bits=4,ef=true", replicate=grid.get_group("replicate"),
+                   scaler=scaler if follow else None)  # fmt: skip
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+        for step in range(5):
+            optimizer.zero_grad()
+            loss = net(batch(rank, step)).square().mean()
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+                continue
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        return [p.to_local().detach().clone() for p in net.parameters()]
+
+    plain = trained(scaled=False, follow=False)
+    failures.expect(equal(trained(scaled=True, follow=True), plain), "under a changing scale: not the run without one")
+    failures.expect(not equal(trained(scaled=True, follow=False), plain), "not following the scale changes nothing")
+    return failures
+
+
+def test_error_feedback_across_nodes_follows_the_loss_scale() -> None:
+    run_checks(4, under_a_changing_scale, timeout=120)

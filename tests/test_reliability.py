@@ -17,7 +17,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradcomp import hooks
+from gradcomp.collectives.cost_model import LinkCosts
 from gradcomp.engine.spec import HookSpec
+from gradcomp.hooks.auto import AutoState
 from tests.distributed import (
     Failures,
     parameters_identical_on_all_ranks,
@@ -63,40 +65,56 @@ def test_one_non_finite_batch_skips_one_step_under_gradscaler() -> None:
     run_checks(2, nan_at_step_5, (specs,), timeout=240)
 
 
+def train_under_a_scale(
+    rank: int, spec: str, scaled: bool, follow: bool, hand_over_at: int | None = None, **options: Any
+) -> list[torch.Tensor]:
+    """8 steps of DDP with ``spec`` (``options`` to ``hooks.register``) under a GradScaler whose scale
+    doubles every step (``scaled``), given to the hook when ``follow``. ``hand_over_at``: after that
+    step, ``auto`` hands every tensor back to its first candidate (their residuals wait, pending,
+    for the next step's gradients: made at one scale, added at the next)."""
+    ddp = DistributedDataParallel(toy_model(), bucket_cap_mb=0.005)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1) if scaled else None
+    state = hooks.register(ddp, spec, scaler=scaler if follow else None, **options)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(toy_batches(rank, 8)):
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        if step == hand_over_at:
+            assert isinstance(state, AutoState) and state.choice, "auto chose no compressor to hand over from"
+            state._install(dict.fromkeys(state.choice, 0))
+            assert state.pending, "no residual in hand-over"
+    assert scaler is None or scaler.get_scale() == 2.0**12, "the scale doubled at each of 8 steps"
+    return [p.detach().clone() for p in ddp.parameters()]
+
+
 def under_a_changing_scale(rank: int, world: int, specs: list[str]) -> Failures:
     """Error feedback under a GradScaler whose scale doubles every step: the hook that follows the
     scaler trains bitwise as it does without a scaler (a loss scale changes by powers of two, so
     every residual rescales exactly); one that does not follow it trains otherwise (its residuals
-    are added at the size of the scale they were made in)."""
+    are added at the size of the scale they were made in). ``auto`` (a dear link: it compresses from
+    its decision at step 2) with its residuals in hand-over too."""
     failures = Failures()
-
-    def trained(spec: str, scaled: bool, follow: bool) -> list[torch.Tensor]:
-        ddp = DistributedDataParallel(toy_model(), bucket_cap_mb=0.005)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1) if scaled else None
-        hooks.register(ddp, spec, scaler=scaler if follow else None)
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for x, y in toy_batches(rank, 8):
-            optimizer.zero_grad()
-            loss = nn.functional.cross_entropy(ddp(x), y)
-            if scaler is None:
-                loss.backward()
-                optimizer.step()
-                continue
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        assert scaler is None or scaler.get_scale() == 2.0**12, "the scale doubled at each of 8 steps"
-        return [p.detach().clone() for p in ddp.parameters()]
-
-    for spec in specs:
-        plain = trained(spec, scaled=False, follow=False)
-        followed = trained(spec, scaled=True, follow=True)
+    cases: list[tuple[str, dict[str, Any]]] = [(spec, {}) for spec in specs]
+    cases.append((AUTO_TOPK, {"link": LinkCosts(1e-3, 1e-6), "hand_over_at": 4}))
+    for spec, options in cases:
+        plain = train_under_a_scale(rank, spec, scaled=False, follow=False, **options)
+        followed = train_under_a_scale(rank, spec, scaled=True, follow=True, **options)
         failures.expect(all(torch.equal(a, b) for a, b in zip(followed, plain, strict=True)),
                         f"{spec}: under a changing scale it differs from the run without a scaler")  # fmt: skip
-        lost = trained(spec, scaled=True, follow=False)
+        lost = train_under_a_scale(rank, spec, scaled=True, follow=False, **options)
         failures.expect(not all(torch.equal(a, b) for a, b in zip(lost, plain, strict=True)),
                         f"{spec}: not following the scale changes nothing: the test proves nothing")  # fmt: skip
     return failures
+
+
+AUTO_TOPK = "auto:candidates=topk:ratio=0.05,ef=true,measure_at=2,check_every=1000"
 
 
 def test_error_feedback_follows_the_loss_scale() -> None:

@@ -90,6 +90,10 @@ class CallSteps:
         self.step = 0
         self._seen: set[Any] = set()
 
+    def starts_step(self, key: Any) -> bool:
+        """Whether a call for ``key`` now would be its step's first."""
+        return not self._seen or key in self._seen
+
     def number(self, key: Any) -> tuple[int, int]:
         """``(step, index within the step)`` of a call for ``key``."""
         if key in self._seen:
