@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import random
 import signal
 import time
 from pathlib import Path
@@ -511,3 +512,72 @@ def test_a_synchronization_in_flight_at_exit_lands_before_the_interpreter_ends(t
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "in flight before exit: 1" in done.stdout and "in flight at the end: 0" in done.stdout, done.stdout
+
+
+def nan_scenarios(count: int, seed: int) -> list[dict[str, Any]]:
+    """``count`` seeded draws of a DiLoCo run and its faults: the inner optimizer, the fragments,
+    the delay, how often, the compressor, and one to three steps where one rank's loss is NaN or Inf."""
+    generator = random.Random(seed)
+    scenarios = []
+    for _ in range(count):
+        events = sorted({(generator.randint(1, 40), generator.randint(0, 1)) for _ in range(generator.randint(1, 3))})
+        scenarios.append({
+            "inner": generator.choice(["sgd", "adamw"]),
+            "fragments": generator.choice([1, 2, 3]),
+            "delay": generator.choice([0, 1, 2]),
+            "every": generator.choice([4, 6]),
+            "spec": generator.choice(["allreduce", "quantize:bits=4,ef=true", "sign:ef=true"]),
+            "events": [(step, rank, generator.choice(["nan", "inf"])) for step, rank in events],
+        })  # fmt: skip
+    return scenarios
+
+
+NAN_STEPS = 60
+
+
+def nan_at_random(rank: int, world: int, scenarios: list[dict[str, Any]]) -> Failures:
+    """Each scenario: the synchronizations a bad step reaches are skipped (each within every + 2 x delay
+    steps of a fault: the next to start and those that start while it is in flight), every replica
+    restarts finite, the ranks' global models stay bitwise alike, and the global model moves again
+    after the last fault's window."""
+    failures = Failures()
+    for scenario in scenarios:
+        where = ", ".join(f"{k}={v}" for k, v in scenario.items())
+        every, delay = scenario["every"], scenario["delay"]
+        model = toy_model()
+        optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-2) if scenario["inner"] == "adamw"
+                     else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))  # fmt: skip
+        outer = DiLoCo(model, optimizer, every=every, spec=scenario["spec"], fragments=scenario["fragments"],
+                       delay=delay)  # fmt: skip
+        faults = {(step, at): kind for step, at, kind in scenario["events"]}
+        window = every + 2 * delay
+        settled = max(step for step, _, _ in scenario["events"]) + window
+        before = None
+        for step, (x, y) in enumerate(toy_batches(rank, NAN_STEPS), 1):
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            if (step, rank) in faults:
+                loss = loss * float(faults[step, rank])
+            loss.backward()
+            optimizer.step()
+            outer.step()
+            if step == settled:
+                before = [g.clone() for g in outer.globals]
+        outer.flush()
+        skipped = [s.step + 1 for s in outer.steps() if s.skipped]  # records count steps from 0
+        unexplained = [s for s in skipped if not any(e <= s <= e + window for e, _, _ in scenario["events"])]
+        failures.expect(not unexplained, f"{where}: synchronizations skipped at {unexplained}, far from any fault")
+        failures.expect(all(bool(torch.isfinite(g).all()) for g in outer.globals), f"{where}: globals not finite")
+        failures.expect(all(bool(torch.isfinite(p).all()) for p in model.parameters()), f"{where}: replica not finite")
+        failures.expect(parameters_identical_on_all_ranks(outer.globals), f"{where}: the ranks' global models differ")
+        assert before is not None
+        moved = any(not torch.equal(a, b) for a, b in zip(before, outer.globals, strict=True))
+        failures.expect(moved, f"{where}: the global model stood still after the faults")
+    return failures
+
+
+def test_nan_at_random_steps_and_ranks_costs_only_the_synchronizations_it_reaches() -> None:
+    """Seeded draws (the same every run; another seed: GRADCOMP_FAULT_SEED) over fragment counts,
+    delays, compressors and SGD or AdamW inside."""
+    seed = int(os.environ.get("GRADCOMP_FAULT_SEED", "0"))
+    run_checks(2, nan_at_random, (nan_scenarios(8, seed),), timeout=240)
