@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -360,3 +362,66 @@ def under_a_changing_scale(rank: int, world: int) -> Failures:
 
 def test_error_feedback_follows_the_loss_scale_under_fsdp2() -> None:
     run_checks(2, under_a_changing_scale, timeout=120)
+
+
+def nan_at_step_3(rank: int, world: int) -> Failures:
+    """Under FSDP2 and a GradScaler the hook follows, an Inf in rank 0's batch at step 3 skips exactly
+    that step; the residuals stay clean (every later step is taken), the model finite and the same
+    on every rank."""
+    failures = Failures()
+    for spec in ("quantize:bits=4,ef=true", "topk:ratio=0.25,ef=true", "sign:ef=true,algo=ring"):
+        net = sharded()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        hooks.fsdp(net, spec, scaler=scaler)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+        skipped = []
+        for step in range(8):
+            x = batch(rank, step)
+            if step == 3 and rank == 0:
+                x[0, 0] = float("inf")
+            optimizer.zero_grad()
+            scaler.scale(net(x).square().mean()).backward()
+            scale = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            skipped.append(scaler.get_scale() < scale)
+        failures.expect(skipped == [i == 3 for i in range(8)], f"{spec}: skipped steps {skipped}")
+        full = [p.full_tensor() for p in net.parameters()]
+        failures.expect(all(bool(torch.isfinite(p).all()) for p in full), f"{spec}: non-finite model")
+        failures.expect(identical_on_all_ranks(torch.cat([p.reshape(-1) for p in full])), f"{spec}: ranks differ")
+    return failures
+
+
+def test_one_non_finite_batch_skips_one_step_under_gradscaler() -> None:
+    run_checks(2, nan_at_step_3, timeout=120)
+
+
+def frozen_peer(rank: int, world: int, record: str) -> None:
+    """Rank 1 freezes (SIGSTOP) after a step; rank 0's next backward must fail within the group's
+    timeout naming rank 1 (gradcomp's ring), its hook state keeping the error."""
+    net = sharded(reshard_after_forward=False)
+    state = hooks.fsdp(net, "quantize:bits=4,ef=true,algo=ring")
+    pids: list[int | None] = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    gradients(net, rank, 1)
+    loss = net(batch(rank, 1)).square().sum()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # until rank 0 has its error and wakes this one up
+        return
+    began = time.monotonic()
+    try:
+        loss.backward()
+        error = "no error"
+    except RuntimeError as caught:
+        error = f"{type(caught).__name__}: {caught}"
+    elapsed = time.monotonic() - began
+    os.kill(pids[1], signal.SIGCONT)  # type: ignore[arg-type]
+    Path(record).write_text(repr({"elapsed": elapsed, "error": error, "kept": type(state.error).__name__}))
+
+
+def test_a_frozen_peer_is_an_error_naming_it_within_the_timeout(tmp_path: Path) -> None:
+    record = tmp_path / "rank0.txt"
+    spawn_ranks(2, frozen_peer, (str(record),), timeout=120, group_timeout=GROUP_TIMEOUT)
+    seen = eval(record.read_text())  # written by rank 0 with repr()
+    assert seen["elapsed"] < 6 * GROUP_TIMEOUT, seen
+    assert "rank 1" in seen["error"] and seen["kept"] == "PeerError", seen

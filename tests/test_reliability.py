@@ -31,18 +31,22 @@ from tests.toy_ddp import sgd_steps, toy_batches, toy_model, wrap
 
 GROUP_TIMEOUT = 5.0
 """What init_process_group is given in the fault scenarios: every wait must end within about this."""
+AUTO_TOPK = "auto:candidates=topk:ratio=0.05,ef=true,measure_at=2,check_every=1000"
+"""``auto`` with one lossy candidate, deciding once (at step 2): given a dear link, it compresses from then on."""
 
 
 # -- one NaN does not end training ---------------------------------------------------------------
 
 
 def nan_at_step_5(rank: int, world: int, specs: list[str]) -> Failures:
-    """GradScaler skips exactly the step whose batch held an Inf (on rank 0 only), then trains on."""
+    """GradScaler skips exactly the step whose batch held an Inf (on rank 0 only), then trains on
+    (the hook follows the scaler; ``auto`` compresses from its decision at step 2, a dear link)."""
     failures = Failures()
     for spec in specs:
-        ddp, _ = wrap(toy_model(), spec)
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        options = {"link": LinkCosts(1e-3, 1e-6)} if spec.startswith("auto") else {}
+        ddp, _ = wrap(toy_model(), spec, scaler=scaler, **options)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
         skipped = []
         for step, (x, y) in enumerate(toy_batches(rank, 12)):
             if step == 5 and rank == 0:
@@ -61,7 +65,7 @@ def nan_at_step_5(rank: int, world: int, specs: list[str]) -> Failures:
 
 
 def test_one_non_finite_batch_skips_one_step_under_gradscaler() -> None:
-    specs = ["topk:ratio=0.1,ef=true", "powersgd:rank=2,ef=true", "fp16:ef=true", "sign:ef=true"]
+    specs = ["topk:ratio=0.1,ef=true", "powersgd:rank=2,ef=true", "fp16:ef=true", "sign:ef=true", AUTO_TOPK]
     run_checks(2, nan_at_step_5, (specs,), timeout=240)
 
 
@@ -112,9 +116,6 @@ def under_a_changing_scale(rank: int, world: int, specs: list[str]) -> Failures:
         failures.expect(not all(torch.equal(a, b) for a, b in zip(lost, plain, strict=True)),
                         f"{spec}: not following the scale changes nothing: the test proves nothing")  # fmt: skip
     return failures
-
-
-AUTO_TOPK = "auto:candidates=topk:ratio=0.05,ef=true,measure_at=2,check_every=1000"
 
 
 def test_error_feedback_follows_the_loss_scale() -> None:
@@ -196,13 +197,16 @@ def test_empty_and_complex_parameters_train_with_every_kind_of_hook() -> None:
 
 def frozen_or_absent_peer(rank: int, world: int, how: str, spec: str, record: str) -> dict[str, Any]:
     """Rank 1 freezes (SIGSTOP) or raises and stays alive; rank 0's next step must fail within the
-    group's timeout, naming rank 1, and its hook state keeps gradcomp's own error."""
-    ddp, state = wrap(toy_model(), spec)
+    group's timeout, naming rank 1, and its hook state keeps gradcomp's own error. ``auto`` decides
+    at step 2 (a dear link: to compress) and trains two more steps before rank 1 stops."""
+    together = 4 if spec.startswith("auto") else 2  # steps before rank 1 stops
+    options = {"link": LinkCosts(1e-3, 1e-6)} if spec.startswith("auto") else {}
+    ddp, state = wrap(toy_model(), spec, **options)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     pids: list[int | None] = [None] * world
     dist.all_gather_object(pids, os.getpid())
-    batches = toy_batches(rank, 3)
-    sgd_steps(ddp, optimizer, batches[:2])
+    batches = toy_batches(rank, together + 1)
+    sgd_steps(ddp, optimizer, batches[:together])
     if rank == 1:
         if how == "frozen":
             os.kill(os.getpid(), signal.SIGSTOP)  # until rank 0 has its error and wakes this one up
@@ -211,7 +215,7 @@ def frozen_or_absent_peer(rank: int, world: int, how: str, spec: str, record: st
         return {}
     began = time.monotonic()
     try:
-        sgd_steps(ddp, optimizer, batches[2:])
+        sgd_steps(ddp, optimizer, batches[together:])
         error = "no error"
     except RuntimeError as caught:
         error = str(caught)
@@ -229,6 +233,7 @@ def frozen_or_absent_peer(rank: int, world: int, how: str, spec: str, record: st
         ("alive", "topk:ratio=0.1,ef=true,algo=ring", "rank 1"),
         ("frozen", "topk:ratio=0.1,ef=true", "rank 0 of 2: the backend's all-gather of a bucket failed"),
         ("frozen", "allreduce", "rank 0 of 2: the backend's all-reduce of a bucket failed"),
+        ("frozen", "auto:candidates=topk:ratio=0.1,ef=true,algo=ring,measure_at=2,check_every=1000", "rank 1"),
     ],
 )
 def test_a_frozen_or_silent_peer_is_an_error_within_the_timeout(
