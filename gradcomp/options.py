@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, Union
 
 Options = TypeVar("Options")
+Parsed = TypeVar("Parsed")
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -53,6 +54,17 @@ def split_list(text: str, continues: Callable[[str, str], bool] | None = None) -
                 items.append(piece)
             starts = False
     return items
+
+
+def parse_naming(text: str, parse: Callable[[str], Parsed]) -> Parsed:
+    """``parse(text)``, where a ValueError names ``text`` as it was typed: a command line's list holds
+    several specs, and an error deep in one may name only its compressor, or its canonical text."""
+    try:
+        return parse(text)
+    except ValueError as error:
+        if text.strip() in str(error):
+            raise
+        raise ValueError(f"{text.strip()!r}: {error}") from None
 
 
 def split_spec(text: str) -> tuple[str, dict[str, str]]:

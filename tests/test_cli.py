@@ -102,3 +102,19 @@ def test_bench_collectives_refuses_bad_arguments(
     with pytest.raises(SystemExit):
         main(["bench", "collectives", *argv])
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "--ranks", "2", "--net", "1gbit", "--model", "mlp", "--candidates", "fp16;topk:ratio=2"],
+        ["bench", "ddp", "--ranks", "2", "--hooks", "fp16;topk:ratio=2"],
+        ["bench", "compressors", "--specs", "fp16;topk:ratio=2", "--sizes", "1K"],
+    ],
+)
+def test_a_bad_spec_in_a_list_is_named_as_typed(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """A list of specs may hold several of one compressor: the error names the one typed, not only
+    its compressor (and before anything is measured)."""
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert "'topk:ratio=2': invalid options for 'topk': ratio must be in (0, 1], got 2.0" in capsys.readouterr().err

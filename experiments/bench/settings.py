@@ -7,6 +7,7 @@ import dataclasses
 
 from gradcomp.experiments.bench.modes import DDP, NOOP, Mode
 from gradcomp.experiments.bench.workloads import PRESETS, BenchModel, UserModel
+from gradcomp.options import parse_naming
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +86,11 @@ class BenchSettings:
         """Every variant, in the tables' order: ``noop``, the anchor and torch's (in their canonical
         text), then each of :attr:`specs` as given (stripped) unless it repeats one before it."""
         torch_hooks = self.mode.torch_hooks if self.torch_hooks is None else self.torch_hooks
-        baselines = list(dict.fromkeys([NOOP, self.mode.anchor, *(self.mode.torch_canonical(h) for h in torch_hooks)]))
+        torch_canonical = [parse_naming(h, self.mode.torch_canonical) for h in torch_hooks]
+        baselines = list(dict.fromkeys([NOOP, self.mode.anchor, *torch_canonical]))
         seen, given = set(baselines), []
         for spec in self.specs:
-            canonical = self.mode.canonical(spec)
+            canonical = parse_naming(spec, self.mode.canonical)
             if canonical not in seen:
                 seen.add(canonical)
                 given.append(spec.strip())

@@ -40,6 +40,7 @@ from gradcomp.cost.roofline import DEVICES, RooflineTable
 from gradcomp.cost.step import Method, Workload, method_of
 from gradcomp.experiments.report.analysis import short_name
 from gradcomp.hooks.torch_hooks import TorchHookSpec, is_torch_spec
+from gradcomp.options import parse_naming
 
 LAYER = 2048
 """``--params N`` is priced as layers of LAYER x LAYER (and a remainder)."""
@@ -205,7 +206,8 @@ def _kernels(device: str, profile: Profile | None, path: str | None) -> tuple[Ke
 
 def methods_of(candidates: Sequence[str], torch_hooks: Sequence[str]) -> list[Method]:
     """gradcomp's candidates and torch's hooks as cost-model methods (a bad spec is refused here)."""
-    found = [method_of(c) for c in candidates] + [TorchHookSpec.parse(t).cost_method() for t in torch_hooks]
+    found = [parse_naming(c, method_of) for c in candidates]
+    found += [parse_naming(t, TorchHookSpec.parse).cost_method() for t in torch_hooks]
     if any(m.spec.noop for m in found):
         raise ValueError("noop sends nothing, so its replicas drift apart: it is no candidate for averaging gradients")
     labels = [m.label for m in found]

@@ -23,6 +23,7 @@ from gradcomp.bench.timing import median_seconds
 from gradcomp.bench.units import format_elements
 from gradcomp.compressors import Aggregation, Compressor, make_compressor, parse_spec
 from gradcomp.compressors.sparse import kept
+from gradcomp.options import parse_naming
 
 DEFAULT_SPECS = (
     "none",
@@ -182,7 +183,7 @@ def run(
     sizes: Sequence[int], specs: Sequence[str] = DEFAULT_SPECS, repeats: int = 5, seed: int = 0, device: str = "cpu"
 ) -> tuple[list[Reference], list[Row]]:
     """Time every spec at every size; the references come from the same run."""
-    parsed = [parse_spec(spec) for spec in specs]  # refuse a bad spec before timing anything
+    parsed = [parse_naming(spec, parse_spec) for spec in specs]  # refuse a bad spec before timing anything
     references, rows = [], []
     for numel in sizes:
         x = gradient(numel, seed, device)
