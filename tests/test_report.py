@@ -345,3 +345,37 @@ def test_parallel_modes_are_groups_of_their_own_and_unreadable_runs_are_listed(t
     page = (tmp_path / "report.html").read_text()
     assert "3 unreadable (listed at the end)" in page and "Runs that could not be read (3)" in page
     assert "- unreadable: cut: run.json unreadable: JSONDecodeError" in (tmp_path / "report.md").read_text()
+
+
+def _write_step_time_run(root: Path, hook: str, seed: int, steps_per_s: float) -> None:
+    """A finished run of the synthetic task: no evaluation, its headline the steps per second."""
+    name = f"synthetic-mlp_{re.sub(r'[^A-Za-z0-9._=+]+', '-', hook)}_p2_loopback_seed{seed}"
+    record = {
+        "name": name, "world_size": 2, "status": "finished",
+        "config": {"task": "synthetic", "hook": hook, "network": "loopback", "ranks": 2, "seed": seed},
+        "task": {"name": "synthetic", "model": "mlp", "headline": "steps_per_s"},
+        "environment": {"cpu": "Fixture CPU", "cpus": 2, "torch": "2.13.0", "backend": "gloo"},
+        "metrics": {"step": STEPS, "steps_per_s": steps_per_s, "train_time_s": STEPS / steps_per_s, "wire_bytes": 0},
+    }  # fmt: skip
+    runinfo.write(str(root / name), record)
+    points = [{"kind": "train", "step": s, "time_s": s / steps_per_s, "wire_bytes": 0, "loss": 2.3}
+              for s in range(10, STEPS + 1, 10)]  # fmt: skip
+    with open(root / name / "curves.jsonl", "w") as file:
+        file.writelines(json.dumps(p) + "\n" for p in points)
+
+
+def test_a_step_time_study_compares_steps_per_second_without_a_target(tmp_path: Path) -> None:
+    """The synthetic task has no evaluation: its runs compare by steps per second (no target for the
+    baseline to miss, no time to reach one), the fastest named with its ratio to the baseline's."""
+    for seed, (base, fp16) in enumerate(((20.0, 30.0), (22.0, 33.0))):
+        _write_step_time_run(tmp_path, "torch:allreduce", seed, base)
+        _write_step_time_run(tmp_path, "fp16", seed, fp16)
+    (group,) = analysis.analyze(records.load(str(tmp_path)))
+    assert group.baseline == "torch:allreduce" and group.target is None
+    fp16 = group.method("fp16")
+    assert fp16 is not None and fp16.speedup_vs_baseline == pytest.approx(31.5 / 21.0)
+    assert fp16.final_p is not None and fp16.time_to_target is None and not fp16.times_to_target
+    assert group.verdict.startswith("A step-time study")
+    assert "fp16 is fastest: 31.5 steps_per_s, 1.50x torch:allreduce's" in group.verdict
+    assert main(["report", str(tmp_path), "--markdown", str(tmp_path / "report.md")]) == 0
+    assert "not reached" not in (tmp_path / "report.md").read_text()

@@ -60,6 +60,12 @@ class Metric:
         return not any(word in self.name for word in ("loss", "perplexity"))
 
     @property
+    def is_rate(self) -> bool:
+        """A run's figure with no evaluation behind it (``steps_per_s``: a step-time study on
+        synthetic data): there is no curve to reach a target on, so methods compare by the figure."""
+        return not self.key.startswith("eval_")
+
+    @property
     def percent(self) -> bool:
         """Shown in percent, its tolerance in percentage points."""
         return "accuracy" in self.name
@@ -244,6 +250,16 @@ def _group(
         return group
     group.baseline = chosen.hook
     assert chosen.final_mean is not None
+    for method in methods:
+        sent, base = method.wire_mb_per_step, chosen.wire_mb_per_step
+        method.fewer_bytes = base / sent if base is not None and sent else None
+        method.final_p = _welch(method.final, chosen.final) if method is not chosen else None
+    if metric.is_rate:
+        for method in methods:
+            if method.final_mean is not None and chosen.final_mean:
+                method.speedup_vs_baseline = method.final_mean / chosen.final_mean
+        group.verdict = rate_verdict(group)
+        return group
     group.target = metric.target(chosen.final_mean, tolerance)
     for method in methods:
         method.times_to_target = [time_to_target(r.evals, metric, group.target) for r in method.finished]
@@ -251,13 +267,10 @@ def _group(
         if mean is not None:
             points = [{"time_s": x, metric.name: y} for x, y in zip(mean.x, mean.mean, strict=True)]
             method.time_to_target = time_to_target(points, metric, group.target)
-        method.final_p = _welch(method.final, chosen.final) if method is not chosen else None
     torch_reached = [m for m in methods if m.torch and m.time_to_target is not None]
     fastest_torch = min(torch_reached, key=lambda m: m.time_to_target or math.inf, default=None)
     group.fastest_torch = fastest_torch.hook if fastest_torch else None
     for method in methods:
-        sent, base = method.wire_mb_per_step, chosen.wire_mb_per_step
-        method.fewer_bytes = base / sent if base is not None and sent else None
         if method.time_to_target is None:
             continue
         if chosen.time_to_target:
@@ -277,6 +290,20 @@ def time_to_target(evals: Sequence[dict[str, Any]], metric: Metric, target: floa
         if value is not None and metric.meets(value, target):
             return float(point["time_s"])
     return None
+
+
+def rate_verdict(group: Group) -> str:
+    """One line for a step-time study (no evaluation): the method with the highest figure, against
+    the baseline's."""
+    assert group.metric is not None
+    measured = [m for m in group.methods if m.final_mean is not None]
+    best = max(measured, key=lambda m: m.final_mean or 0.0)
+    figure = f"{group.metric.format(best.final_mean)} {group.metric.name}"
+    study = f"A step-time study (no evaluation, so no target: methods compare by {group.metric.name})"
+    if best.hook == group.baseline:
+        return f"{study}. Nothing is faster than {short_name(group.baseline)} here: {figure}."
+    ratio = f", {best.speedup_vs_baseline:.2f}x {short_name(group.baseline or '')}'s" if best.speedup_vs_baseline else ""
+    return f"{study}. {best.name} is fastest: {figure}{ratio}."
 
 
 def verdict(group: Group) -> str:
