@@ -32,7 +32,7 @@ test: lint
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
-# 2000 steps at 2 ranks per compressor family: memory flat past the statistics' cap, nothing left behind.
+# 2000 steps at 2 ranks per compressor family, auto, FSDP2 and DiLoCo: memory flat, nothing left behind.
 soak: $(STAMP)
 	$(BIN)/python -m pytest -q -m soak
 
