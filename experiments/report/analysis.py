@@ -24,7 +24,6 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-
 from gradcomp.engine.sharded import SHARD_OPTIONS, ShardSpec
 from gradcomp.engine.spec import ENGINE_OPTIONS, HookSpec
 from gradcomp.experiments.report.records import Run
@@ -300,9 +299,10 @@ def rate_verdict(group: Group) -> str:
     best = max(measured, key=lambda m: m.final_mean or 0.0)
     figure = f"{group.metric.format(best.final_mean)} {group.metric.name}"
     study = f"A step-time study (no evaluation, so no target: methods compare by {group.metric.name})"
+    baseline = short_name(group.baseline or "")
     if best.hook == group.baseline:
-        return f"{study}. Nothing is faster than {short_name(group.baseline)} here: {figure}."
-    ratio = f", {best.speedup_vs_baseline:.2f}x {short_name(group.baseline or '')}'s" if best.speedup_vs_baseline else ""
+        return f"{study}. Nothing is faster than {baseline} here: {figure}."
+    ratio = f", {best.speedup_vs_baseline:.2f}x {baseline}'s" if best.speedup_vs_baseline else ""
     return f"{study}. {best.name} is fastest: {figure}{ratio}."
 
 
