@@ -137,7 +137,8 @@ class AutoState(TrainingHookState):
         loss scale, as a gradcomp hook does (:meth:`gradcomp.hooks.ddp.HookState.follow`)."""
         self.loss_scale = LossScale(scaler)
 
-    def _follow_scale(self) -> None:
+    def follow_scale(self) -> None:
+        """At a step's first bucket: rescale the carried state if the loss scale changed."""
         assert self.loss_scale is not None
         ratio = self.loss_scale.change()
         if ratio is None:
@@ -166,7 +167,7 @@ class AutoState(TrainingHookState):
         """Average one of DDP's buckets with the candidate chosen for it."""
         now = time.perf_counter()
         if self.loss_scale is not None and bucket.index() == 0:  # DDP hands buckets over in index order
-            self._follow_scale()
+            self.follow_scale()
         parameters = bucket.parameters()
         keys, shapes = self.keys(parameters), shapes_of(parameters)
         identity = tuple(keys)

@@ -108,8 +108,8 @@ class HookState(TrainingHookState):
         them per step (deciding without it would read the scale on the host)."""
         self.loss_scale = LossScale(scaler)
 
-    def _follow_scale(self) -> None:
-        """At a step's start: rescale the carried state if the loss scale changed."""
+    def follow_scale(self) -> None:
+        """At a step's start (the hooks call it): rescale the carried state if the loss scale changed."""
         assert self.loss_scale is not None
         ratio = self.loss_scale.change()
         if ratio is not None and self.engine is not None:
@@ -171,7 +171,7 @@ def gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[
         return unchanged(bucket)
     assert isinstance(engine, Engine), "a sharded engine reduce-scatters for FSDP2, not for DDP"
     if state.loss_scale is not None and bucket.index() == 0:  # DDP hands buckets over in index order
-        state._follow_scale()
+        state.follow_scale()
     keys, shapes = None, None
     if engine.per_tensor:
         parameters = bucket.parameters()

@@ -81,7 +81,7 @@ class CompressedReduceScatter(ReduceScatter if ReduceScatter is not None else ob
             else:
                 assert isinstance(engine, ShardedEngine)
                 if self.state.loss_scale is not None and engine.calls.starts_step(self.key):
-                    self.state._follow_scale()
+                    self.state.follow_scale()
                 engine.reduce_scatter(output_tensor, input_tensor, divisor, self.key)
         except Exception as error:
             self.state.error = self.state.error or error  # the first is the cause; later ones its consequences

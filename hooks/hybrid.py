@@ -70,7 +70,7 @@ class HSDPState(HookState):
         if self._calls == 0:  # the step ends with backward: FSDP2's last module reduces before that
             torch.autograd.Variable._execution_engine.queue_callback(self._end_step)
             if self.loss_scale is not None:
-                self._follow_scale()
+                self.follow_scale()
         bucket, self._calls = self._calls, self._calls + 1
         engine.reduce(shard, [(key, shard.numel())], [shard.shape], bucket, last=False).wait()
         record = engine.records[-1]  # the hook waits: the newest record is this call's

@@ -10,9 +10,20 @@ import torch
 from tests.rank_pool import spawn_pooled
 from tests.training_runs import TrainingRun, train_straight
 
+LONGEST_FIRST = [
+    "test_lightning.py", "test_reliability.py", "test_hooks.py", "test_hsdp_training.py", "test_collectives.py",
+    "test_convergence.py", "test_fsdp_training.py", "test_bench_ddp.py", "test_loop_habits.py",
+    "test_unbiased.py", "test_fsdp.py", "test_docs.py", "test_netem.py", "test_sync.py",
+]  # fmt: skip
+"""The files that take longest on 2 cores (``--durations``), longest first: ``make test``'s workers
+take whole files in collection order, so these start first and the last to finish are short ones."""
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``cuda`` skip, saying why, on a machine without a CUDA device."""
+    """The longest files first (the others after them, in their order); tests marked ``cuda`` skip,
+    saying why, on a machine without a CUDA device."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's order stays
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device: `make gpu-check` runs these on a GPU host")
