@@ -326,6 +326,22 @@ def test_fsdp_divisors_follow_its_ops() -> None:
         fsdp2.divisor_of(dist.ReduceOp.MAX, 4)
 
 
+def train_with_scaler(net: nn.Module, rank: int, scaler: torch.amp.GradScaler | None, steps: int) -> None:
+    """``steps`` SGD steps on the mean square of the net's output for this rank's batches, the loss
+    scaled by ``scaler`` when there is one."""
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss = net(batch(rank, step)).square().mean()
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+            continue
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
 def under_a_changing_scale(rank: int, world: int) -> Failures:
     """A GradScaler whose scale doubles every step, given to the hook (``scaler=``): 4-bit codes
     with error feedback train bitwise as without a scaler (residuals rescale exactly at a step's
@@ -336,17 +352,7 @@ def under_a_changing_scale(rank: int, world: int) -> Failures:
         net = sharded()
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1) if scaled else None
         hooks.fsdp(net, "quantize:bits=4,ef=true", scaler=scaler if follow else None)
-        optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
-        for step in range(6):
-            optimizer.zero_grad()
-            loss = net(batch(rank, step)).square().mean()
-            if scaler is None:
-                loss.backward()
-                optimizer.step()
-                continue
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
+        train_with_scaler(net, rank, scaler, 6)
         assert scaler is None or scaler.get_scale() == 2.0**10, "the scale doubled at each of 6 steps"
         return [p.full_tensor().clone() for p in net.parameters()]
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from gradcomp import hooks
 from gradcomp.hooks import fsdp2, hybrid
 from tests.distributed import Failures, run_checks
-from tests.test_fsdp import Net, batch, close, equal, relative_error
+from tests.test_fsdp import Net, batch, close, equal, relative_error, train_with_scaler
 
 pytestmark = pytest.mark.skipif(not fsdp2.available(), reason="this torch has no FSDP2 custom collectives")
 
@@ -221,17 +221,7 @@ def under_a_changing_scale(rank: int, world: int) -> Failures:
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1) if scaled else None
         hooks.hsdp(net, "quantize:bits=4,ef=true", replicate=grid.get_group("replicate"),
                    scaler=scaler if follow else None)  # fmt: skip
-        optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
-        for step in range(5):
-            optimizer.zero_grad()
-            loss = net(batch(rank, step)).square().mean()
-            if scaler is None:
-                loss.backward()
-                optimizer.step()
-                continue
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
+        train_with_scaler(net, rank, scaler, 5)
         return [p.to_local().detach().clone() for p in net.parameters()]
 
     plain = trained(scaled=False, follow=False)
