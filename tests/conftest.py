@@ -11,9 +11,10 @@ from tests.rank_pool import spawn_pooled
 from tests.training_runs import TrainingRun, train_straight
 
 LONGEST_FIRST = [
-    "test_lightning.py", "test_reliability.py", "test_hooks.py", "test_hsdp_training.py", "test_collectives.py",
-    "test_convergence.py", "test_fsdp_training.py", "test_bench_ddp.py", "test_loop_habits.py",
-    "test_unbiased.py", "test_fsdp.py", "test_docs.py", "test_netem.py", "test_sync.py",
+    "test_lightning.py", "test_reliability.py", "test_hooks.py", "test_hsdp_training.py", "test_unbiased.py",
+    "test_collectives.py", "test_bench_ddp.py", "test_fsdp_training.py", "test_fsdp.py", "test_sync.py",
+    "test_netem.py", "test_convergence.py", "test_docs.py", "test_loop_habits.py", "test_exchange.py",
+    "test_sync_training.py", "test_tutorial.py", "test_launch.py", "test_accelerate.py", "test_report.py",
 ]  # fmt: skip
 """The files that take longest on 2 cores (``--durations``), longest first: ``make test``'s workers
 take whole files in collection order, so these start first and the last to finish are short ones."""

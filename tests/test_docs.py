@@ -88,8 +88,10 @@ def test_runnable_python_blocks_run(where: str, marker: str, code: str, tmp_path
     process.start()
     process.join(timeout=200)
     if process.is_alive():
-        process.kill()
-    assert process.exitcode == 0, f"{where} failed (exit code {process.exitcode}):\n{output.read_text()[-5000:]}"
+        process.kill()  # past the deadline: the exit code says killed
+        process.join()
+    written = output.read_text() if output.exists() else ""
+    assert process.exitcode == 0, f"{where} failed (exit code {process.exitcode}):\n{written[-5000:]}"
 
 
 def run_script(script: str, output: str) -> None:

@@ -74,7 +74,7 @@ def train_under_a_scale(
 ) -> list[torch.Tensor]:
     """8 steps of DDP with ``spec`` (``options`` to ``hooks.register``) under a GradScaler whose scale
     doubles every step (``scaled``), given to the hook when ``follow``. ``hand_over_at``: after that
-    step, ``auto`` hands every tensor back to its first candidate (their residuals wait, pending,
+    step, ``auto`` hands every tensor back to the uncompressed all-reduce (their residuals wait, pending,
     for the next step's gradients: made at one scale, added at the next)."""
     ddp = DistributedDataParallel(toy_model(), bucket_cap_mb=0.005)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1) if scaled else None
