@@ -10,6 +10,8 @@ Inside the ranks, :func:`identical_on_all_ranks` and :func:`torch_all_reduce` ar
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -34,6 +36,33 @@ def stay_until_written(record: str, at_most: float) -> None:
     deadline = time.monotonic() + at_most
     while not Path(record).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def peer_stops(rank: int, how: str, record: str, attempt: Callable[[], object], kept: Callable[[], object],
+               at_most: float) -> None:
+    """A fault scenario at 2 ranks, called by both at the same point: rank 1 stops, frozen by SIGSTOP
+    (``how="frozen"``; rank 0 wakes it when done) or alive and silent (``"alive"``, as a peer that
+    failed in user code, for at most ``at_most`` s); rank 0 runs ``attempt`` (its next communicating
+    call) and writes to ``record``, with ``repr``, how long it took, the error it raised (type: message)
+    and the type of the error the hook state kept, ``kept()``."""
+    pids: list[int | None] = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 1:
+        if how == "frozen":
+            os.kill(os.getpid(), signal.SIGSTOP)  # until rank 0 has its error and wakes this one up
+        else:
+            stay_until_written(record, at_most)
+        return
+    began = time.monotonic()
+    try:
+        attempt()
+        error = "no error"
+    except RuntimeError as caught:  # gradcomp's PeerError, or autograd's or DDP's wrapping of it
+        error = f"{type(caught).__name__}: {caught}"
+    elapsed = time.monotonic() - began
+    if how == "frozen":
+        os.kill(pids[1], signal.SIGCONT)  # type: ignore[arg-type]
+    Path(record).write_text(repr({"elapsed": elapsed, "error": error, "kept": type(kept()).__name__}))
 
 
 class Failures(list[str]):

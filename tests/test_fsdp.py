@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +30,7 @@ from gradcomp.compressors.simulate import roundtrip
 from gradcomp.engine.sharded import ShardedEngine, ShardSpec
 from gradcomp.errors import SpecMismatchError
 from gradcomp.hooks import fsdp2
-from tests.distributed import Failures, identical_on_all_ranks, run_checks, spawn_ranks, stay_until_written
+from tests.distributed import Failures, identical_on_all_ranks, peer_stops, run_checks, spawn_ranks
 
 pytestmark = pytest.mark.skipif(not fsdp2.available(), reason="this torch has no FSDP2 custom reduce-scatter")
 
@@ -257,30 +254,21 @@ def test_fsdp_hook_state_resumes_bitwise_and_bad_setups_fail_clearly(tmp_path: P
 GROUP_TIMEOUT = 5.0
 
 
-def silent_peer(rank: int, world: int, record: str) -> None:
-    """Rank 1 stops after a forward and stays alive; rank 0's backward (no all-gather in it: the
-    parameters stay unsharded after forward) reaches gradcomp's reduce-scatter first, which must
-    fail within the group's timeout naming rank 1."""
+def stopped_peer(rank: int, world: int, how: str, record: str) -> None:
+    """Rank 1 stops after a forward, frozen or alive and silent; rank 0's backward (no all-gather in
+    it: the parameters stay unsharded after forward) reaches gradcomp's reduce-scatter first, which
+    must fail within the group's timeout naming rank 1, the hook state keeping the error."""
     net = sharded(reshard_after_forward=False)
     state = hooks.fsdp(net, "quantize:bits=4,ef=true,algo=ring")
     gradients(net, rank, 1)
     loss = net(batch(rank, 1)).square().sum()
-    if rank == 1:
-        stay_until_written(record, at_most=4 * GROUP_TIMEOUT)
-        return
-    began = time.monotonic()
-    try:
-        loss.backward()
-        error = "no error"
-    except RuntimeError as caught:  # gradcomp's PeerError, or autograd's wrapping of it
-        error = f"{type(caught).__name__}: {caught}"
-    seen = {"elapsed": time.monotonic() - began, "error": error, "kept": type(state.error).__name__}
-    Path(record).write_text(repr(seen))
+    peer_stops(rank, how, record, loss.backward, lambda: state.error, at_most=4 * GROUP_TIMEOUT)
 
 
-def test_a_silent_peer_is_an_error_naming_it_within_the_timeout(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["alive", "frozen"])
+def test_a_silent_or_frozen_peer_is_an_error_naming_it_within_the_timeout(how: str, tmp_path: Path) -> None:
     record = tmp_path / "rank0.txt"
-    spawn_ranks(2, silent_peer, (str(record),), timeout=120, group_timeout=GROUP_TIMEOUT)
+    spawn_ranks(2, stopped_peer, (how, str(record)), timeout=120, group_timeout=GROUP_TIMEOUT)
     seen = eval(record.read_text())  # written by rank 0 with repr()
     assert seen["elapsed"] < 6 * GROUP_TIMEOUT, seen
     assert "rank 1" in seen["error"] and seen["kept"] == "PeerError", seen
@@ -400,34 +388,3 @@ def nan_at_step_3(rank: int, world: int) -> Failures:
 
 def test_one_non_finite_batch_skips_one_step_under_gradscaler() -> None:
     run_checks(2, nan_at_step_3, timeout=120)
-
-
-def frozen_peer(rank: int, world: int, record: str) -> None:
-    """Rank 1 freezes (SIGSTOP) after a step; rank 0's next backward must fail within the group's
-    timeout naming rank 1 (gradcomp's ring), its hook state keeping the error."""
-    net = sharded(reshard_after_forward=False)
-    state = hooks.fsdp(net, "quantize:bits=4,ef=true,algo=ring")
-    pids: list[int | None] = [None] * world
-    dist.all_gather_object(pids, os.getpid())
-    gradients(net, rank, 1)
-    loss = net(batch(rank, 1)).square().sum()
-    if rank == 1:
-        os.kill(os.getpid(), signal.SIGSTOP)  # until rank 0 has its error and wakes this one up
-        return
-    began = time.monotonic()
-    try:
-        loss.backward()
-        error = "no error"
-    except RuntimeError as caught:
-        error = f"{type(caught).__name__}: {caught}"
-    elapsed = time.monotonic() - began
-    os.kill(pids[1], signal.SIGCONT)  # type: ignore[arg-type]
-    Path(record).write_text(repr({"elapsed": elapsed, "error": error, "kept": type(state.error).__name__}))
-
-
-def test_a_frozen_peer_is_an_error_naming_it_within_the_timeout(tmp_path: Path) -> None:
-    record = tmp_path / "rank0.txt"
-    spawn_ranks(2, frozen_peer, (str(record),), timeout=120, group_timeout=GROUP_TIMEOUT)
-    seen = eval(record.read_text())  # written by rank 0 with repr()
-    assert seen["elapsed"] < 6 * GROUP_TIMEOUT, seen
-    assert "rank 1" in seen["error"] and seen["kept"] == "PeerError", seen

@@ -4,8 +4,6 @@ gives what DDP's own path gives. On real gloo ranks; docs/reliability.md lists w
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ from gradcomp.hooks.auto import AutoState
 from tests.distributed import (
     Failures,
     parameters_identical_on_all_ranks,
+    peer_stops,
     run_checks,
     spawn_ranks,
     stay_until_written,
@@ -195,7 +194,7 @@ def test_empty_and_complex_parameters_train_with_every_kind_of_hook() -> None:
 # -- every wait ends within the timeout, with an error that names what went wrong ---------------
 
 
-def frozen_or_absent_peer(rank: int, world: int, how: str, spec: str, record: str) -> dict[str, Any]:
+def frozen_or_absent_peer(rank: int, world: int, how: str, spec: str, record: str) -> None:
     """Rank 1 freezes (SIGSTOP) or raises and stays alive; rank 0's next step must fail within the
     group's timeout, naming rank 1, and its hook state keeps gradcomp's own error. ``auto`` decides
     at step 2 (a dear link: to compress) and trains two more steps before rank 1 stops."""
@@ -203,27 +202,11 @@ def frozen_or_absent_peer(rank: int, world: int, how: str, spec: str, record: st
     options = {"link": LinkCosts(1e-3, 1e-6)} if spec.startswith("auto") else {}
     ddp, state = wrap(toy_model(), spec, **options)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    pids: list[int | None] = [None] * world
-    dist.all_gather_object(pids, os.getpid())
     batches = toy_batches(rank, together + 1)
     sgd_steps(ddp, optimizer, batches[:together])
-    if rank == 1:
-        if how == "frozen":
-            os.kill(os.getpid(), signal.SIGSTOP)  # until rank 0 has its error and wakes this one up
-        else:
-            stay_until_written(record, at_most=3 * GROUP_TIMEOUT)  # failed in user code, stays alive
-        return {}
-    began = time.monotonic()
-    try:
-        sgd_steps(ddp, optimizer, batches[together:])
-        error = "no error"
-    except RuntimeError as caught:
-        error = str(caught)
-    elapsed = time.monotonic() - began
-    if how == "frozen":
-        os.kill(pids[1], signal.SIGCONT)  # type: ignore[arg-type]
-    Path(record).write_text(repr({"elapsed": elapsed, "error": error, "kept": type(state.error).__name__}))
-    return {}
+    assert state is not None
+    peer_stops(rank, how, record, lambda: sgd_steps(ddp, optimizer, batches[together:]), lambda: state.error,
+               at_most=3 * GROUP_TIMEOUT)  # fmt: skip
 
 
 @pytest.mark.parametrize(

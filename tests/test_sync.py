@@ -8,20 +8,18 @@ import datetime
 import json
 import os
 import random
-import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gradcomp.sync import DiLoCo, LocalSGD, Synchronizer, SyncSpec, fragments
 from tests.distributed import (
     Failures,
     parameters_identical_on_all_ranks,
+    peer_stops,
     run_checks,
     spawn_ranks,
     torch_all_reduce,
@@ -308,29 +306,19 @@ def test_a_non_finite_outer_gradient_skips_the_outer_step_everywhere() -> None:
 GROUP_TIMEOUT = 5.0
 
 
-def dead_peer(rank: int, world: int, spec: str, record: str) -> dict[str, Any]:
+def dead_peer(rank: int, world: int, spec: str, record: str) -> None:
     """Rank 1 freezes; rank 0 starts a delayed synchronization (at step 8), trains on while it is in
     flight, and must fail when it lands (step 11), within the group's timeout, with a PeerError kept
     in the synchronizer's ``error``."""
     model = toy_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     sync = DiLoCo(model, every=4, delay=3, spec=spec)
-    pids: list[int | None] = [None] * world
-    dist.all_gather_object(pids, os.getpid())
     local_training(sync, model, optimizer, toy_batches(rank, 7))  # the first one started at 4 landed at 7
-    if rank == 1:
-        os.kill(os.getpid(), signal.SIGSTOP)  # until rank 0 has its error and wakes this one up
-        return {}
-    began = time.monotonic()
-    try:
+
+    def train_on() -> None:
         local_training(sync, model, optimizer, toy_batches(rank, 8))
-        error = "no error"
-    except RuntimeError as caught:
-        error = f"{type(caught).__name__}: {caught}"
-    elapsed = time.monotonic() - began
-    os.kill(pids[1], signal.SIGCONT)  # type: ignore[arg-type]
-    Path(record).write_text(repr({"elapsed": elapsed, "error": error, "kept": type(sync.error).__name__}))
-    return {}
+
+    peer_stops(rank, "frozen", record, train_on, lambda: sync.error, at_most=0)
 
 
 @pytest.mark.parametrize(("spec", "named"), [("allreduce", "rank 0 of 2"), ("sign:ef=true,algo=ring", "rank 1")])
