@@ -32,7 +32,7 @@ class TrainingHookState(Protocol):
         ...
 
     def steps(self) -> Sequence[StepStats]:
-        """Per step of this process (counted from 0, also on a resumed run), what averaging cost:
+        """Per step (numbered by the hook's step clock, :attr:`StepStats.step`), what averaging cost:
         one :class:`~gradcomp.engine.stats.StepStats` each, the latest ones (each state keeps a
         bounded history). Read it after a step's backward (DDP has waited for every bucket by then)."""
         return self.steps_since(0)

@@ -185,7 +185,6 @@ class AutoState(TrainingHookState):
                 continue
             size = numel(shapes[first:end])
             engine = self.engines[candidate]
-            engine.step = self.step  # every engine's records count this hook's steps
             handles.append(engine.reduce(buffer[start : start + size], keys[first:end], shapes[first:end],
                                          bucket.index(), last=False))  # fmt: skip
             start, first = start + size, end
@@ -196,6 +195,8 @@ class AutoState(TrainingHookState):
             finally:
                 self._copies.clear()
                 self.step += 1
+                for engine in self.engines:  # one clock: every candidate's warm-up and records follow the hook's steps
+                    engine.end_step()
         return deliver(self, handle)
 
     # -- statistics and checkpoints --------------------------------------------------------------

@@ -174,8 +174,28 @@ def _auto_ranks(rank: int, world: int) -> dict[str, Any]:
     expected = torch.cat([before[k].reshape(-1) * world for k in identity])
     failures.expect(torch.equal(flat, expected) and not state.pending, "the flush is not the residual times p")
     decisions = [d["buckets"] for d in state.decisions]
+    _a_candidate_warms_up_on_the_hooks_clock(failures, batches)
     _leaving_ef21(failures, batches)
     return {"failures": failures, "decisions": decisions}
+
+
+def _a_candidate_warms_up_on_the_hooks_clock(failures: Failures, batches: list[Any]) -> None:
+    """A candidate with a warm-up counts the hook's steps, as a plain hook counts its own: chosen at
+    step 2 with ``warmup=3``, top-k sends 1% from step 3 on (before, its engine's clock never moved:
+    the warm-up's first ratio, 0.01 ** (1 / 4) ~ 32%, at every step)."""
+    ddp, state = wrap(toy_model(), "auto:candidates=topk:ratio=0.01,ef=true,warmup=3,measure_at=2", link=DEAR_LINK)
+    assert isinstance(state, AutoState)
+    sgd_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), batches[:6])
+    failures.expect(any(c == 1 for c in state.choice.values()), f"dear link, warm-up: {state.decisions}")
+    failures.expect([e.steps_done for e in state.engines] == [6, 6], "the candidates' clocks are not the hook's")
+    plain, plain_state = wrap(toy_model(), "topk:ratio=0.01,ef=true")
+    assert plain_state is not None
+    x, y = batches[0]
+    torch.nn.functional.cross_entropy(plain(x), y).backward()
+    expected = {s.input_bytes / s.payload_bytes for s in plain_state.steps()}
+    compressed = [s.input_bytes / s.payload_bytes for s in state.steps() if s.step >= 3]
+    failures.expect(len(compressed) == 3 and set(compressed) == expected,
+                    f"ratios from step 3 {compressed}, plain top-k's {expected}")  # fmt: skip
 
 
 def _leaving_ef21(failures: Failures, batches: list[Any]) -> None:

@@ -18,6 +18,7 @@ from gradcomp.experiments.training.run import main
     ("settings", "message"),
     [
         ({"hook": "topk:ratio=0.01,ef=true,warmup=100", "steps": 100}, "warmup=100 is the whole run"),
+        ({"hook": "auto:candidates=topk:ratio=0.01,ef=true,warmup=50", "steps": 30}, "warmup=50 is the whole run"),
         ({}, "give steps or epochs"),
         ({"steps": 10, "epochs": 1.0}, "give steps or epochs"),
         ({"steps": 0}, "steps must be > 0"),

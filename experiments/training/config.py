@@ -160,7 +160,8 @@ class TrainConfig:
             hook = self._hook
         except ValueError as error:
             raise ValueError(f"hook {self.hook!r}: {error}") from None
-        warmup = getattr(hook, "warmup", 0)
+        # auto's candidates warm up on the hook's clock, as a plain hook does
+        warmup = max(getattr(spec, "warmup", 0) for spec in getattr(hook, "hook_specs", [hook]))
         if warmup and self.steps is not None and warmup >= self.steps:  # (epochs: the data decides later)
             raise ValueError(
                 f"hook {self.hook!r}: its warmup={warmup} is the whole run ({self.steps} steps): it would never "

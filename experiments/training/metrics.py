@@ -63,14 +63,15 @@ class WireMeter:
         self.input_bytes = self.payload_bytes = 0  # this invocation's, for the mean compression ratio
         self.hook_seconds: dict[str, float | None] = dict.fromkeys(HOOK_TIMES)  # this invocation's; None: unmeasured
         self.steps = 0
-        self._next = 0  # the hook's next step to read (a fresh hook counts from 0, also on resume)
+        self._next: int | None = None  # the hook's next step to read; None: its first, whatever its number
+        # (a hook numbers steps by its own clock: gradcomp's continue across a resume, torch's start at 0)
         self._window: dict[str, float] = {}
         self._decided = 0  # the auto hook's decisions already handed out
 
     def collect(self) -> None:
         """Take in the steps finished since the last call (after a backward, every bucket is in)."""
-        steps = self.state.steps_since(self._next)
-        if steps and steps[0].step != self._next:
+        steps = self.state.steps_since(self._next or 0)
+        if steps and self._next is not None and steps[0].step != self._next:
             logger.warning("hook statistics of steps %d-%d were lost (read them more often)", self._next, steps[0].step)
         for s in steps:
             sent = round(s.wire_bytes)

@@ -138,10 +138,9 @@ class Engine:
         self._splits: dict[tuple[Key, ...], list[bool]] = {}  # per bucket: which tensors travel uncompressed
         self.warmup = Warmup(self.spec, self.compressor)
         self.records: collections.deque[BucketRecord] = collections.deque(maxlen=history)
-        self.step = 0
-        """The step the next bucket belongs to, counted in this process (the records' numbering)."""
         self.steps_done = 0
-        """Steps handed over in the whole run, resumed ones included (the warm-up's clock, saved)."""
+        """The engine's one step clock: steps ended in the whole run, resumed ones included (saved).
+        The step the next bucket belongs to: the warm-up reads it, the records are numbered by it."""
         self._checked = False
 
     def _route(self) -> RouteSteps:
@@ -166,15 +165,17 @@ class Engine:
 
         ``buffer`` is flat and contiguous and concatenates tensors of ``shapes``; ``keys`` identify
         them across steps (their state is kept per key). Both may be None when :attr:`per_tensor`
-        is False. ``bucket`` numbers the buffer within the step and ``last`` ends the step, for
-        :attr:`records`.
+        is False. ``bucket`` numbers the buffer within the step; ``last`` says it is the step's last
+        bucket (it may travel in pieces) and ends the step (:meth:`end_step`) once handed over: a
+        caller that learns where a step ends only later passes False and calls :meth:`end_step`.
         """
         work = self._work(buffer, keys, shapes, bucket)
         plan = self.warmup.at(self.steps_done)
         parts = self._parts(work) if last and self.spec.pieces > 1 and not plan.dense else [work]
         # each part compressed here, in the caller's thread, while the one before it travels
         landings = [self._send(part, plan) for part in parts]
-        self.step, self.steps_done = self.step + last, self.steps_done + last
+        if last:
+            self.end_step()
         if len(landings) == 1:
             return Handle(landings[0])
         done: Future[tuple[Tensor, Traffic | None]] = Future()
@@ -182,10 +183,11 @@ class Engine:
         return Handle(done)
 
     def end_step(self) -> None:
-        """End the step after the fact, for a caller that learns where a step ends only once its
-        buckets are handed over (HSDP's all-reduce hook, at the end of backward): every bucket of
-        it then went with ``last=False``."""
-        self.step, self.steps_done = self.step + 1, self.steps_done + 1
+        """End the step: the clock (:attr:`steps_done`) moves on. ``reduce(..., last=True)`` calls
+        it; a caller that learns where a step ends only once its buckets are handed over (HSDP's
+        all-reduce hook, at the end of backward; the ``auto`` hook, for every candidate's engine,
+        whether it averaged anything this step or not) passes ``last=False`` and calls it then."""
+        self.steps_done += 1
 
     def _send(self, work: BucketWork, plan: WarmupStep) -> Future[tuple[Tensor, Traffic | None]]:
         """Compress ``work`` here, in the caller's thread (it overlaps the previous bucket's
@@ -284,7 +286,7 @@ class Engine:
             raise TypeError(f"gradients must be floating-point, got {buffer.dtype}")
         if buffer.dim() != 1 or not buffer.is_contiguous():
             raise ValueError("the engine reduces flat, contiguous buffers (a DDP bucket's)")
-        record = BucketRecord(self.step, bucket, buffer.numel() * buffer.element_size(), time.perf_counter())
+        record = BucketRecord(self.steps_done, bucket, buffer.numel() * buffer.element_size(), time.perf_counter())
         if not self.per_tensor:  # the bucket travels whole: its tensors are not needed
             return BucketWork(buffer, [], [], record)
         if keys is None or shapes is None:

@@ -112,7 +112,9 @@ class StepStats:
     not report their traffic."""
 
     step: int
-    """The step's number: the hook's count of steps in this process, from 0 (also on a resumed run)."""
+    """The step's number, by the hook's step clock: gradcomp's DDP, HSDP and ``auto`` hooks count the
+    run's steps (``Engine.steps_done``, saved in their checkpoints: a resumed run continues the
+    numbering); torch's own hooks and FSDP2's reduce-scatter count this process's, from 0."""
     buckets: int | None = 0
     """Buckets averaged in the step (DDP's buckets, FSDP2's module calls, the synchronizer's
     fragments); None for torch's own DDP hooks, which do not count them."""
