@@ -85,7 +85,7 @@ class _InFlight:
     """The engine's operation; None for one restored from a checkpoint (its average already there)."""
     average: Tensor | None = None
     number: int | None = None
-    """The engine's call number in this process (its records' step), None when restored."""
+    """The engine's step when the call was made (the number its record carries), None when restored."""
 
 
 class Synchronizer(TrainingHookState):
@@ -183,7 +183,6 @@ class Synchronizer(TrainingHookState):
         self.steps_done = 0
         """Inner steps so far (carried over by a checkpoint)."""
         self._in_flight: collections.deque[_InFlight] = collections.deque()
-        self._calls = 0  # engine calls made by this process: the number its records carry
         self._stats: collections.deque[SyncStepStats] = collections.deque(maxlen=history)
         self._steps_here = 0  # step() calls in this process (statistics count from 0, also on resume)
         _made[:] = [made for made in _made if made() is not None]
@@ -242,10 +241,10 @@ class Synchronizer(TrainingHookState):
             for i, view in zip(members, self._views(buffer, members), strict=True):
                 torch.sub(self.globals[i], self.tensors[i].detach(), out=view)
         shapes = [self.tensors[i].shape for i in members]
+        number = self.engine.steps_done  # every call is a step of the engine's clock: its record's number
         handle = self.engine.reduce(buffer, members, shapes, bucket=fragment)
         lands = self.steps_done + self.sync.delay
-        self._in_flight.append(_InFlight(fragment, lands, handle, number=self._calls))
-        self._calls += 1
+        self._in_flight.append(_InFlight(fragment, lands, handle, number=number))
 
     def _land_until(self, step: int | None) -> tuple[list[BucketRecord], float, int, int]:
         """Apply the synchronizations that land by inner step ``step`` (None: all), in the order they
