@@ -331,9 +331,9 @@ class CompressedAdamW(torch.optim.Optimizer):
 
 class CompressedAdamWState(TrainingHookState):
     """What :meth:`CompressedAdamW.attach` returns: the warm-up hook's state and the carrier's engine.
-    Statistics per optimizer step (counted in this process from 0): the warm-up hook's buckets until
-    the freeze, the momentum's exchange after it. Checkpoints hold both (error feedback's residuals
-    are per rank: save every rank's, as for a hook)."""
+    Statistics per optimizer step (numbered by the optimizer's steps, which a resumed run continues):
+    the warm-up hook's buckets until the freeze, the momentum's exchange after it. Checkpoints hold
+    both (error feedback's residuals are per rank: save every rank's, as for a hook)."""
 
     def __init__(
         self, optimizer: "CompressedAdamW", warmup: ddp.HookState, carrier: Engine, variance: Engine | None, world: int
@@ -347,7 +347,6 @@ class CompressedAdamWState(TrainingHookState):
         )
         self._steps: collections.deque[StepStats] = collections.deque(maxlen=HISTORY)
         self._read = {"warmup": 0, "carrier": 0, "variance": 0}  # each engine's next step to take in
-        self._count = 0  # optimizer steps in this process
         self._own_error: BaseException | None = None
 
     @property
@@ -365,13 +364,12 @@ class CompressedAdamWState(TrainingHookState):
 
     def close_step(self) -> None:
         """Sum what the step's exchanges cost into its :class:`StepStats` (called by ``step()``)."""
-        total = StepStats.zero(self._count)
+        total = StepStats.zero(self.optimizer.steps_done - 1)  # the step just taken (counted from 0)
         for name, records in self._records():
             for stats in steps_since(records, self._read[name]):
                 total += stats
                 self._read[name] = stats.step + 1
         self._steps.append(total)
-        self._count += 1
 
     def _records(self) -> list[tuple[str, collections.deque[Any]]]:
         records = [("warmup", self._warmup_records()), ("carrier", self.carrier.records)]

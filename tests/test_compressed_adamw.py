@@ -195,10 +195,13 @@ def resumes_bitwise(rank: int, world: int, directory: str) -> Failures:
     again = CompressedAdamW(
         resumed.parameters(), LR, weight_decay=DECAY, freeze=2, carrier="sign:ef=true", variance_every=2
     )
-    again.attach(resumed).load_state_dict(saved["hook"])
+    hook = again.attach(resumed)
+    hook.load_state_dict(saved["hook"])
     resumed.load_state_dict(saved["model"])
     again.load_state_dict(saved["optimizer"])
     _steps(resumed, again, toy_batches(rank, 8)[5:])
+    numbers = [s.step for s in hook.steps()]
+    failures.expect(numbers == [5, 6, 7], f"a resumed run's statistics go on numbering the run's steps: {numbers}")
     for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
         failures.expect(torch.equal(a, b), "a resumed run differs from the run straight through")
     failures.expect(identical_on_all_ranks(torch.cat([p.reshape(-1) for p in resumed.parameters()])), "ranks differ")
