@@ -136,7 +136,7 @@ def _list_compressors(args: argparse.Namespace) -> int:
             f"{f.name}={format_value(f.default)} ({_type_name(hints[f.name])})" for f in dataclasses.fields(cls.Config)
         ]
         summary = (cls.__doc__ or "").strip().splitlines()[0]
-        sys.stdout.write(f"{name:10s} {cls.aggregation.value:6s} {summary}\n")
+        sys.stdout.write(f"{name:10s} {cls.declare(cls.Config()).aggregation.value:6s} {summary}\n")
         for option in options:
             sys.stdout.write(f"{'':17s} {option}\n")
     sys.stdout.write(

@@ -11,7 +11,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradcomp.compressors.base import Aggregation, Compressor, CompressorConfig, Key, Meta, Payload, check_gradient
+from gradcomp.compressors.base import (
+    Aggregation,
+    Capabilities,
+    Compressor,
+    CompressorConfig,
+    Key,
+    Meta,
+    Payload,
+    check_gradient,
+)
 from gradcomp.compressors.randomk import RandomK
 from gradcomp.compressors.sign import Sign
 from gradcomp.compressors.topk import TopK
@@ -47,8 +56,11 @@ class IndicesAtHome(Compressor):
     decoded by anyone else."""
 
     name = "indices_at_home"
-    aggregation = Aggregation.GATHER
     Config = KeepsConfig
+
+    @classmethod
+    def declare(cls, config: CompressorConfig) -> Capabilities:
+        return Capabilities(Aggregation.GATHER)
 
     def compress(self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
                  ) -> tuple[Payload, Any]:  # fmt: skip

@@ -50,10 +50,10 @@ def stepper(spec: str) -> tuple[Callable[[], None], list[Compressor]]:
         for compressor, bucket, gradient in zip(ranks, buckets, gradients, strict=True):
             bucket.copy_(gradient)
             states.append(compressor.compress_divided(bucket.view(SHAPE), 2, "w", [SHAPE]))
-        for _ in range(1, ranks[0].rounds):
+        for _ in range(1, ranks[0].capabilities.rounds):
             summed = tuple(a + b for a, b in zip(states[0][0], states[1][0], strict=True))
             states = [c.next_round(summed, ctx) for c, (_, ctx) in zip(ranks, states, strict=True)]
-        if ranks[0].aggregation is Aggregation.SUM:
+        if ranks[0].capabilities.aggregation is Aggregation.SUM:
             summed = tuple(a + b for a, b in zip(states[0][0], states[1][0], strict=True))
             ranks[0].decompress(summed, states[0][1], out=buckets[0].view(SHAPE))
         else:

@@ -41,7 +41,7 @@ def test_wire_bytes_match_the_formula(spec: str, shape: tuple[int, ...]) -> None
     x = torch.randn(shape)
     payload, ctx = compressor.compress(x, key="k")
     payloads = [payload]
-    for _ in range(1, compressor.rounds):
+    for _ in range(1, compressor.capabilities.rounds):
         payload, ctx = compressor.next_round(payload, ctx)
         payloads.append(payload)
     wire = sum(compressor.wire_bytes(p) for p in payloads)
@@ -195,7 +195,7 @@ def test_randomk_picks_one_element_per_block_identically_on_all_ranks() -> None:
 
 
 def test_aggregation_kinds_are_declared() -> None:
-    kinds = {spec.split(":")[0]: make_compressor(spec).aggregation for spec in SPECS}
+    kinds = {spec.split(":")[0]: make_compressor(spec).capabilities.aggregation for spec in SPECS}
     assert {n for n, k in kinds.items() if k is Aggregation.SUM} == {"none", "fp16", "bf16", "randomk", "powersgd"}
 
 
@@ -205,7 +205,7 @@ def test_decompress_sum_leaves_the_payloads_alone(spec: str, dtype: torch.dtype)
     compressor = make_compressor(spec)
     payloads = [compressor.compress(torch.randn(30, 20).to(dtype))[0] for _ in range(3)]
     before = [tuple(t.clone() for t in p) for p in payloads]
-    if compressor.rounds == 1:
+    if compressor.capabilities.rounds == 1:
         ctx = compressor.compress(torch.randn(30, 20).to(dtype))[1]
         compressor.decompress_sum(payloads, ctx)
     for p, b in zip(payloads, before, strict=True):

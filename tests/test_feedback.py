@@ -233,7 +233,7 @@ def test_compress_divided_is_bitwise_compress_of_the_quotient(spec: str, ef: boo
     for g in gradients(3, shape=(60, 50)):
         payload, ctx = folded.compress_divided(g.clone(), divisor, "w")
         expected, expected_ctx = reference.compress(g / divisor, "w")
-        for _ in range(1, folded.rounds):  # one rank: the aggregate of a round is the payload itself
+        for _ in range(1, folded.capabilities.rounds):  # one rank: the aggregate of a round is the payload itself
             payload, ctx = folded.next_round(payload, ctx)
             expected, expected_ctx = reference.next_round(expected, expected_ctx)
         assert len(payload) == len(expected)

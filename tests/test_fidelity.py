@@ -178,7 +178,7 @@ def test_ef21_global_estimate_is_the_sum_of_the_local_ones(spec: str) -> None:
     for step in range(5):
         grads = gradients(step)
         states = [c.compress_divided(g.clone(), RANKS, "w", shapes) for c, g in zip(compressors, grads, strict=True)]
-        for _ in range(1, compressors[0].rounds):
+        for _ in range(1, compressors[0].capabilities.rounds):
             total = sum_payloads([p for p, _ in states])
             states = [
                 c.next_round(tuple(t.clone() for t in total), ctx)

@@ -65,7 +65,7 @@ def test_any_gradient_compresses_and_its_payload_packs_losslessly(x: torch.Tenso
     shape and dtype (finite where the input is)."""
     c = make_compressor(spec)
     payload, ctx = c.compress(x, key="k")
-    for _ in range(1, c.rounds):
+    for _ in range(1, c.capabilities.rounds):
         payload, ctx = c.next_round(payload, ctx)
     tensors = list(payload)
     raw = packing.pack(tensors, torch.device("cpu"))

@@ -155,7 +155,7 @@ def resume(rank: int, world: int, spec: str) -> Failures:
     sent, first = [s.sent_bytes for s in state.steps()], straight.steps()[0]
     expected = [s.sent_bytes for s in straight.steps()][6:]
     assert straight.engine is not None
-    padded = not straight.engine.compressor.same_shapes
+    padded = not straight.engine.compressor.capabilities.same_shapes
     if padded and first.sent_bytes is not None and first.buckets is not None:  # a gathered payload (the native
         expected[0] = first.sent_bytes - 8 * (world - 1) * first.buckets  # all-reduce's is not observable)
     if "warmup=" in spec:  # the first resumed step, inside the warm-up, all-gathers exact sizes (no

@@ -67,6 +67,7 @@ def test_spans_cut_a_whole_bucket_at_multiples() -> None:
     [
         ("topk:ratio=0.1,pieces=2", "compresses each tensor as a whole"),
         ("powersgd:rank=2,pieces=2", "compresses each tensor as a whole"),
+        ("sign:ef=true,clip=1.0,pieces=2", "clip takes a tensor's norm"),
         ("noop:pieces=2", "nothing to cut"),
         ("sign:pieces=0", "integer >= 1"),
         ("sign:pieces=two", "must be an integer"),

@@ -13,6 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = '''
+from gradcomp.compressors import Aggregation, Compressor, CompressorConfig
 from gradcomp.compressors.sign import Sign
 
 
@@ -24,11 +25,20 @@ class MySign(Sign):
 
 class Misnamed(Sign):
     name = "notitsname"
+
+
+class Undeclared(Compressor):
+    """Written before compressors declared a Capabilities record: its aggregation a class attribute."""
+
+    name = "undeclared"
+    aggregation = Aggregation.GATHER
+    Config = CompressorConfig
 '''
 ENTRY_POINTS = """[gradcomp.compressors]
 mysign = gcplugin:MySign
 missing = gcplugin:Nowhere
 misnamed = gcplugin:Misnamed
+undeclared = gcplugin:Undeclared
 sign = gcplugin:MySign
 """
 CHECK = """
@@ -83,3 +93,5 @@ def test_a_compressor_declared_by_an_entry_point_is_known_everywhere(tmp_path: P
     assert "missing = 'gcplugin:Nowhere' does not load" in warned
     assert "misnamed = 'gcplugin:Misnamed' names a compressor 'notitsname'" in warned
     assert "sign = 'gcplugin:MySign' names a compressor 'mysign'" in warned
+    assert "undeclared = 'gcplugin:Undeclared' declares no capabilities (class attributes such as aggregation" in warned
+    assert "undeclared" not in seen["registered"]

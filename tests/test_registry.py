@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from gradcomp.compressors import REGISTRY, make_compressor, parse_spec
+from gradcomp.compressors import REGISTRY, Aggregation, Capabilities, make_compressor, parse_spec
 from gradcomp.compressors.quantize import QuantizeConfig
 from gradcomp.compressors.topk import TopKConfig
 from tests.helpers import SPECS
@@ -84,7 +86,7 @@ def test_make_compressor_wraps_error_feedback() -> None:
     wrapped = make_compressor("sign:ef=true")
     assert not plain.has_feedback and plain.codec is plain
     assert wrapped.has_feedback and wrapped.codec.name == wrapped.name and not wrapped.codec.has_feedback
-    assert wrapped.aggregation is plain.aggregation
+    assert wrapped.capabilities.aggregation is plain.capabilities.aggregation
     assert repr(wrapped).endswith("ef=true")
 
 
@@ -95,3 +97,36 @@ def test_config_type_is_checked() -> None:
 
 def test_the_shared_spec_list_covers_every_registered_compressor() -> None:
     assert {spec.split(":")[0] for spec in SPECS} == set(REGISTRY)
+
+
+@pytest.mark.parametrize("feedback", ["", "ef=true", "ef=ef21", "ef=true,momentum=0.9,clip=1.0"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_spec_declares_what_its_compressor_does(spec: str, feedback: str) -> None:
+    """``Spec.capabilities`` (what the engine's checks and the cost model read) is the record of the
+    compressor the spec builds, error feedback's changes included."""
+    if feedback and parse_spec(spec).capabilities.feedback_problem:
+        return  # no error feedback around it
+    text = f"{spec},{feedback}" if ":" in spec and feedback else (f"{spec}:{feedback}" if feedback else spec)
+    built = make_compressor(text)
+    assert parse_spec(text).capabilities == built.capabilities
+    if feedback:
+        inner, outer = built.codec.capabilities, built.capabilities
+        changed = {f.name for f in dataclasses.fields(Capabilities) if getattr(inner, f.name) != getattr(outer, f.name)}
+        assert changed <= {"elementwise", "local", "unbiased", "feedback_problem"}
+        assert not outer.elementwise and not outer.unbiased
+        assert outer.local == (inner.local and "clip" not in feedback)
+
+
+def test_a_record_refuses_what_cannot_hold() -> None:
+    assert Capabilities(Aggregation.GATHER) == Capabilities(Aggregation.GATHER, rounds=1, ratio=None)
+    for bad, message in [
+        ({"rounds": 0}, "rounds must be an integer >= 1"),
+        ({"piece_multiple": 2.5}, "piece_multiple must be an integer"),
+        ({"ratio": 0.0}, "ratio must be in"),
+        ({"dense_from": 0.0}, "dense_from must be in"),
+        ({"same_shapes": True, "measures": True}, "contradict"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            Capabilities(Aggregation.GATHER, **bad)
+    with pytest.raises(TypeError, match="must be an Aggregation"):
+        Capabilities("gather")  # type: ignore[arg-type]

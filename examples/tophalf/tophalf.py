@@ -6,7 +6,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from gradcomp.compressors import Aggregation, Compressor, CompressorConfig, Key, Meta, Payload
+from gradcomp.compressors import Aggregation, Capabilities, Compressor, CompressorConfig, Key, Meta, Payload
 from gradcomp.compressors.base import check_gradient, flat_out
 
 
@@ -25,9 +25,12 @@ class TopHalf(Compressor):
     per element sent. Biased, a contraction: use it with error feedback (``tophalf:ratio=0.01,ef=true``)."""
 
     name = "tophalf"
-    aggregation = Aggregation.GATHER  # sparse payloads of different indices do not add up: gathered
     Config = TopHalfConfig
     config: TopHalfConfig
+
+    @classmethod
+    def declare(cls, config: CompressorConfig) -> Capabilities:
+        return Capabilities(Aggregation.GATHER)  # sparse payloads of different indices do not add up: gathered
 
     def compress(self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
                  ) -> tuple[Payload, Meta]:

@@ -63,7 +63,7 @@ def kernels_alone(variant: str, model: nn.Module, rank: int, world: int, seed: i
     if not isinstance(spec, HookSpec) or spec.compressor is None:
         return None
     compressor = make_compressor(spec.compressor, seed=seed, rank=rank)
-    payloads = world if compressor.aggregation is Aggregation.GATHER else 1
+    payloads = world if compressor.capabilities.aggregation is Aggregation.GATHER else 1
     total = 0.0
     gradients = [p.grad for p in model.parameters() if p.grad is not None]
     for index, gradient in enumerate(g.detach().clone() for g in gradients):

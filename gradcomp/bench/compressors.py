@@ -128,12 +128,12 @@ def time_compressor(compressor: Compressor, x: Tensor, repeats: int) -> tuple[fl
 
     def compress() -> None:
         payload, ctx = compressor.compress(x, key="bench")
-        for _ in range(1, compressor.rounds):
+        for _ in range(1, compressor.capabilities.rounds):
             payload, ctx = compressor.next_round(payload, ctx)
         state["payload"], state["ctx"] = payload, ctx
 
     def decompress() -> None:
-        if compressor.aggregation is Aggregation.SUM:
+        if compressor.capabilities.aggregation is Aggregation.SUM:
             compressor.decompress(state["payload"], state["ctx"], out=out)
         else:
             compressor.decompress_sum([state["payload"]], state["ctx"], out=out)
@@ -160,7 +160,7 @@ def _round_payloads(compressor: Compressor, x: Tensor) -> list[tuple[Tensor, ...
     """The payload of every round of one compression of ``x`` (each one travels)."""
     payload, ctx = compressor.compress(x, key="bench-bytes")
     payloads = [payload]
-    for _ in range(1, compressor.rounds):
+    for _ in range(1, compressor.capabilities.rounds):
         payload, ctx = compressor.next_round(payload, ctx)
         payloads.append(payload)
     return payloads

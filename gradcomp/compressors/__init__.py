@@ -10,6 +10,7 @@ of other installed packages join the registry through the entry-point group ``gr
 
 from gradcomp.compressors import cast, fp8, powersgd, quantize, randomk, sign, threshold, topk
 from gradcomp.compressors.base import Aggregation, Compressor, CompressorConfig, Key, Meta, Payload
+from gradcomp.compressors.capabilities import Capabilities
 from gradcomp.compressors.plugins import load_entry_points
 from gradcomp.compressors.registry import REGISTRY, Spec, make_compressor, parse_spec, register
 from gradcomp.compressors.simulate import roundtrip, simulate
@@ -19,6 +20,7 @@ load_entry_points()  # last: a plugin imports what it subclasses from here
 __all__ = [
     "REGISTRY",
     "Aggregation",
+    "Capabilities",
     "Compressor",
     "CompressorConfig",
     "Key",

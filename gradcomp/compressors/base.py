@@ -1,8 +1,9 @@
 """The compressor interface: what travels, what stays local, and how payloads aggregate.
 
 A compressor turns one gradient tensor into a *payload* (a tuple of tensors, the only thing that
-crosses the wire) and a *context* (anything, kept on this rank). Every compressor declares how
-payloads of several ranks combine:
+crosses the wire) and a *context* (anything, kept on this rank). Every compressor declares, in its
+:class:`~gradcomp.compressors.capabilities.Capabilities` record, how payloads of several ranks
+combine:
 
 ``Aggregation.SUM``
     Payloads are linear: the element-wise sum of all ranks' payloads is itself a valid payload,
@@ -16,7 +17,7 @@ payloads of several ranks combine:
 The protocol, for one tensor on every rank (``simulate.py`` runs it for p ranks in one process)::
 
     payload, ctx = c.compress(grad, key)
-    for r in range(1, c.rounds):              # multi-round compressors only (PowerSGD: P, then Q)
+    for r in range(1, c.capabilities.rounds): # multi-round compressors only (PowerSGD: P, then Q)
         payload = aggregate(payload)          # all-reduce (SUM) on every rank, same order
         payload, ctx = c.next_round(payload, ctx)
     final = aggregate(payload)                # all-reduce (SUM) or all-gather (GATHER)
@@ -47,7 +48,7 @@ threads at once.
 from __future__ import annotations
 
 import dataclasses
-import enum
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from typing import Any, ClassVar
@@ -56,6 +57,8 @@ import torch
 from torch import Tensor
 
 from gradcomp import host
+from gradcomp.compressors.capabilities import Aggregation as Aggregation  # re-exported: the interface's name
+from gradcomp.compressors.capabilities import Capabilities
 from gradcomp.options import format_value
 from gradcomp.workspace import Workspace
 
@@ -67,13 +70,6 @@ Key = Hashable
 
 State that outlives one call (PowerSGD's warm start, error-feedback residuals) is keyed by it. Use
 plain values (str, int, tuples of them) so that state dicts load with ``weights_only=True``."""
-
-
-class Aggregation(str, enum.Enum):
-    """How payloads of several ranks combine (see the module docstring)."""
-
-    SUM = "sum"
-    GATHER = "gather"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,12 +94,6 @@ class ChunkedConfig(CompressorConfig):
             raise ValueError(f"chunk must be >= 1, got {self.chunk}")
 
 
-def piece_multiple(config: CompressorConfig) -> int:
-    """Elements a piece of a tensor holds a multiple of, for a :attr:`Compressor.local` compressor
-    with ``config`` to compress it as it compresses the whole: its chunk, or 1."""
-    return config.chunk if isinstance(config, ChunkedConfig) else 1
-
-
 def spec_text(name: str, config: CompressorConfig, extra: Sequence[str] = ()) -> str:
     """``name:key=value,...``: the spec string of a compressor and its config."""
     options = [f"{f.name}={format_value(getattr(config, f.name))}" for f in dataclasses.fields(config)]
@@ -112,7 +102,8 @@ def spec_text(name: str, config: CompressorConfig, extra: Sequence[str] = ()) ->
 
 
 class Compressor(ABC):
-    """Base class: subclasses set ``name``, ``aggregation``, ``Config`` and implement the codec.
+    """Base class: subclasses set ``name`` and ``Config``, declare their :class:`Capabilities`
+    (:meth:`declare`) and implement the codec.
 
     Args:
         config: the compressor's options.
@@ -124,49 +115,25 @@ class Compressor(ABC):
 
     name: str
     """The registry name (a class attribute; wrappers set it per instance)."""
-    aggregation: Aggregation
     Config: ClassVar[type[CompressorConfig]]
-    rounds: int = 1
-    """Communication rounds per tensor; more than one means :meth:`next_round` is called between."""
-    elementwise: ClassVar[bool] = False
-    """True when compressing a concatenation gives the concatenation of the payloads, with no
-    state (the casts): the engine then compresses a bucket as one tensor, into one payload."""
-    local: ClassVar[bool] = False
-    """True when compression is local to each element (the casts) or to each chunk of the config's
-    ``chunk`` consecutive elements (the quantizers, sign, fp8): a tensor compressed in pieces cut at
-    multiples of :func:`piece_multiple` is then the tensor compressed whole (bitwise for the
-    deterministic ones), which ``HookSpec.pieces`` needs."""
-    needs_shapes: ClassVar[bool] = False
-    """True when compression relies on the tensors' shapes (PowerSGD's low rank of each matrix): a
-    flat shard of sharded data parallelism has none, and sharded training refuses such compressors."""
-    ratio_based: ClassVar[bool] = False
-    """True for sparsifiers that keep a fraction ``ratio`` of the elements (topk, randomk): the
-    fraction in force starts at the config's, and a warm-up schedule lowers it step by step
-    (``HookSpec.warmup``) through :meth:`set_ratio`."""
-    ratio: float = 1.0
-    """The fraction of the elements a payload keeps, for ratio-based sparsifiers: the one in force."""
-    dense_from: ClassVar[float] = 1.0
-    """For ratio-based sparsifiers, the keep-ratio from which their payload carries at least the
-    uncompressed gradient's bytes (topk: 0.5, values and 4-byte indices): warm-up steps scheduled at
-    or above it go uncompressed instead, which is exact and no dearer."""
-    @property
-    def same_shapes(self) -> bool:
-        """True when every rank's payload for a tensor has the same shapes (fixed-size codes, exact
-        top-k): the engine then all-gathers ``gather`` payloads without exchanging their sizes, so
-        with nothing to read on the host. False where the payload's size depends on the values."""
-        return False
-
-    payload_shows_non_finite: ClassVar[bool] = False
-    """True when a non-finite input, or a contribution (:meth:`contribution`) that would overflow,
-    always puts a non-finite value into the payload's floating tensors: error feedback then checks
-    the payload (a few elements) for a bad step, instead of a pass over a whole tensor."""
 
     @classmethod
-    def feedback_problem(cls, config: CompressorConfig) -> str | None:
-        """Why error feedback cannot wrap this compressor with ``config`` (None: it can). Error
-        feedback needs a contraction, ``|C(x) - x| < |x|``; a compressor that scales what it keeps up
-        is none, and its residual grows without bound."""
-        return None
+    @abstractmethod
+    def declare(cls, config: CompressorConfig) -> Capabilities:
+        """This compressor's record with ``config``: its aggregation, and whatever else it can promise
+        (:class:`~gradcomp.compressors.capabilities.Capabilities`, whose defaults are safe for any
+        compressor). Read through :attr:`capabilities`, or a spec's ``capabilities``; called once
+        per instance and per spec that asks, so keep it a pure function of the config."""
+        raise TypeError(
+            f"{cls.__name__} declares no capabilities: define the classmethod declare(config) returning a "
+            "Capabilities record, at least its aggregation (Capabilities(Aggregation.GATHER))"
+        )
+
+    @functools.cached_property
+    def capabilities(self) -> Capabilities:
+        """What this compressor declares, for its config (error feedback: its inner compressor's,
+        with what it changes). The engine and the cost model read it; computed once."""
+        return self.declare(self.config)
 
     def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
         config = self.Config() if config is None else config
@@ -182,11 +149,6 @@ class Compressor(ABC):
     def __repr__(self) -> str:
         """The spec that builds this compressor."""
         return spec_text(self.name, self.config)
-
-    @property
-    def unbiased(self) -> bool:
-        """True when E[decompress(compress(x))] == x (over the compressor's randomness)."""
-        return False
 
     @property
     def codec(self) -> Compressor:
@@ -228,8 +190,8 @@ class Compressor(ABC):
 
     def set_ratio(self, ratio: float) -> None:
         """Keep ``ratio`` of the elements from the next compression on: ratio-based sparsifiers
-        (:attr:`ratio_based`) only, whose warm-up (``HookSpec.warmup``) sets it at every step."""
-        if not self.ratio_based:
+        (``capabilities.ratio_based``) only, whose warm-up (``HookSpec.warmup``) sets it at every step."""
+        if not self.capabilities.ratio_based:
             raise TypeError(f"{self.name} keeps no ratio of the elements: only topk and randomk take one")
         self.ratio = ratio
 
@@ -250,7 +212,7 @@ class Compressor(ABC):
     def next_round(self, payload: Payload, ctx: Any) -> tuple[Payload, Any]:
         """Turn the aggregated payload of one round into this rank's payload of the next round.
 
-        Only multi-round compressors (``rounds > 1``) implement it.
+        Only multi-round compressors (``capabilities.rounds > 1``) implement it.
         """
         raise TypeError(f"{self.name} is a single-round compressor; next_round is never called")
 
@@ -318,14 +280,6 @@ class Compressor(ABC):
         return False
 
     # -- payloads sized by their values --------------------------------------------------------------
-
-    @property
-    def measures(self) -> bool:
-        """True when the payload's size depends on the values and :meth:`measure` counts it on the
-        device beforehand: on an accelerator the engine then gathers every rank's counts of a
-        bucket, reads them in one host read, and compresses with :meth:`compress_measured`, instead
-        of a read per tensor for its own size and more for every rank's (rule "host reads")."""
-        return False
 
     def measure(self, tensor: Tensor, key: Key = None) -> Tensor:
         """What :meth:`compress_measured` needs to size ``tensor``'s payload: a count, as a 0-d int64

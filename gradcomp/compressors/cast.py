@@ -11,6 +11,7 @@ from torch import Tensor
 
 from gradcomp.compressors.base import (
     Aggregation,
+    Capabilities,
     Compressor,
     CompressorConfig,
     Key,
@@ -35,14 +36,11 @@ class Identity(Compressor):
     """
 
     name = "none"
-    aggregation = Aggregation.SUM
     Config = NoOptions
-    elementwise = True
-    local = True
 
-    @property
-    def unbiased(self) -> bool:
-        return True
+    @classmethod
+    def declare(cls, config: CompressorConfig) -> Capabilities:
+        return Capabilities(Aggregation.SUM, elementwise=True, local=True, unbiased=True)
 
     def compress(
         self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
@@ -62,11 +60,12 @@ class Identity(Compressor):
 class Cast(Compressor):
     """Base of the casts: the payload is the gradient in a narrower floating type, summable."""
 
-    aggregation = Aggregation.SUM
     Config = NoOptions
-    elementwise = True
-    local = True
     wire_dtype: ClassVar[torch.dtype]
+
+    @classmethod
+    def declare(cls, config: CompressorConfig) -> Capabilities:
+        return Capabilities(Aggregation.SUM, elementwise=True, local=True)
 
     def compress(
         self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None

@@ -29,6 +29,7 @@ et al., "EF21", NeurIPS 2021), as options of the same spec (:class:`Feedback`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -38,6 +39,7 @@ from torch import Tensor
 
 from gradcomp import host
 from gradcomp.compressors.base import (
+    Capabilities,
     Compressor,
     CompressorConfig,
     Key,
@@ -119,6 +121,20 @@ class Feedback:
         """The options as a ``(name, options)`` spec pair carries them."""
         return dict(word.split("=", 1) for word in self.words())
 
+    def applied_to(self, inner: Capabilities) -> Capabilities:
+        """The record of a compressor declaring ``inner`` inside this error feedback: the same
+        payloads, rounds and aggregation; keyed state, so nothing element-wise; biased; local as
+        ``inner`` except with clipping, which takes the norm of the whole tensor."""
+        if self.variant is None:
+            return inner
+        return dataclasses.replace(
+            inner,
+            elementwise=False,
+            local=inner.local and not self.clip,
+            unbiased=False,
+            feedback_problem="it has error feedback already",
+        )
+
 
 @dataclasses.dataclass
 class FeedbackContext:
@@ -144,7 +160,7 @@ class ErrorFeedback(Compressor):
     and clipping add a pass or two each. Compressors that fuse the subtraction
     (``Compressor.subtract_contribution``) skip the decompression and the subtract: PowerSGD in one
     pass; the sparsifiers and random-k touch only their k elements, and since their payload shows
-    every non-finite input (``Compressor.payload_shows_non_finite``) the check reads only the payload.
+    every non-finite input (``Capabilities.payload_shows_non_finite``) the check reads only the payload.
     A non-finite step leaves the residual (and velocity, and estimates) as they were (:meth:`_update`),
     decided on the device on an accelerator: nothing is read on the host there.
     Keys: every distinct tensor needs its own key (its identity across steps, e.g. its parameter
@@ -163,8 +179,6 @@ class ErrorFeedback(Compressor):
         self.inner = inner
         self.feedback = feedback
         self.name = inner.name
-        self.aggregation = inner.aggregation
-        self.rounds = inner.rounds
         self.residuals: dict[Key, Tensor] = {}
         """Classic error feedback's residual e per key: what compression left behind."""
         self.shares: dict[Key, Tensor] = {}
@@ -180,13 +194,13 @@ class ErrorFeedback(Compressor):
     def __repr__(self) -> str:
         return ",".join([repr(self.inner), *self.feedback.words()])
 
-    @property
-    def same_shapes(self) -> bool:
-        return self.inner.same_shapes
+    @classmethod
+    def declare(cls, config: CompressorConfig) -> Capabilities:
+        raise TypeError("error feedback declares what it wraps, changed: ask an instance (capabilities) or a Spec")
 
-    @property
-    def unbiased(self) -> bool:
-        return False
+    @functools.cached_property
+    def capabilities(self) -> Capabilities:
+        return self.feedback.applied_to(self.inner.capabilities)
 
     @property
     def codec(self) -> Compressor:
@@ -253,10 +267,6 @@ class ErrorFeedback(Compressor):
         else:
             self._accumulate(tensor, divisor, key, residual, compensated)
         return compensated
-
-    @property
-    def measures(self) -> bool:
-        return self.inner.measures
 
     def measure_divided(self, tensor: Tensor, divisor: float, key: Key = None) -> Tensor:
         """The compensated gradient is formed here (as :meth:`compress_divided` forms it) and kept
@@ -375,14 +385,14 @@ class ErrorFeedback(Compressor):
         self, payload: Payload, inner_ctx: Any, compensated: Tensor, key: Key
     ) -> tuple[Payload, FeedbackContext]:
         ctx = FeedbackContext(key, inner_ctx, compensated)
-        if self.rounds == 1:
+        if self.capabilities.rounds == 1:
             self._update(payload, ctx)
         return payload, ctx
 
     def next_round(self, payload: Payload, ctx: FeedbackContext) -> tuple[Payload, FeedbackContext]:
         payload, ctx.inner = self.inner.next_round(payload, ctx.inner)
         ctx.round += 1
-        if ctx.round == self.rounds - 1:
+        if ctx.round == self.capabilities.rounds - 1:
             self._update(payload, ctx)
         return payload, ctx
 
@@ -404,7 +414,7 @@ class ErrorFeedback(Compressor):
         sent = self.inner.sent_indices(payload, ctx.inner) if self.feedback.momentum else None
         # A compressor whose payload shows every bad step is checked there (a few elements);
         # the others through the contribution or the new residual (a reduction pass).
-        ok = payload_finite(payload) if self.inner.payload_shows_non_finite else None
+        ok = payload_finite(payload) if self.inner.capabilities.payload_shows_non_finite else None
         if self.inner.subtract_contribution(payload, ctx.inner, ctx.compensated):
             ok = finite(ctx.compensated) if ok is None else ok
             if keep_if(ok, ctx.compensated, residual) is ctx.compensated:  # the buffers swap roles

@@ -14,8 +14,10 @@ from gradcomp.compressors import chunks
 from gradcomp.compressors.affine import inverse_or_zero
 from gradcomp.compressors.base import (
     Aggregation,
+    Capabilities,
     ChunkedConfig,
     Compressor,
+    CompressorConfig,
     Key,
     Meta,
     Payload,
@@ -57,14 +59,14 @@ class Fp8(Compressor):
     """
 
     name = "fp8"
-    aggregation = Aggregation.GATHER
-    local = True
     Config = Fp8Config
     config: Fp8Config
 
-    @property
-    def same_shapes(self) -> bool:
-        return True  # codes and peaks: sized by the tensor alone
+    @classmethod
+    def declare(cls, config: CompressorConfig) -> Capabilities:
+        assert isinstance(config, Fp8Config)
+        # codes and peaks: sized by the tensor alone; each chunk scaled and cast on its own
+        return Capabilities(Aggregation.GATHER, local=True, piece_multiple=config.chunk, same_shapes=True)
 
     def compress(
         self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None

@@ -13,6 +13,7 @@ from torch import Tensor
 from gradcomp import host
 from gradcomp.compressors.base import (
     Aggregation,
+    Capabilities,
     Compressor,
     CompressorConfig,
     Key,
@@ -109,11 +110,12 @@ class PowerSGD(Compressor):
     """
 
     name = "powersgd"
-    aggregation = Aggregation.SUM
-    rounds = 2
-    needs_shapes = True
     Config = PowerSGDConfig
     config: PowerSGDConfig
+
+    @classmethod
+    def declare(cls, config: CompressorConfig) -> Capabilities:
+        return Capabilities(Aggregation.SUM, rounds=2, needs_shapes=True)  # P, then Q; of each matrix
 
     def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
         super().__init__(config, seed=seed, rank=rank)

@@ -20,6 +20,7 @@ from gradcomp.compressors import affine, bitpack, chunks
 from gradcomp.compressors.affine import Affine
 from gradcomp.compressors.base import (
     Aggregation,
+    Capabilities,
     ChunkedConfig,
     Compressor,
     CompressorConfig,
@@ -44,13 +45,16 @@ class AffineQuantizer(Compressor):
     Subclasses choose ``bits``, ``chunk``, the scales and how offset and step follow from them.
     """
 
-    aggregation = Aggregation.GATHER
-    local = True
     config: ChunkedConfig
 
-    @property
-    def same_shapes(self) -> bool:
-        return True  # codes and scales: sized by the tensor alone
+    @classmethod
+    def declare(cls, config: CompressorConfig) -> Capabilities:
+        assert isinstance(config, ChunkedConfig)
+        # codes and scales: sized by the tensor alone; each chunk coded on its own; stochastic
+        # rounding (the subclasses' default) is unbiased
+        return Capabilities(
+            Aggregation.GATHER, local=True, piece_multiple=config.chunk, same_shapes=True, unbiased=True
+        )
 
     def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
         super().__init__(config, seed=seed, rank=rank)
@@ -70,10 +74,6 @@ class AffineQuantizer(Compressor):
     @property
     def stochastic(self) -> bool:
         return True
-
-    @property
-    def unbiased(self) -> bool:
-        return self.stochastic
 
     @abstractmethod
     def scales(self, flat: Tensor) -> Tensor:
@@ -153,14 +153,17 @@ class Quantize(AffineQuantizer):
     config: QuantizeConfig
 
     @classmethod
-    def feedback_problem(cls, config: CompressorConfig) -> str | None:
-        if isinstance(config, QuantizeConfig) and config.bits == 1:
-            return (
+    def declare(cls, config: CompressorConfig) -> Capabilities:
+        assert isinstance(config, QuantizeConfig)
+        problem = None
+        if config.bits == 1:
+            problem = (
                 "1-bit min-max quantization sends each value as its chunk's min or max, an error larger than "
                 "the value (measured on Gaussian gradients: |C(x) - x| = 2.4 |x| stochastic, 1.8 |x| nearest), "
                 "so error feedback's residual grows without bound; at 1 bit take sign:ef=true, or bits=2"
             )
-        return None
+        unbiased = config.rounding == "stochastic"
+        return dataclasses.replace(super().declare(config), unbiased=unbiased, feedback_problem=problem)
 
     @property
     def bits(self) -> int:
@@ -232,16 +235,19 @@ class QSGD(SymmetricQuantizer):
     config: QSGDConfig
 
     @classmethod
-    def feedback_problem(cls, config: CompressorConfig) -> str | None:
+    def declare(cls, config: CompressorConfig) -> Capabilities:
+        assert isinstance(config, QSGDConfig)
+        declared = super().declare(config)
         # min(d / s**2, sqrt(d) / s) < 1 exactly when d < s**2
-        if isinstance(config, QSGDConfig) and config.chunk >= (s := 2 ** (config.bits - 1) - 1) ** 2:
-            bound = min(config.chunk / s**2, config.chunk**0.5 / s)
-            return (
-                f"its variance bound min(d / s^2, sqrt(d) / s) is {bound:.3g} of |x|^2 (chunk d={config.chunk}, "
-                f"s={s} levels): no contraction, and error feedback's residual grows without bound (measured at "
-                f"bits=4, chunk=512); unbiased, qsgd needs no error feedback, or take chunk < {s**2}"
-            )
-        return None
+        if config.chunk < (s := 2 ** (config.bits - 1) - 1) ** 2:
+            return declared
+        bound = min(config.chunk / s**2, config.chunk**0.5 / s)
+        problem = (
+            f"its variance bound min(d / s^2, sqrt(d) / s) is {bound:.3g} of |x|^2 (chunk d={config.chunk}, "
+            f"s={s} levels): no contraction, and error feedback's residual grows without bound (measured at "
+            f"bits=4, chunk=512); unbiased, qsgd needs no error feedback, or take chunk < {s**2}"
+        )
+        return dataclasses.replace(declared, feedback_problem=problem)
 
     @property
     def bits(self) -> int:

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from gradcomp.compressors.base import (
     Aggregation,
+    Capabilities,
     Compressor,
     CompressorConfig,
     Key,
@@ -63,11 +64,8 @@ class RandomK(Compressor):
     """
 
     name = "randomk"
-    aggregation = Aggregation.SUM
-    payload_shows_non_finite = True  # every value is NaN if the input holds a non-finite one
     Config = RandomKConfig
     config: RandomKConfig
-    ratio_based = True
 
     def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
         super().__init__(config, seed=seed, rank=rank)
@@ -75,17 +73,21 @@ class RandomK(Compressor):
         self.ratio = self.config.ratio
 
     @classmethod
-    def feedback_problem(cls, config: CompressorConfig) -> str | None:
-        if isinstance(config, RandomKConfig) and config.scale:
-            return (
+    def declare(cls, config: CompressorConfig) -> Capabilities:
+        assert isinstance(config, RandomKConfig)
+        problem = None
+        if config.scale:
+            problem = (
                 "scaled by about 1 / ratio, random-k is no contraction and error feedback on it diverges "
                 "(measured: the digits MLP's loss at 1e10 within 10 steps); use randomk:scale=false,ef=true"
             )
-        return None
-
-    @property
-    def unbiased(self) -> bool:
-        return self.config.scale
+        return Capabilities(
+            Aggregation.SUM,  # the same indices on every rank: the values add up
+            payload_shows_non_finite=True,  # every value is NaN if the input holds a non-finite one
+            ratio=config.ratio,
+            unbiased=config.scale,
+            feedback_problem=problem,
+        )
 
     def compress(
         self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None

@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from gradcomp.compressors.base import Compressor, CompressorConfig, spec_text
+from gradcomp.compressors.base import Capabilities, Compressor, CompressorConfig, spec_text
 from gradcomp.compressors.feedback import FEEDBACK_OPTIONS, ErrorFeedback, Feedback
 from gradcomp.options import options_from, split_spec
 
@@ -55,6 +55,13 @@ class Spec:
         """Whether the compressor is wrapped in error feedback (either variant)."""
         return self.feedback.variant is not None
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the compressor this spec builds declares, error feedback's changes included: the
+        same record as the built compressor's ``capabilities``, for code that holds only the spec
+        (the engine's checks, the cost model), without building one."""
+        return self.feedback.applied_to(REGISTRY[self.name].declare(self.config))
+
     def __str__(self) -> str:
         return spec_text(self.name, self.config, self.feedback.words())
 
@@ -79,7 +86,7 @@ def parse_spec(spec: SpecLike) -> Spec:
     except ValueError as error:
         raise ValueError(f"invalid options for {name!r}: {error}") from None
     config = options_from(REGISTRY[name].Config, options, repr(name), also_valid=WRAPPER_OPTIONS)
-    problem = REGISTRY[name].feedback_problem(config) if feedback.variant else None
+    problem = REGISTRY[name].declare(config).feedback_problem if feedback.variant else None
     if problem:
         raise ValueError(f"{name!r} with {feedback.words()[0]}: {problem}")
     return Spec(name, config, feedback)

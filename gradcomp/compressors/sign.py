@@ -10,7 +10,7 @@ from torch import Tensor
 from gradcomp import host
 from gradcomp.compressors import chunks
 from gradcomp.compressors.affine import Affine
-from gradcomp.compressors.base import ChunkedConfig, Key
+from gradcomp.compressors.base import Capabilities, ChunkedConfig, CompressorConfig, Key
 from gradcomp.compressors.quantize import AffineQuantizer, finite_float32
 from gradcomp.compressors.registry import register
 
@@ -33,6 +33,10 @@ class Sign(AffineQuantizer):
     name = "sign"
     Config = SignConfig
     config: SignConfig
+
+    @classmethod
+    def declare(cls, config: CompressorConfig) -> Capabilities:
+        return dataclasses.replace(super().declare(config), unbiased=False)  # deterministic: the sign
 
     @property
     def bits(self) -> int:

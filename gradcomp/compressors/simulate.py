@@ -40,7 +40,7 @@ def compress_all(
     if len(compressors) != len(tensors) or not compressors:
         raise ValueError("simulate needs one compressor per tensor, and at least one rank")
     states = [c.compress(t, key, shapes) for c, t in zip(compressors, tensors, strict=True)]
-    for _ in range(1, compressors[0].rounds):
+    for _ in range(1, compressors[0].capabilities.rounds):
         total = sum_payloads([payload for payload, _ in states])
         states = [c.next_round(_copy(total), ctx) for c, (_, ctx) in zip(compressors, states, strict=True)]
     return [ctx for _, ctx in states], [payload for payload, _ in states]
@@ -48,7 +48,7 @@ def compress_all(
 
 def aggregate(compressors: Sequence[Compressor], contexts: Sequence[Any], finals: Sequence[Payload]) -> list[Tensor]:
     """Every rank's decompressed sum of the final payloads, as the engine computes it."""
-    if compressors[0].aggregation is Aggregation.SUM:
+    if compressors[0].capabilities.aggregation is Aggregation.SUM:
         total = sum_payloads(finals)
         return [c.decompress(_copy(total), ctx) for c, ctx in zip(compressors, contexts, strict=True)]
     return [c.decompress_sum(finals, ctx) for c, ctx in zip(compressors, contexts, strict=True)]

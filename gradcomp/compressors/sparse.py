@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from gradcomp.compressors.base import Aggregation, Compressor, Meta, Payload, flat_out
+from gradcomp.compressors.base import Aggregation, Capabilities, Compressor, CompressorConfig, Meta, Payload, flat_out
 
 
 def index_dtype(numel: int) -> torch.dtype:
@@ -44,8 +44,10 @@ class SparseCompressor(Compressor):
     too), without densifying any payload.
     """
 
-    aggregation = Aggregation.GATHER
-    payload_shows_non_finite = True  # NaN and Inf always count as selected
+    @classmethod
+    def declare(cls, config: CompressorConfig) -> Capabilities:
+        # values of different indices on every rank do not add up; NaN and Inf always count as selected
+        return Capabilities(Aggregation.GATHER, payload_shows_non_finite=True)
 
     def sparse_payload(self, flat: Tensor, indices: Tensor) -> Payload:
         """The payload of ``flat`` at ``indices`` (int64)."""

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from gradcomp import host
-from gradcomp.compressors.base import CompressorConfig, Key, Meta, Payload, check_gradient
+from gradcomp.compressors.base import Capabilities, CompressorConfig, Key, Meta, Payload, check_gradient
 from gradcomp.compressors.registry import register
 from gradcomp.compressors.sparse import SparseCompressor
 
@@ -40,9 +40,9 @@ class Threshold(SparseCompressor):
     Config = ThresholdConfig
     config: ThresholdConfig
 
-    @property
-    def measures(self) -> bool:
-        return True
+    @classmethod
+    def declare(cls, config: CompressorConfig) -> Capabilities:
+        return dataclasses.replace(super().declare(config), measures=True)  # as many as pass tau
 
     def compress(
         self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from gradcomp import host
-from gradcomp.compressors.base import CompressorConfig, Key, Meta, Payload, check_gradient
+from gradcomp.compressors.base import Capabilities, CompressorConfig, Key, Meta, Payload, check_gradient
 from gradcomp.compressors.randomness import Generators, rank_seed
 from gradcomp.compressors.registry import register
 from gradcomp.compressors.sparse import SparseCompressor, kept, ratio_error
@@ -72,12 +72,18 @@ class TopK(SparseCompressor):
     name = "topk"
     Config = TopKConfig
     config: TopKConfig
-    ratio_based = True
-    dense_from = 0.5  # k values and k 4-byte indices: 2 k * 4 bytes against 4 n
 
-    @property
-    def same_shapes(self) -> bool:
-        return self.config.method == "exact"  # k values and indices; sampled keeps what passes its threshold
+    @classmethod
+    def declare(cls, config: CompressorConfig) -> Capabilities:
+        assert isinstance(config, TopKConfig)
+        exact = config.method == "exact"  # k values and indices; sampled keeps what passes its threshold
+        return dataclasses.replace(
+            super().declare(config),
+            same_shapes=exact,
+            measures=not exact,
+            ratio=config.ratio,
+            dense_from=0.5,  # k values and k 4-byte indices: 2 k * 4 bytes against 4 n
+        )
 
     def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
         super().__init__(config, seed=seed, rank=rank)
@@ -85,10 +91,6 @@ class TopK(SparseCompressor):
         self.ratio = self.config.ratio
         self._measured: dict[Key, tuple[Tensor | None, int]] = {}
         """Per key, its last measure: the sampled threshold and k (for compress_measured and payload_length)."""
-
-    @property
-    def measures(self) -> bool:
-        return self.config.method == "sampled"
 
     def compress(
         self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None

@@ -164,19 +164,19 @@ def time_tensor(
 
     def later_rounds() -> None:
         payload, ctx = state["payload"], state["ctx"]
-        for _ in range(1, compressor.rounds):
+        for _ in range(1, compressor.capabilities.rounds):
             payload, ctx = compressor.next_round(payload, ctx)
         state["final"], state["final_ctx"] = payload, ctx
 
     def decompress(count: int) -> None:
-        if compressor.aggregation is Aggregation.SUM:
+        if compressor.capabilities.aggregation is Aggregation.SUM:
             compressor.decompress(state["payload"], state["ctx"], out=out)
         else:
             compressor.decompress_sum([state["payload"]] * count, state["ctx"], out=out)
 
     compress()
     samples = [Sample("compress", x.numel(), 1, timed(compress))]
-    if compressor.rounds > 1:
+    if compressor.capabilities.rounds > 1:
         # the later rounds read the first round's context: time them on fresh ones, outside the clock
         rounds = []
         for _ in range(repeats + 1):
@@ -184,7 +184,7 @@ def time_tensor(
             rounds.append(timed(later_rounds, runs=1, warmup=0))
         samples.append(Sample("next_round", x.numel(), 1, statistics.median(rounds[1:])))
         state["payload"], state["ctx"] = state["final"], state["final_ctx"]
-    for count in sorted({1, *peers}) if compressor.aggregation is Aggregation.GATHER else (1,):
+    for count in sorted({1, *peers}) if compressor.capabilities.aggregation is Aggregation.GATHER else (1,):
         seconds = timed(functools.partial(decompress, count))
         samples.append(Sample("decompress", x.numel(), count, seconds))
     return samples

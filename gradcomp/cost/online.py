@@ -181,7 +181,7 @@ def kernel_costs(
         compressor = make_compressor(spec, seed=seed, rank=rank)
         samples = []
         for identity, flat in gradients.items():
-            if compressor.elementwise:
+            if compressor.capabilities.elementwise:
                 samples += kernels.time_tensor(compressor, flat, ("online", identity), repeats=1)
                 continue
             for key, part in zip(identity, views(flat, shapes[identity]), strict=True):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from gradcomp.compressors import REGISTRY, Aggregation
+from gradcomp.compressors import Aggregation
 from gradcomp.cost.cluster import ALL_REDUCE, Cluster
 from gradcomp.cost.kernels import KernelCost
 from gradcomp.cost.step import Method, StepPrediction, Workload, predict
@@ -61,7 +61,7 @@ def routes(method: Method, cluster: Cluster, torch_hook: bool = False) -> list[t
     if torch_hook:  # torch's hooks run on DDP's (the backend's) all-reduce
         return [("native", True, method)]
     found = []
-    if REGISTRY[method.compressor.name].aggregation is Aggregation.GATHER:
+    if method.compressor.capabilities.aggregation is Aggregation.GATHER:
         for route, aggregation in (("all_gather", "gather"), ("two_phase", "two_phase")):
             try:
                 spec = dataclasses.replace(method.spec, aggregation=aggregation)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from gradcomp.collectives.cost_model import all_reduce_seconds, ring_traffic
-from gradcomp.compressors import REGISTRY, Spec, make_compressor, parse_spec
+from gradcomp.compressors import Spec, make_compressor, parse_spec
 from gradcomp.cost.cluster import Cluster
 from gradcomp.cost.kernels import KernelCost
 from gradcomp.engine.spec import ALLREDUCE, HookSpec, HookSpecLike, Route
@@ -174,7 +174,7 @@ def payload_bytes(spec: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     tensor = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     payload, ctx = compressor.compress(tensor, key="payload_bytes")
     sizes = [compressor.wire_bytes(payload)]
-    for _ in range(1, compressor.rounds):
+    for _ in range(1, compressor.capabilities.rounds):
         payload, ctx = compressor.next_round(payload, ctx)
         sizes.append(compressor.wire_bytes(payload))
     return tuple(sizes)
@@ -212,19 +212,19 @@ def bucket_cost(
                  bucket_cost(dense, exact, cluster, kernels) if dense else BucketCost()]  # fmt: skip
         return BucketCost(*(sum(getattr(c, f.name) for c in parts) for f in dataclasses.fields(BucketCost)))
     spec = method.compressor
-    cls = REGISTRY[spec.name]
+    declared = spec.capabilities
     kernel = kernels(str(spec))
     route = method.route(p)
     gather, two_phase = route in (Route.GATHER, Route.TWO_PHASE), route is Route.TWO_PHASE
     sizes = [math.prod(s) for s in shapes]
-    if cls.elementwise:  # the bucket compresses whole
+    if declared.elementwise:  # the bucket compresses whole
         compress_s, decompress_s = kernel.compress(sum(sizes)), kernel.decompress(sum(sizes))
         rounds = [sum(payload_bytes(str(spec), (n,))[0] for n in sizes)]
     else:
         compress_s = sum(kernel.compress(n) for n in sizes)
         decompress_s = sum(kernel.decompress(n, p if gather and not two_phase else 1) for n in sizes)
         per_tensor = [payload_bytes(str(spec), tuple(s)) for s in shapes]
-        rounds = [sum(r[i] for r in per_tensor) for i in range(cls.rounds)]
+        rounds = [sum(r[i] for r in per_tensor) for i in range(declared.rounds)]
     if two_phase:  # a compressed reduce-scatter (each rank sums p shards), then an all-gather
         compress_s += sum(kernel.compress(n / p) for n in sizes)
         decompress_s = sum(kernel.decompress(n / p, p) * 2 for n in sizes)
@@ -239,7 +239,7 @@ def bucket_cost(
         sent = rounds[0] * (p - 1)
     # the later rounds' compute runs between the collectives; the engine's overhead (measured in
     # calibration) delays the bucket's landing
-    link = seconds + _later_rounds(kernel, sizes, cls.rounds) + kernel.overhead(sum(sizes))
+    link = seconds + _later_rounds(kernel, sizes, declared.rounds) + kernel.overhead(sum(sizes))
     return BucketCost(compress_s, decompress_s, seconds, link, sum(rounds), sent)
 
 

@@ -40,7 +40,7 @@ every rank and nothing communicates from a backend's callback thread (rule "one 
 - A warm-up (``HookSpec.warmup``) sends the first steps uncompressed, as the all-reduce hook does
   (error feedback's momentum correction and clipping still apply: :meth:`Compressor.dense_share`),
   or, for ratio-based sparsifiers, compressed at a ratio that falls exponentially to theirs (and
-  uncompressed while that ratio would cost as many bytes: ``Compressor.dense_from``). Steps
+  uncompressed while that ratio would cost as many bytes: ``Capabilities.dense_from``). Steps
   are counted where buckets are compressed, and the count is part of :meth:`Engine.state_dict`.
 - The engine communicates on gradcomp's own process group, with the same ranks (one per parent group
   and timeout, shared by every engine), so that DDP's own collectives never interleave with it.
@@ -68,7 +68,6 @@ from gradcomp.collectives.groups import as_timeout, private
 from gradcomp.collectives.hierarchical import subgroups
 from gradcomp.collectives.link import Traffic
 from gradcomp.compressors import Compressor, Key, make_compressor
-from gradcomp.compressors.base import piece_multiple
 from gradcomp.engine import hierarchical, pieces
 from gradcomp.engine.routes import BucketWork, DenseRoute, GatherRoute, RouteSteps, SumRoute, TwoPhaseRoute
 from gradcomp.engine.spec import TWO_PHASE_FROM, HookSpec, HookSpecLike, Route
@@ -151,7 +150,7 @@ class Engine:
         hierarchical.check_local_size(local, self.world)
         intra, inter = subgroups(self.group, local)
         inner = _ROUTES[self.spec.route(self.world // local)](self.compressor, inter, self.spec.algo)
-        return hierarchical.HierarchicalRoute(inner, intra, local, self.compressor.elementwise)
+        return hierarchical.HierarchicalRoute(inner, intra, local, self.compressor.capabilities.elementwise)
 
     def reduce(
         self,
@@ -218,7 +217,7 @@ class Engine:
         :meth:`_work`), or of the buffer when it travels whole (:mod:`gradcomp.engine.pieces`), each
         with its own record (numbered ``part``) handed over when the bucket was."""
         if not work.shapes:
-            multiple = piece_multiple(self.spec.compressor.config) if self.spec.compressor else 1
+            multiple = self.spec.compressor.capabilities.piece_multiple if self.spec.compressor else 1
             cuts = pieces.spans(work.buffer.numel(), self.spec.pieces, multiple)
             groups: list[tuple[int, int, list[Key], list[torch.Size]]] = [(start, stop, [], []) for start, stop in cuts]
         else:
@@ -297,7 +296,7 @@ class Engine:
                 f"do not describe a buffer of {buffer.numel()}"
             )
         if self.spec.pieces > 1 and self.spec.compressor is not None:  # in every bucket: rule "state per tensor"
-            multiple = piece_multiple(self.spec.compressor.config)
+            multiple = self.spec.compressor.capabilities.piece_multiple
             keys, shapes = pieces.cut(keys, shapes, self.spec.pieces, multiple, self.spec.min_numel)
         return BucketWork(buffer, list(keys), list(shapes), record)
 
@@ -345,7 +344,7 @@ class Engine:
         """Whether :meth:`reduce` needs the bucket's keys and shapes: not for an element-wise,
         stateless compressor (``allreduce``, the casts), which compresses the bucket whole, so that
         a hook need not list its parameters, unless a per-tensor policy picks tensors out of it."""
-        return not self.compressor.elementwise or self.spec.keeps_some_dense
+        return not self.compressor.capabilities.elementwise or self.spec.keeps_some_dense
 
 
 def check_same_spec(spec: str, group: dist.ProcessGroup, device: torch.device) -> None:

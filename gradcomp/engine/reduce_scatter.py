@@ -70,7 +70,7 @@ def reduce_scatter(
         raise ValueError(f"parts must be a contiguous ({exchange.world}, n) tensor, got {tuple(parts.shape)}")
     if out.numel() != parts.shape[1]:
         raise ValueError(f"out must have {parts.shape[1]} elements (a shard), got {out.numel()}")
-    if compressor.aggregation is Aggregation.SUM:
+    if compressor.capabilities.aggregation is Aggregation.SUM:
         return _summed(compressor, parts, divisor, key, exchange, out.view(-1), phases)
     return _gathered(compressor, parts, divisor, key, exchange, out.view(-1), phases)
 
@@ -144,13 +144,13 @@ def _summed(
     with phases("communicate"):
         summed = tuple(exchange.reduce_scatter(tensor) for tensor in joined)
     with phases("decompress"):
-        if not compressor.elementwise:  # each block is shaped like one shard's payload
+        if not compressor.capabilities.elementwise:  # each block is shaped like one shard's payload
             summed = tuple(block.view(like.shape) for block, like in zip(summed, payloads[0], strict=True))
         target = out if out.dtype == parts.dtype else torch.empty_like(out, dtype=parts.dtype)
         compressor.decompress(summed, ctx, out=target)
         if target is not out:
             out.copy_(target)
-    if compressor.elementwise:  # one payload of every shard, element by element: a world-th stays here
+    if compressor.capabilities.elementwise:  # one payload of every shard, element by element: a world-th stays here
         return compressor.wire_bytes(payloads[0]) * (exchange.world - 1) // exchange.world
     return sum(compressor.wire_bytes(payload) for j, payload in enumerate(payloads) if j != exchange.rank)
 
@@ -161,7 +161,7 @@ def _summable(
     """Every shard's payload, their tensors joined per position (the reduce-scatter's inputs, shard j
     in block j), and this rank's context."""
     world, n = parts.shape
-    if compressor.elementwise:  # stateless, element by element: all shards in one payload, no copy
+    if compressor.capabilities.elementwise:  # stateless, element by element: all shards in one payload, no copy
         payload, _ = _compress(compressor, parts.view(-1), divisor, key)
         return [payload], [t.reshape(-1) for t in payload], Meta(torch.Size([n]), parts.dtype, n)
     states = [_compress(compressor, parts[j], divisor, (key, j)) for j in range(world)]

@@ -63,7 +63,7 @@ class BucketWork:
     states: list[tuple[Payload, Any]] = dataclasses.field(default_factory=list)
     """Per part, the payload of the current round and the local context."""
     counts: list[Tensor] = dataclasses.field(default_factory=list)
-    """Per part, its measured payload size on the device (``Compressor.measures``, on an accelerator):
+    """Per part, its measured payload size on the device (``Capabilities.measures``, on an accelerator):
     compression then waits for :meth:`GatherRoute.send`, which reads every rank's counts at once."""
     landing: list[Tensor] = dataclasses.field(default_factory=list)
     """Where the averaged tensors go once they land, when :attr:`buffer` is a copy of them (the
@@ -90,7 +90,8 @@ class _Compressed:
     def __init__(self, compressor: Compressor, group: dist.ProcessGroup, algo: str) -> None:
         self.compressor, self.group, self.algo = compressor, group, algo
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.issues_only = algo == "native" and compressor.rounds == 1 and compressor.aggregation is Aggregation.SUM
+        declared = compressor.capabilities
+        self.issues_only = algo == "native" and declared.rounds == 1 and declared.aggregation is Aggregation.SUM
 
     def prepare(self, work: BucketWork) -> None:
         """Split into the bucket's tensors and compress each divided by the world size (round one;
@@ -104,7 +105,7 @@ class _Compressed:
         """The parts compression reads, with their keys (setting ``work.parts`` the first time):
         element-wise, stateless compressors (the casts) take the bucket whole, into one payload (or
         the parts the per-tensor policy left them), keyless; the others each tensor, keyed."""
-        if self.compressor.elementwise:
+        if self.compressor.capabilities.elementwise:
             work.parts = work.parts or [work.buffer]
             return [(part, None) for part in work.parts]
         work.parts = work.parts or views(work.buffer, work.shapes)
@@ -113,7 +114,7 @@ class _Compressed:
     def _later_rounds(self, work: BucketWork) -> list[Payload]:
         """All-reduce and advance every round but the last; the final payloads, counted."""
         compressor, record = self.compressor, work.record
-        for _ in range(1, compressor.rounds):
+        for _ in range(1, compressor.capabilities.rounds):
             record.payload_bytes += sum(compressor.wire_bytes(p) for p, _ in work.states)
             with record.phase("communicate"):
                 summed = self._all_reduce([payload for payload, _ in work.states], record)
@@ -207,7 +208,7 @@ class GatherRoute(_Compressed):
     capacity per bucket that every rank learns from the same gathered frames (kept in
     :attr:`capacities`, part of the engine's state); otherwise, and during a warm-up, gradcomp's
     point-to-point all-gather, sizes first. Where every rank's payloads have the same shapes
-    (``Compressor.same_shapes``), unpadded and with no sizes, on either; on the backend's, left in
+    (``Capabilities.same_shapes``), unpadded and with no sizes, on either; on the backend's, left in
     flight and summed on its completion thread, as :class:`SumRoute`'s final all-reduce."""
 
     def __init__(self, compressor: Compressor, group: dist.ProcessGroup, algo: str) -> None:
@@ -218,7 +219,7 @@ class GatherRoute(_Compressed):
     def prepare(self, work: BucketWork) -> None:
         """As every route, or for payloads whose size depends on the values, on an accelerator, past
         the warm-up: each tensor divided, compensated and counted on the device, nothing read yet."""
-        if not (self.compressor.measures and work.settled) or host.reads_are_free(work.buffer.device):
+        if not (self.compressor.capabilities.measures and work.settled) or host.reads_are_free(work.buffer.device):
             super().prepare(work)
             return
         if work.ratio is not None:
@@ -231,7 +232,7 @@ class GatherRoute(_Compressed):
             self._send_measured(work)
             return None
         finals = self._later_rounds(work)
-        if self.algo == "native" and work.settled and self.compressor.same_shapes:
+        if self.algo == "native" and work.settled and self.compressor.capabilities.same_shapes:
             return self._in_flight(finals, work)
         with work.record.phase("communicate"):
             gathered = self._gather(finals, work)
@@ -288,7 +289,7 @@ class GatherRoute(_Compressed):
         """Every rank's payloads, per tensor then rank."""
         device = _device(payloads)
         exchange = transport.GroupTransport(self.group, work.record.add_traffic)
-        if work.settled and self.compressor.same_shapes:
+        if work.settled and self.compressor.capabilities.same_shapes:
             per_rank = transport.all_gather_alike(payloads, device, exchange, native=self.algo == "native")
         elif self.algo == "native" and work.settled:
             bucket = tuple(work.keys)
@@ -329,7 +330,7 @@ class DenseRoute(SumRoute):
 
     def prepare(self, work: BucketWork) -> None:
         with work.record.phase("compress"):
-            if self.shares.elementwise:
+            if self.shares.capabilities.elementwise:
                 work.buffer.div_(self.world)
             else:
                 for part, key in zip(views(work.buffer, work.shapes), work.keys, strict=True):

@@ -96,7 +96,7 @@ class ShardSpec:
         spec = self.hook.compressor
         if spec is not None and spec.feedback.variant == "ef21":
             raise ValueError("ef=ef21 is built for DDP's hooks, not yet for the sharded reduce-scatter: use ef=true")
-        if spec is not None and REGISTRY[spec.name].needs_shapes:
+        if spec is not None and spec.capabilities.needs_shapes:
             raise ValueError(
                 f"{spec.name} needs each tensor's shape (it compresses matrices), and a sharded gradient is a "
                 f"flat shard of several tensors; valid for sharded training: {', '.join(valid_names())}"
@@ -148,7 +148,8 @@ ShardSpecLike = str | tuple[str, Mapping[str, Any]] | Spec | HookSpec | ShardSpe
 def valid_names() -> list[str]:
     """The spec names sharded training takes: the uncompressed reduce-scatter, noop and every
     compressor that works on a flat shard."""
-    return [UNCOMPRESSED, NOOP, *sorted(n for n, c in REGISTRY.items() if not c.needs_shapes and n != UNCOMPRESSED)]
+    flat = [n for n, c in REGISTRY.items() if not c.declare(c.Config()).needs_shapes and n != UNCOMPRESSED]
+    return [UNCOMPRESSED, NOOP, *sorted(flat)]
 
 
 class ShardedEngine:

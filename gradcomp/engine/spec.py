@@ -132,13 +132,14 @@ class HookSpec:
         name = self.compressor.name if self.compressor else NOOP
         if self.pieces > 1 and self.compressor is None:
             raise ValueError("noop sends nothing: pieces has nothing to cut")
-        if self.pieces > 1 and not REGISTRY[name].local:
+        if self.pieces > 1 and self.compressor is not None and not self.compressor.capabilities.local:
             raise ValueError(
                 f"pieces: {name} compresses each tensor as a whole, so its pieces would compress otherwise; "
                 "pieces takes compressors local to elements or chunks: the casts, quantize, qsgd, terngrad, "
-                "sign, fp8"
+                "sign, fp8 (error feedback's clip takes a tensor's norm: not with it)"
             )
-        if self.aggregation == "two_phase" and self.compressor and REGISTRY[name].aggregation is Aggregation.SUM:
+        summed = self.compressor is not None and self.compressor.capabilities.aggregation is Aggregation.SUM
+        if self.aggregation == "two_phase" and summed:
             raise ValueError(f"two_phase is for gather compressors; {name} sums its payloads (all-reduce)")
         if self.compressor is not None and self.compressor.feedback.variant == "ef21":
             if self.aggregation == "two_phase":
@@ -194,7 +195,7 @@ class HookSpec:
         :data:`TWO_PHASE_FROM` ranks on, except under EF21 (its estimates take each aggregate once)."""
         if self.compressor is None:
             return Route.NONE
-        if REGISTRY[self.compressor.name].aggregation is Aggregation.SUM:
+        if self.compressor.capabilities.aggregation is Aggregation.SUM:
             return Route.SUM
         ef21 = self.compressor.feedback.variant == "ef21"
         if self.aggregation == "two_phase" or (self.aggregation == "auto" and world >= TWO_PHASE_FROM and not ef21):

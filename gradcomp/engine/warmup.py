@@ -5,7 +5,7 @@ whether the step goes uncompressed (the all-reduce hook's sum, with error feedba
 correction and clipping still applied: ``Compressor.dense_share``), and for ratio-based sparsifiers
 (topk, randomk) the keep-ratio of the step, which falls exponentially to theirs (DGC's schedule,
 :func:`gradcomp.engine.spec.warmup_ratio`). A step whose ratio would cost as many bytes as the
-uncompressed gradient (``Compressor.dense_from``) goes uncompressed instead: exact, and no dearer.
+uncompressed gradient (``Capabilities.dense_from``) goes uncompressed instead: exact, and no dearer.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ class Warmup:
 
     def __init__(self, spec: HookSpec, compressor: Compressor) -> None:
         self.steps = spec.warmup
-        codec = compressor.codec
-        self._ratio = codec.ratio if codec.ratio_based and self.steps else None  # the config's: read before any step
-        self._dense_from = codec.dense_from
+        declared = compressor.capabilities
+        self._ratio = declared.ratio if self.steps else None  # the config's (None: no ratio kept)
+        self._dense_from = declared.dense_from
 
     def at(self, step: int) -> WarmupStep:
         """Step ``step`` (from 0, counted over the whole run, resumed ones included)."""

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from gradcomp.compressors.base import Aggregation, Compressor, CompressorConfig, Payload, payload_finite, piece_multiple
+from gradcomp.compressors.base import Aggregation, Capabilities, Compressor, CompressorConfig, Payload, payload_finite
 from gradcomp.compressors.registry import REGISTRY, parse_spec
 from gradcomp.compressors.simulate import aggregate, compress_all, roundtrip
 from gradcomp.testing.subject import Subject, gaussian, rounds
@@ -44,15 +44,20 @@ def _equal(a: Tensor, b: Tensor) -> bool:
 
 
 def declarations(subject: Subject) -> None:
-    """The class declares what the engine reads: a name, an aggregation, a frozen config dataclass
-    with defaults, its rounds (and ``next_round`` if more than one), and a spec that rebuilds it."""
+    """The class declares what the engine reads: a name, a frozen config dataclass with defaults,
+    its :class:`Capabilities` for that config (``declare``: an aggregation, its rounds, and
+    ``next_round`` if more than one), and a spec that rebuilds it."""
     cls = subject.cls
     assert isinstance(cls.name, str) and cls.name, f"name must be a non-empty string, got {cls.name!r}"
-    assert isinstance(cls.aggregation, Aggregation), f"aggregation must be an Aggregation, got {cls.aggregation!r}"
     assert isinstance(subject.config, CompressorConfig), f"Config must subclass CompressorConfig, got {cls.Config}"
-    assert isinstance(cls.rounds, int) and cls.rounds >= 1, f"rounds must be an integer >= 1, got {cls.rounds!r}"
-    if cls.rounds > 1:
-        assert cls.next_round is not Compressor.next_round, f"{cls.rounds} rounds declared, next_round not defined"
+    try:
+        declared = subject.declared
+    except Exception as error:
+        raise AssertionError(f"declare(config) raised {type(error).__name__}: {error}") from None
+    assert isinstance(declared, Capabilities), f"declare(config) must return Capabilities, got {declared!r}"
+    rounds = declared.rounds
+    if rounds > 1:
+        assert cls.next_round is not Compressor.next_round, f"{rounds} rounds declared, next_round not defined"
     if REGISTRY.get(cls.name) is cls:
         rebuilt = parse_spec(subject.spec_text).config
         assert rebuilt == subject.config, f"its spec {subject.spec_text!r} rebuilds another config: {rebuilt}"
@@ -134,7 +139,8 @@ def aggregation(subject: Subject) -> None:
     error = float((results[0] - expected).norm())
     # sum payloads add in their own dtype (as an all-reduce does): a half-precision one rounds there
     floats = [torch.finfo(t.dtype).eps for t in finals[0] if t.is_floating_point()]
-    precision = max([1e-5] + [RANKS * eps for eps in floats]) if subject.cls.aggregation is Aggregation.SUM else 1e-5
+    summed = subject.declared.aggregation is Aggregation.SUM
+    precision = max([1e-5] + [RANKS * eps for eps in floats]) if summed else 1e-5
     total = float(expected.norm())
     assert error <= precision * total + 1e-6, (
         f"the aggregate is not the sum of the decompressed payloads (off by {error:.3g} of {total:.3g})"
@@ -171,7 +177,7 @@ def decompression(subject: Subject) -> None:
     result = compressor.decompress(_copy(finals[0]), contexts[0], out=out)
     assert result.data_ptr() == out.data_ptr(), "decompress(..., out=out) did not return out"
     assert _equal(out, expected), f"decompress into out differs from decompress: {_differs(out, expected)}"
-    if subject.plain().unbiased:  # error feedback's wrapper is biased by design: its codec decides
+    if subject.declared.unbiased:  # error feedback's wrapper is biased by design: its codec decides
         _unbiased(subject)
     else:  # through decompress (error feedback's contribution) and decompress_sum (the aggregate)
         plain = subject.plain()
@@ -304,30 +310,32 @@ def checkpoints(subject: Subject) -> None:
 
 
 def declared_capabilities(subject: Subject) -> None:
-    """What the compressor declares, the engine relies on: ``elementwise`` (a concatenation
-    compresses as the concatenation), ``local`` (pieces cut at the chunk compress as the whole),
+    """What the compressor declares (its :class:`Capabilities`), the engine relies on:
+    ``elementwise`` (a concatenation compresses as the concatenation), ``local`` (pieces cut at
+    ``piece_multiple`` compress as the whole),
     ``same_shapes`` (payload shapes do not depend on values), ``measures`` (``compress_measured``
     is ``compress``), ``payload_shows_non_finite``, ``compress_divided`` (bitwise ``compress`` of the
     quotient), ``subtract_contribution`` and ``sent_indices``."""
     c = subject.make()
+    declared = c.capabilities
     x = gaussian(999)
     deterministic = _equal(roundtrip(subject.make(seed=1), x), roundtrip(subject.make(seed=2), x))
-    if c.elementwise:
+    if declared.elementwise:
         a, b = gaussian(300, seed=1), gaussian(200, seed=2)
         whole = roundtrip(subject.make(), torch.cat([a, b]))
         parts = torch.cat([roundtrip(subject.make(), a), roundtrip(subject.make(), b)])
         assert _equal(whole, parts), f"elementwise, yet a concatenation compresses otherwise: {_differs(whole, parts)}"
-    if c.local and deterministic:
-        m = piece_multiple(subject.config)
+    if declared.local and deterministic:
+        m = declared.piece_multiple
         x = gaussian(5 * m + 3)
         whole = roundtrip(subject.make(), x)
         parts = torch.cat([roundtrip(subject.make(), x[: 2 * m]), roundtrip(subject.make(), x[2 * m :])])
         assert _equal(whole, parts), f"local, yet pieces cut at {m} compress otherwise: {_differs(whole, parts)}"
-    if c.same_shapes:
+    if declared.same_shapes:
         shapes = {tuple(tuple(t.shape) for t in rounds(subject.make(rank=r), gaussian(64, 50, seed=r))[0][0])
                   for r in range(RANKS)}  # fmt: skip
         assert len(shapes) == 1, f"same_shapes, yet payloads of different values have shapes {sorted(shapes)}"
-    if c.measures:  # as the engine calls them: measured (divided), read, compressed to that size
+    if declared.measures:  # as the engine calls them: measured (divided), read, compressed to that size
         x, measured = gaussian(64, 50), subject.make()
         count = int(measured.measure_divided(x.clone(), 2.0, "w"))
         payload, _ = measured.compress_measured(x / 2.0, count, "w")
@@ -337,7 +345,7 @@ def declared_capabilities(subject: Subject) -> None:
         assert len(payload) == len(expected) and all(_equal(a, b) for a, b in zip(payload, expected, strict=False)), (
             "compress_measured is not compress"
         )
-    if c.payload_shows_non_finite:
+    if declared.payload_shows_non_finite:
         x = gaussian(64, 50)
         x[7, 7] = float("nan")
         payload, _ = subject.make().compress(x)

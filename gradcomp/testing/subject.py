@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradcomp.compressors.base import Compressor, CompressorConfig, Key, Payload, spec_text
+from gradcomp.compressors.base import Capabilities, Compressor, CompressorConfig, Key, Payload, spec_text
 from gradcomp.compressors.feedback import ErrorFeedback
 from gradcomp.compressors.registry import REGISTRY, SpecLike, make_compressor, parse_spec
 
@@ -45,9 +45,14 @@ class Subject:
         return self.cls(self.config, seed=seed, rank=rank)
 
     @property
+    def declared(self) -> Capabilities:
+        """What the class declares with the config checked (without any error feedback)."""
+        return self.cls.declare(self.config)
+
+    @property
     def feedback_problem(self) -> str | None:
         """Why error feedback cannot wrap this compressor (None: it can)."""
-        return self.cls.feedback_problem(self.config)
+        return self.declared.feedback_problem
 
     def with_feedback(self, seed: int = 0, rank: int = 0) -> ErrorFeedback:
         """The compressor inside classic error feedback (``ef=true``); :class:`Skip` where it cannot be."""
@@ -66,7 +71,7 @@ def rounds(compressor: Compressor, tensor: Tensor, key: Key = None) -> tuple[lis
     payload), and the last context."""
     payload, ctx = compressor.compress(tensor, key)
     payloads = [payload]
-    for _ in range(1, compressor.rounds):
+    for _ in range(1, compressor.capabilities.rounds):
         payload, ctx = compressor.next_round(tuple(t.clone() for t in payload), ctx)
         payloads.append(payload)
     return payloads, ctx
