@@ -85,7 +85,7 @@ class GlobalRandom(RandomK):
     def compress(self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
                  ) -> tuple[Payload, Any]:  # fmt: skip
         flat = check_gradient(tensor)
-        k = max(1, int(flat.numel() * self.ratio)) if flat.numel() else 0
+        k = max(1, int(flat.numel() * self.config.ratio)) if flat.numel() else 0
         indices = torch.randperm(flat.numel())[:k]
         return (flat[indices].clone(),), (Meta.of(tensor), indices)
 

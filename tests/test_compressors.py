@@ -210,3 +210,19 @@ def test_decompress_sum_leaves_the_payloads_alone(spec: str, dtype: torch.dtype)
         compressor.decompress_sum(payloads, ctx)
     for p, b in zip(payloads, before, strict=True):
         assert all(torch.equal(t, u) for t, u in zip(p, b, strict=True))
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.01", "randomk:ratio=0.01,scale=false", "topk:ratio=0.01,ef=true"])
+def test_a_ratio_given_to_a_call_holds_for_that_call_alone(spec: str) -> None:
+    """A warm-up's keep-ratio is an argument (``ratio=``), not a state: the next call without one
+    keeps the config's, and error feedback hands it to the sparsifier it wraps."""
+    x = torch.randn(40, 50, generator=torch.Generator().manual_seed(0))
+    compressor = make_compressor(spec)
+    assert compressor.capabilities.ratio == 0.01
+    warm, _ = compressor.compress_divided(x.clone(), 2.0, "w", ratio=0.5)
+    settled, _ = compressor.compress(x.clone(), "w")
+    assert warm[0].numel() == 1000 and settled[0].numel() == 20
+    plain = make_compressor("sign")  # keeps no ratio: called as always, and refuses one
+    plain.compress_divided(x.clone(), 2.0, "w", ratio=None)
+    with pytest.raises(TypeError):
+        plain.compress(x.clone(), "w", ratio=0.5)  # type: ignore[call-arg]

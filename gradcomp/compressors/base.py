@@ -58,7 +58,7 @@ from torch import Tensor
 
 from gradcomp import host
 from gradcomp.compressors.capabilities import Aggregation as Aggregation  # re-exported: the interface's name
-from gradcomp.compressors.capabilities import Capabilities
+from gradcomp.compressors.capabilities import Capabilities, ratio_option
 from gradcomp.options import format_value
 from gradcomp.workspace import Workspace
 
@@ -179,21 +179,22 @@ class Compressor(ABC):
         """
 
     def compress_divided(
-        self, tensor: Tensor, divisor: float, key: Key = None, shapes: Sequence[torch.Size] | None = None
+        self,
+        tensor: Tensor,
+        divisor: float,
+        key: Key = None,
+        shapes: Sequence[torch.Size] | None = None,
+        *,
+        ratio: float | None = None,
     ) -> tuple[Payload, Any]:
         """``compress(tensor / divisor)``: the first step of an average over ``divisor`` ranks (the
         engine's; rule "divide before sum"). ``tensor`` is scratch afterwards: the engine writes the
         result over it. The default divides in place, then compresses; a compressor that can fold
         the division into its own first pass overrides this (error feedback), with bitwise
-        the same payload and state, for one memory pass fewer."""
-        return self.compress(tensor.div_(divisor), key, shapes)
-
-    def set_ratio(self, ratio: float) -> None:
-        """Keep ``ratio`` of the elements from the next compression on: ratio-based sparsifiers
-        (``capabilities.ratio_based``) only, whose warm-up (``HookSpec.warmup``) sets it at every step."""
-        if not self.capabilities.ratio_based:
-            raise TypeError(f"{self.name} keeps no ratio of the elements: only topk and randomk take one")
-        self.ratio = ratio
+        the same payload and state, for one memory pass fewer. ``ratio``: a warm-up's keep-ratio,
+        handed to ``compress`` as ``ratio=`` (ratio-based compressors only, ``Capabilities.ratio``);
+        None, the default, hands nothing."""
+        return self.compress(tensor.div_(divisor), key, shapes, **ratio_option(ratio))
 
     def dense_share(self, tensor: Tensor, divisor: float, key: Key = None) -> None:
         """What this rank adds to an uncompressed sum (a warm-up step: ``HookSpec.warmup``), in
@@ -286,10 +287,11 @@ class Compressor(ABC):
         tensor computed on the device (nothing read on the host)."""
         raise TypeError(f"{self.name}'s payload has a size the tensor alone decides: nothing to measure")
 
-    def measure_divided(self, tensor: Tensor, divisor: float, key: Key = None) -> Tensor:
+    def measure_divided(self, tensor: Tensor, divisor: float, key: Key = None, *, ratio: float | None = None) -> Tensor:
         """:meth:`measure` of ``tensor / divisor`` (divided in place, as :meth:`compress_divided`
-        does): ``tensor`` then holds what :meth:`compress_measured` compresses."""
-        return self.measure(tensor.div_(divisor), key)
+        does, and given ``ratio`` as it does): ``tensor`` then holds what :meth:`compress_measured`
+        compresses."""
+        return self.measure(tensor.div_(divisor), key, **ratio_option(ratio))
 
     def compress_measured(
         self, tensor: Tensor, count: int, key: Key = None, shapes: Sequence[torch.Size] | None = None

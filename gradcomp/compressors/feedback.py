@@ -50,6 +50,7 @@ from gradcomp.compressors.base import (
     keep_if,
     payload_finite,
 )
+from gradcomp.compressors.capabilities import ratio_option
 from gradcomp.options import convert, format_value
 
 Variant = Literal["classic", "ef21"]
@@ -210,9 +211,6 @@ class ErrorFeedback(Compressor):
     def has_feedback(self) -> bool:
         return True
 
-    def set_ratio(self, ratio: float) -> None:
-        self.inner.set_ratio(ratio)
-
     def rescale(self, ratio: Tensor) -> None:
         """Residuals, velocities and EF21's estimates follow the gradients' new scale: one
         multi-tensor multiply (exact: a loss scale changes by powers of two)."""
@@ -241,8 +239,14 @@ class ErrorFeedback(Compressor):
         return state
 
     def compress(
-        self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
+        self,
+        tensor: Tensor,
+        key: Key = None,
+        shapes: Sequence[torch.Size] | None = None,
+        *,
+        ratio: float | None = None,
     ) -> tuple[Payload, FeedbackContext]:
+        """``ratio``: a warm-up's keep-ratio, for a ratio-based inner compressor (passed on)."""
         check_gradient(tensor)
         residual = self.carried(key, tensor)
         compensated = self._compensated_buffer(key, residual)
@@ -250,12 +254,18 @@ class ErrorFeedback(Compressor):
             torch.add(tensor, residual, out=compensated)
         else:
             self._accumulate(tensor, 1.0, key, residual, compensated)
-        return self._compress_compensated(compensated, key, shapes)
+        return self._compress_compensated(compensated, key, shapes, ratio)
 
     def compress_divided(
-        self, tensor: Tensor, divisor: float, key: Key = None, shapes: Sequence[torch.Size] | None = None
+        self,
+        tensor: Tensor,
+        divisor: float,
+        key: Key = None,
+        shapes: Sequence[torch.Size] | None = None,
+        *,
+        ratio: float | None = None,
     ) -> tuple[Payload, FeedbackContext]:
-        return self._compress_compensated(self._compensate(tensor, divisor, key), key, shapes)
+        return self._compress_compensated(self._compensate(tensor, divisor, key), key, shapes, ratio)
 
     def _compensate(self, tensor: Tensor, divisor: float, key: Key) -> Tensor:
         """The compensated gradient ``tensor / divisor + residual`` (through the options), in its buffer."""
@@ -268,10 +278,10 @@ class ErrorFeedback(Compressor):
             self._accumulate(tensor, divisor, key, residual, compensated)
         return compensated
 
-    def measure_divided(self, tensor: Tensor, divisor: float, key: Key = None) -> Tensor:
+    def measure_divided(self, tensor: Tensor, divisor: float, key: Key = None, *, ratio: float | None = None) -> Tensor:
         """The compensated gradient is formed here (as :meth:`compress_divided` forms it) and kept
         for :meth:`compress_measured`; the wrapped compressor counts it."""
-        return self.inner.measure(self._compensate(tensor, divisor, key), key)
+        return self.inner.measure(self._compensate(tensor, divisor, key), key, **ratio_option(ratio))
 
     def compress_measured(
         self, tensor: Tensor, count: int, key: Key = None, shapes: Sequence[torch.Size] | None = None
@@ -376,9 +386,9 @@ class ErrorFeedback(Compressor):
         return cached
 
     def _compress_compensated(
-        self, compensated: Tensor, key: Key, shapes: Sequence[torch.Size] | None
+        self, compensated: Tensor, key: Key, shapes: Sequence[torch.Size] | None, ratio: float | None
     ) -> tuple[Payload, FeedbackContext]:
-        payload, inner_ctx = self.inner.compress(compensated, key, shapes)
+        payload, inner_ctx = self.inner.compress(compensated, key, shapes, **ratio_option(ratio))
         return self._feedback(payload, inner_ctx, compensated, key)
 
     def _feedback(

@@ -157,9 +157,15 @@ class PowerSGD(Compressor):
         return payload, PowerSGDContext(Meta.of(tensor), key, segments, groups, flat, prescales)
 
     def compress_divided(
-        self, tensor: Tensor, divisor: float, key: Key = None, shapes: Sequence[torch.Size] | None = None
+        self,
+        tensor: Tensor,
+        divisor: float,
+        key: Key = None,
+        shapes: Sequence[torch.Size] | None = None,
+        *,
+        ratio: float | None = None,
     ) -> tuple[Payload, PowerSGDContext]:
-        payload, ctx = super().compress_divided(tensor, divisor, key, shapes)
+        payload, ctx = super().compress_divided(tensor, divisor, key, shapes, ratio=ratio)  # keeps no ratio: None
         ctx.ranks = max(divisor, 1.0)  # what bounds the sum of the saturated factors (next_round)
         return payload, ctx
 

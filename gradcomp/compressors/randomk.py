@@ -70,7 +70,6 @@ class RandomK(Compressor):
     def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
         super().__init__(config, seed=seed, rank=rank)
         self.shared = Generators(seed)  # the same stream on every rank: the same indices
-        self.ratio = self.config.ratio
 
     @classmethod
     def declare(cls, config: CompressorConfig) -> Capabilities:
@@ -90,11 +89,17 @@ class RandomK(Compressor):
         )
 
     def compress(
-        self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
+        self,
+        tensor: Tensor,
+        key: Key = None,
+        shapes: Sequence[torch.Size] | None = None,
+        *,
+        ratio: float | None = None,
     ) -> tuple[Payload, RandomKContext]:
+        """``ratio``: the fraction kept this time (a warm-up's), instead of the config's."""
         flat = check_gradient(tensor)
         n = flat.numel()
-        k = kept(self.ratio, n)
+        k = kept(self.config.ratio if ratio is None else ratio, n)
         starts = torch.arange(k + 1, device=flat.device, dtype=torch.int64) * n // max(k, 1)
         sizes = starts.diff()
         uniform = torch.rand(k, generator=self.shared.on(flat.device, key), device=flat.device, dtype=torch.float64)

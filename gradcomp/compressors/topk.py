@@ -88,16 +88,21 @@ class TopK(SparseCompressor):
     def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
         super().__init__(config, seed=seed, rank=rank)
         self.sampler = Generators(rank_seed(seed, rank))
-        self.ratio = self.config.ratio
         self._measured: dict[Key, tuple[Tensor | None, int]] = {}
         """Per key, its last measure: the sampled threshold and k (for compress_measured and payload_length)."""
 
     def compress(
-        self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
+        self,
+        tensor: Tensor,
+        key: Key = None,
+        shapes: Sequence[torch.Size] | None = None,
+        *,
+        ratio: float | None = None,
     ) -> tuple[Payload, Meta]:
+        """``ratio``: the fraction kept this time (a warm-up's), instead of the config's."""
         flat = check_gradient(tensor)
         magnitudes = self._magnitudes(flat)
-        indices = self.select(magnitudes, kept(self.ratio, flat.numel()), key)
+        indices = self.select(magnitudes, kept(self.config.ratio if ratio is None else ratio, flat.numel()), key)
         return self.sparse_payload(flat, indices), Meta.of(tensor)
 
     def select(self, magnitudes: Tensor, k: int, key: Key = None) -> Tensor:
@@ -112,11 +117,12 @@ class TopK(SparseCompressor):
         candidates = host.nonzero(self._passing(magnitudes, threshold))
         return self._cut(magnitudes, candidates, k)
 
-    def measure(self, tensor: Tensor, key: Key = None) -> Tensor:
-        """The candidates the sampled threshold passes (the threshold remembered for ``key``)."""
+    def measure(self, tensor: Tensor, key: Key = None, *, ratio: float | None = None) -> Tensor:
+        """The candidates the sampled threshold passes (the threshold remembered for ``key``), at
+        ``ratio`` (a warm-up's) or the config's."""
         flat = check_gradient(tensor)
         magnitudes = self._magnitudes(flat)
-        k = kept(self.ratio, flat.numel())
+        k = kept(self.config.ratio if ratio is None else ratio, flat.numel())
         threshold = self._threshold(magnitudes, k, key)
         self._measured[key] = (threshold, k)
         if threshold is None:

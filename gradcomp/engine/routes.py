@@ -37,6 +37,7 @@ from gradcomp import collectives, host
 from gradcomp.collectives.cost_model import ring_traffic
 from gradcomp.collectives.executor import match_torch_threads
 from gradcomp.compressors import Aggregation, Compressor, Key, Payload
+from gradcomp.compressors.capabilities import ratio_option
 from gradcomp.engine import transport, two_phase
 from gradcomp.engine.stats import BucketRecord
 from gradcomp.errors import backend_failure
@@ -96,10 +97,10 @@ class _Compressed:
     def prepare(self, work: BucketWork) -> None:
         """Split into the bucket's tensors and compress each divided by the world size (round one;
         compressors that can fold the division into their first pass do)."""
-        if work.ratio is not None:
-            self.compressor.set_ratio(work.ratio)
+        options = ratio_option(work.ratio)  # a warm-up's keep-ratio, for a ratio-based compressor
         with work.record.phase("compress"):
-            work.states = [self.compressor.compress_divided(part, self.world, key) for part, key in self._split(work)]
+            split = self._split(work)
+            work.states = [self.compressor.compress_divided(part, self.world, key, **options) for part, key in split]
 
     def _split(self, work: BucketWork) -> list[tuple[Tensor, Key]]:
         """The parts compression reads, with their keys (setting ``work.parts`` the first time):
@@ -222,10 +223,10 @@ class GatherRoute(_Compressed):
         if not (self.compressor.capabilities.measures and work.settled) or host.reads_are_free(work.buffer.device):
             super().prepare(work)
             return
-        if work.ratio is not None:
-            self.compressor.set_ratio(work.ratio)
+        options = ratio_option(work.ratio)
         with work.record.phase("compress"):
-            work.counts = [self.compressor.measure_divided(part, self.world, key) for part, key in self._split(work)]
+            split = self._split(work)
+            work.counts = [self.compressor.measure_divided(part, self.world, key, **options) for part, key in split]
 
     def send(self, work: BucketWork) -> Future[None] | None:
         if work.counts:
@@ -303,20 +304,18 @@ class GatherRoute(_Compressed):
 class TwoPhaseRoute(_Compressed):
     """``gather`` payloads through a compressed reduce-scatter and an all-gather of the compressed
     shards (:mod:`gradcomp.engine.two_phase`): compression and communication interleave there, so
-    everything runs on the executor (the warm-up's ratio is set there too)."""
+    everything runs on the executor (at the warm-up's ratio there too)."""
 
     def prepare(self, work: BucketWork) -> None:
         pass  # compressed on the executor, where the shards are known
 
     def send(self, work: BucketWork) -> None:
-        if work.ratio is not None:
-            self.compressor.set_ratio(work.ratio)
         parts = work.parts or views(work.buffer, work.shapes)
         for part in parts:
             part.div_(self.world)
         with work.record.phase("communicate"):
             exchange = transport.GroupTransport(self.group, work.record.add_traffic)
-            work.record.payload_bytes += two_phase.reduce(self.compressor, parts, work.keys, exchange)
+            work.record.payload_bytes += two_phase.reduce(self.compressor, parts, work.keys, exchange, work.ratio)
 
 
 class DenseRoute(SumRoute):

@@ -25,13 +25,22 @@ from torch import Tensor
 
 from gradcomp.collectives.ring import chunk_bounds
 from gradcomp.compressors import Compressor, Key, Meta, Payload
+from gradcomp.compressors.capabilities import ratio_option
 from gradcomp.engine import transport
 
 
-def reduce(compressor: Compressor, parts: Sequence[Tensor], keys: Sequence[Key], exchange: transport.Transport) -> int:
+def reduce(
+    compressor: Compressor,
+    parts: Sequence[Tensor],
+    keys: Sequence[Key],
+    exchange: transport.Transport,
+    ratio: float | None = None,
+) -> int:
     """Replace every tensor of ``parts`` (views into a bucket) by the sum over the ranks of
-    ``exchange``, compressed twice; return the payload bytes this rank produced."""
+    ``exchange``, compressed twice (at a warm-up's keep-``ratio`` where given); return the payload
+    bytes this rank produced."""
     rank, world = exchange.rank, exchange.world
+    options = ratio_option(ratio)
     base = compressor.codec  # decompresses any rank's payload without this rank's context or state
     flats = [part.reshape(-1) for part in parts]
     bounds = [chunk_bounds(flat.numel(), world) for flat in flats]
@@ -40,7 +49,7 @@ def reduce(compressor: Compressor, parts: Sequence[Tensor], keys: Sequence[Key],
     # Phase 1: shard j of every tensor, compressed for rank j.
     outgoing: list[list[Payload]] = [
         [
-            compressor.compress(flat[b[j][0] : b[j][1]], (key, j))[0]
+            compressor.compress(flat[b[j][0] : b[j][1]], (key, j), **options)[0]
             for flat, b, key in zip(flats, bounds, keys, strict=True)
         ]
         for j in range(world)
@@ -52,7 +61,7 @@ def reduce(compressor: Compressor, parts: Sequence[Tensor], keys: Sequence[Key],
         start, stop = b[rank]
         mine = torch.empty(stop - start, dtype=flat.dtype, device=device)
         base.decompress_sum([received[s][i] for s in range(world)], Meta.of(mine), out=mine)
-        reduced.append(compressor.compress(mine, (keys[i], "reduced", rank))[0])
+        reduced.append(compressor.compress(mine, (keys[i], "reduced", rank), **options)[0])
 
     produced = sum(compressor.wire_bytes(p) for payloads in outgoing for p in payloads)
     produced += sum(compressor.wire_bytes(p) for p in reduced)
