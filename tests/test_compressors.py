@@ -226,3 +226,18 @@ def test_a_ratio_given_to_a_call_holds_for_that_call_alone(spec: str) -> None:
     plain.compress_divided(x.clone(), 2.0, "w", ratio=None)
     with pytest.raises(TypeError):
         plain.compress(x.clone(), "w", ratio=0.5)  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05,method=sampled", "threshold:tau=0.5"])
+def test_what_measure_finds_travels_in_its_record(spec: str) -> None:
+    """``measure`` leaves nothing behind in the compressor: its record alone sizes and compresses
+    the payload, in any order, even in another instance (the engine's executor thread)."""
+    x, y = (torch.randn(300, 400, generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+    measuring = make_compressor(spec)
+    first, second = measuring.measure_divided(x.clone(), 2.0, "w"), measuring.measure_divided(y.clone(), 2.0, "v")
+    for measured, tensor, key in ((second, y, "v"), (first, x, "w")):
+        count = int(measured.count)
+        payload, _ = make_compressor(spec).compress_measured(measured, count, key)
+        expected, _ = make_compressor(spec).compress_divided(tensor.clone(), 2.0, key)
+        assert all(torch.equal(a, b) for a, b in zip(payload, expected, strict=True))
+        assert all(t.numel() == measuring.payload_length(count, measured) for t in payload)

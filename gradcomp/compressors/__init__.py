@@ -9,7 +9,7 @@ of other installed packages join the registry through the entry-point group ``gr
 """
 
 from gradcomp.compressors import cast, fp8, powersgd, quantize, randomk, sign, threshold, topk
-from gradcomp.compressors.base import Aggregation, Compressor, CompressorConfig, Key, Meta, Payload
+from gradcomp.compressors.base import Aggregation, Compressor, CompressorConfig, Key, Measured, Meta, Payload
 from gradcomp.compressors.capabilities import Capabilities
 from gradcomp.compressors.plugins import load_entry_points
 from gradcomp.compressors.registry import REGISTRY, Spec, make_compressor, parse_spec, register
@@ -24,6 +24,7 @@ __all__ = [
     "Compressor",
     "CompressorConfig",
     "Key",
+    "Measured",
     "Meta",
     "Payload",
     "Spec",

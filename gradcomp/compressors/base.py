@@ -282,28 +282,29 @@ class Compressor(ABC):
 
     # -- payloads sized by their values --------------------------------------------------------------
 
-    def measure(self, tensor: Tensor, key: Key = None) -> Tensor:
-        """What :meth:`compress_measured` needs to size ``tensor``'s payload: a count, as a 0-d int64
-        tensor computed on the device (nothing read on the host)."""
+    def measure(self, tensor: Tensor, key: Key = None) -> Measured:
+        """What :meth:`compress_measured` needs to size ``tensor``'s payload, computed on the device
+        (nothing read on the host): its count, and what the compression will take."""
         raise TypeError(f"{self.name}'s payload has a size the tensor alone decides: nothing to measure")
 
-    def measure_divided(self, tensor: Tensor, divisor: float, key: Key = None, *, ratio: float | None = None) -> Tensor:
+    def measure_divided(
+        self, tensor: Tensor, divisor: float, key: Key = None, *, ratio: float | None = None
+    ) -> Measured:
         """:meth:`measure` of ``tensor / divisor`` (divided in place, as :meth:`compress_divided`
-        does, and given ``ratio`` as it does): ``tensor`` then holds what :meth:`compress_measured`
-        compresses."""
+        does, and given ``ratio`` as it does)."""
         return self.measure(tensor.div_(divisor), key, **ratio_option(ratio))
 
     def compress_measured(
-        self, tensor: Tensor, count: int, key: Key = None, shapes: Sequence[torch.Size] | None = None
+        self, measured: Measured, count: int, key: Key = None, shapes: Sequence[torch.Size] | None = None
     ) -> tuple[Payload, Any]:
-        """:meth:`compress` of a tensor that :meth:`measure` counted ``count`` for (now read on the
-        host): the same payload, sized without a read. Its tensors are 1-D, of
-        :meth:`payload_length` elements."""
+        """:meth:`compress` of what :meth:`measure` counted (``measured``, handed back by the caller),
+        its count now read on the host (``count``): the same payload, sized without a read. Its
+        tensors are 1-D, of :meth:`payload_length` elements."""
         raise TypeError(f"{self.name}'s payload has a size the tensor alone decides: nothing to measure")
 
-    def payload_length(self, count: int, key: Key = None) -> int:
-        """The length of each payload tensor of a tensor measured ``count``, on any rank (the same
-        ``key``: the same tensor's shape there)."""
+    def payload_length(self, count: int, measured: Measured) -> int:
+        """The length of each payload tensor of a tensor measured ``count`` on any rank, from this
+        rank's ``measured`` of the same tensor (the same key: its shape, and so its cap, agree)."""
         return count
 
     # -- accounting and state ----------------------------------------------------------------------
@@ -321,6 +322,25 @@ class Compressor(ABC):
         """Restore what :meth:`state_dict` returned."""
         if state:
             raise ValueError(f"{self.name} keeps no state, got keys {sorted(state)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """What :meth:`Compressor.measure` found for one tensor, for :meth:`Compressor.compress_measured`
+    and :meth:`Compressor.payload_length`: the caller keeps it between them (the engine, from the
+    backward's thread to the executor's), so nothing waits inside the compressor for another thread."""
+
+    count: Tensor
+    """The payload's size as the device counted it: a 0-d int64 tensor, read on the host later."""
+    tensor: Tensor
+    """What :meth:`Compressor.compress_measured` compresses: the tensor measured (error feedback's:
+    the compensated gradient, in a buffer kept per key, valid until the key is compressed again)."""
+    k: int = 0
+    """The most elements the payload carries, for a compressor that caps its count (sampled top-k's
+    k); 0 for the others."""
+    threshold: Tensor | None = None
+    """The cut the count was taken at, for a compressor that estimated one (sampled top-k's, 0-d);
+    None for the others."""
 
 
 @dataclasses.dataclass(frozen=True)

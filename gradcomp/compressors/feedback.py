@@ -43,6 +43,7 @@ from gradcomp.compressors.base import (
     Compressor,
     CompressorConfig,
     Key,
+    Measured,
     Payload,
     check_gradient,
     commit,
@@ -278,20 +279,21 @@ class ErrorFeedback(Compressor):
             self._accumulate(tensor, divisor, key, residual, compensated)
         return compensated
 
-    def measure_divided(self, tensor: Tensor, divisor: float, key: Key = None, *, ratio: float | None = None) -> Tensor:
-        """The compensated gradient is formed here (as :meth:`compress_divided` forms it) and kept
-        for :meth:`compress_measured`; the wrapped compressor counts it."""
+    def measure_divided(
+        self, tensor: Tensor, divisor: float, key: Key = None, *, ratio: float | None = None
+    ) -> Measured:
+        """The compensated gradient formed (as :meth:`compress_divided` forms it) and counted by the
+        wrapped compressor: the record carries it to :meth:`compress_measured`."""
         return self.inner.measure(self._compensate(tensor, divisor, key), key, **ratio_option(ratio))
 
     def compress_measured(
-        self, tensor: Tensor, count: int, key: Key = None, shapes: Sequence[torch.Size] | None = None
+        self, measured: Measured, count: int, key: Key = None, shapes: Sequence[torch.Size] | None = None
     ) -> tuple[Payload, FeedbackContext]:
-        compensated = self._compensated[key]
-        payload, inner_ctx = self.inner.compress_measured(compensated, count, key, shapes)
-        return self._feedback(payload, inner_ctx, compensated, key)
+        payload, inner_ctx = self.inner.compress_measured(measured, count, key, shapes)
+        return self._feedback(payload, inner_ctx, measured.tensor, key)
 
-    def payload_length(self, count: int, key: Key = None) -> int:
-        return self.inner.payload_length(count, key)
+    def payload_length(self, count: int, measured: Measured) -> int:
+        return self.inner.payload_length(count, measured)
 
     def take_residual(self, key: Key) -> Tensor | None:
         """What ``key`` has not sent yet, handed over; every state of ``key`` forgotten (a tensor that

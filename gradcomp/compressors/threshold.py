@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from gradcomp import host
-from gradcomp.compressors.base import Capabilities, CompressorConfig, Key, Meta, Payload, check_gradient
+from gradcomp.compressors.base import Capabilities, CompressorConfig, Key, Measured, Meta, Payload, check_gradient
 from gradcomp.compressors.registry import register
 from gradcomp.compressors.sparse import SparseCompressor
 
@@ -50,15 +50,15 @@ class Threshold(SparseCompressor):
         flat = check_gradient(tensor)
         return self.sparse_payload(flat, host.nonzero(self._selected(flat))), Meta.of(tensor)
 
-    def measure(self, tensor: Tensor, key: Key = None) -> Tensor:
-        return self._selected(check_gradient(tensor)).sum()
+    def measure(self, tensor: Tensor, key: Key = None) -> Measured:
+        return Measured(self._selected(check_gradient(tensor)).sum(), tensor)
 
     def compress_measured(
-        self, tensor: Tensor, count: int, key: Key = None, shapes: Sequence[torch.Size] | None = None
+        self, measured: Measured, count: int, key: Key = None, shapes: Sequence[torch.Size] | None = None
     ) -> tuple[Payload, Meta]:
-        flat = check_gradient(tensor)
+        flat = check_gradient(measured.tensor)
         indices = torch.nonzero_static(self._selected(flat), size=count).view(-1)
-        return self.sparse_payload(flat, indices), Meta.of(tensor)
+        return self.sparse_payload(flat, indices), Meta.of(measured.tensor)
 
     def _selected(self, flat: Tensor) -> Tensor:
         """Where |x| >= tau, as a workspace mask (valid until the next call)."""

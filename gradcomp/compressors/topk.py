@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from gradcomp import host
-from gradcomp.compressors.base import Capabilities, CompressorConfig, Key, Meta, Payload, check_gradient
+from gradcomp.compressors.base import Capabilities, CompressorConfig, Key, Measured, Meta, Payload, check_gradient
 from gradcomp.compressors.randomness import Generators, rank_seed
 from gradcomp.compressors.registry import register
 from gradcomp.compressors.sparse import SparseCompressor, kept, ratio_error
@@ -88,8 +88,6 @@ class TopK(SparseCompressor):
     def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
         super().__init__(config, seed=seed, rank=rank)
         self.sampler = Generators(rank_seed(seed, rank))
-        self._measured: dict[Key, tuple[Tensor | None, int]] = {}
-        """Per key, its last measure: the sampled threshold and k (for compress_measured and payload_length)."""
 
     def compress(
         self,
@@ -117,33 +115,32 @@ class TopK(SparseCompressor):
         candidates = host.nonzero(self._passing(magnitudes, threshold))
         return self._cut(magnitudes, candidates, k)
 
-    def measure(self, tensor: Tensor, key: Key = None, *, ratio: float | None = None) -> Tensor:
-        """The candidates the sampled threshold passes (the threshold remembered for ``key``), at
-        ``ratio`` (a warm-up's) or the config's."""
+    def measure(self, tensor: Tensor, key: Key = None, *, ratio: float | None = None) -> Measured:
+        """The candidates the sampled threshold passes, at ``ratio`` (a warm-up's) or the config's:
+        the threshold and k travel in the record to :meth:`compress_measured`."""
         flat = check_gradient(tensor)
         magnitudes = self._magnitudes(flat)
         k = kept(self.config.ratio if ratio is None else ratio, flat.numel())
         threshold = self._threshold(magnitudes, k, key)
-        self._measured[key] = (threshold, k)
         if threshold is None:
-            return torch.full((), k, dtype=torch.int64, device=flat.device)
-        return self._passing(magnitudes, threshold).sum()
+            return Measured(torch.full((), k, dtype=torch.int64, device=flat.device), tensor, k)
+        return Measured(self._passing(magnitudes, threshold).sum(), tensor, k, threshold)
 
     def compress_measured(
-        self, tensor: Tensor, count: int, key: Key = None, shapes: Sequence[torch.Size] | None = None
+        self, measured: Measured, count: int, key: Key = None, shapes: Sequence[torch.Size] | None = None
     ) -> tuple[Payload, Meta]:
-        flat = check_gradient(tensor)
+        flat = check_gradient(measured.tensor)
         magnitudes = self._magnitudes(flat)
-        threshold, k = self._measured[key]
+        threshold, k = measured.threshold, measured.k
         if threshold is None or count < self._fewest(k):
             indices = self._largest(magnitudes, k)
         else:
             candidates = torch.nonzero_static(self._passing(magnitudes, threshold), size=count).view(-1)
             indices = self._cut(magnitudes, candidates, k)
-        return self.sparse_payload(flat, indices), Meta.of(tensor)
+        return self.sparse_payload(flat, indices), Meta.of(measured.tensor)
 
-    def payload_length(self, count: int, key: Key = None) -> int:
-        _, k = self._measured[key]
+    def payload_length(self, count: int, measured: Measured) -> int:
+        k = measured.k
         return k if count < self._fewest(k) else min(count, k)
 
     def _magnitudes(self, flat: Tensor) -> Tensor:

@@ -36,7 +36,7 @@ from torch import Tensor
 from gradcomp import collectives, host
 from gradcomp.collectives.cost_model import ring_traffic
 from gradcomp.collectives.executor import match_torch_threads
-from gradcomp.compressors import Aggregation, Compressor, Key, Payload
+from gradcomp.compressors import Aggregation, Compressor, Key, Measured, Payload
 from gradcomp.compressors.capabilities import ratio_option
 from gradcomp.engine import transport, two_phase
 from gradcomp.engine.stats import BucketRecord
@@ -63,9 +63,10 @@ class BucketWork:
     when the per-tensor policy leaves some of the buffer's tensors to another route)."""
     states: list[tuple[Payload, Any]] = dataclasses.field(default_factory=list)
     """Per part, the payload of the current round and the local context."""
-    counts: list[Tensor] = dataclasses.field(default_factory=list)
-    """Per part, its measured payload size on the device (``Capabilities.measures``, on an accelerator):
-    compression then waits for :meth:`GatherRoute.send`, which reads every rank's counts at once."""
+    measured: list[Measured] = dataclasses.field(default_factory=list)
+    """Per part, what measuring it on the device found (``Capabilities.measures``, on an accelerator):
+    its payload's size and what compression takes then. Compression waits for :meth:`GatherRoute.send`,
+    which reads every rank's counts at once and hands each part's record back to the compressor."""
     landing: list[Tensor] = dataclasses.field(default_factory=list)
     """Where the averaged tensors go once they land, when :attr:`buffer` is a copy of them (the
     per-tensor policy's uncompressed tensors); empty when the buffer is their home."""
@@ -226,10 +227,10 @@ class GatherRoute(_Compressed):
         options = ratio_option(work.ratio)
         with work.record.phase("compress"):
             split = self._split(work)
-            work.counts = [self.compressor.measure_divided(part, self.world, key, **options) for part, key in split]
+            work.measured = [self.compressor.measure_divided(part, self.world, key, **options) for part, key in split]
 
     def send(self, work: BucketWork) -> Future[None] | None:
-        if work.counts:
+        if work.measured:
             self._send_measured(work)
             return None
         finals = self._later_rounds(work)
@@ -263,20 +264,20 @@ class GatherRoute(_Compressed):
         device = work.buffer.device
         exchange = transport.GroupTransport(self.group, record.add_traffic)
         with record.phase("communicate"):
-            counts = torch.stack(work.counts)
+            counts = torch.stack([measured.count for measured in work.measured])
             if self.algo == "native":
                 gathered = exchange.all_gather(counts)
             else:
                 gathered = exchange.all_gatherv(counts, [counts.numel()] * self.world)
             everyone = host.values(torch.stack(gathered))  # the bucket's one read
-        split = self._split(work)
-        keys = [key for _, key in split]
+        keys = [key for _, key in self._split(work)]
         with record.phase("compress"):
-            counted = zip(split, everyone[self.rank], strict=True)
-            work.states = [compressor.compress_measured(part, count, key) for (part, key), count in counted]
+            counted = zip(work.measured, keys, everyone[self.rank], strict=True)
+            work.states = [compressor.compress_measured(measured, count, key) for measured, key, count in counted]
         finals = [payload for payload, _ in work.states]
         record.payload_bytes += sum(compressor.wire_bytes(p) for p in finals)
-        lengths = [[compressor.payload_length(c, k) for c, k in zip(row, keys, strict=True)] for row in everyone]
+        measured = work.measured
+        lengths = [[compressor.payload_length(c, m) for c, m in zip(row, measured, strict=True)] for row in everyone]
         with record.phase("communicate"):
             per_rank = transport.all_gather_sized(finals, lengths, device, exchange)
         self._decompress_sum([list(parts) for parts in zip(*per_rank, strict=True)], work)

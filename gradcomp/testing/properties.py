@@ -336,11 +336,12 @@ def declared_capabilities(subject: Subject) -> None:
                   for r in range(RANKS)}  # fmt: skip
         assert len(shapes) == 1, f"same_shapes, yet payloads of different values have shapes {sorted(shapes)}"
     if declared.measures:  # as the engine calls them: measured (divided), read, compressed to that size
-        x, measured = gaussian(64, 50), subject.make()
-        count = int(measured.measure_divided(x.clone(), 2.0, "w"))
-        payload, _ = measured.compress_measured(x / 2.0, count, "w")
+        x, measuring = gaussian(64, 50), subject.make()
+        measured = measuring.measure_divided(x.clone(), 2.0, "w")
+        count = int(measured.count)
+        payload, _ = measuring.compress_measured(measured, count, "w")
         expected, _ = subject.make().compress_divided(x.clone(), 2.0, "w")
-        length = measured.payload_length(count, "w")
+        length = measuring.payload_length(count, measured)
         assert all(t.dim() == 1 and t.numel() == length for t in payload), "a measured payload is not of payload_length"
         assert len(payload) == len(expected) and all(_equal(a, b) for a, b in zip(payload, expected, strict=False)), (
             "compress_measured is not compress"
