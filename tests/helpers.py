@@ -36,7 +36,7 @@ SPECS = [
 def with_feedback(spec: str) -> str:
     """``spec`` under error feedback (``ef=true``), or its nearest variant that error feedback takes:
     random-k unscaled, quantization at 2 bits rather than 1, and QSGD with fewer elements per
-    norm than its levels squared (error feedback needs a contraction: ``Compressor.feedback_problem``)."""
+    norm than its levels squared (error feedback needs a contraction: ``Capabilities.feedback_problem``)."""
     if spec.startswith("randomk") and "scale=" not in spec:
         spec += ",scale=false" if ":" in spec else ":scale=false"
     spec = spec.replace("quantize:bits=1,", "quantize:bits=2,")

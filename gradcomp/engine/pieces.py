@@ -10,7 +10,7 @@ A part boundary inside a tensor is a boundary between compressed tensors, so the
 tensors into pieces (:func:`cut`) in every bucket, not only the last: a tensor's state (its
 error-feedback residual) then has the same keys whichever bucket DDP puts it in, at every step and
 after a resume (rule "state per tensor"). Only compressors local to chunks or elements
-(``Compressor.local``) take pieces: cut at a multiple of their chunk, a tensor compressed in pieces
+(``Capabilities.local``) take pieces: cut at a multiple of their chunk, a tensor compressed in pieces
 is the tensor compressed whole (bitwise for the deterministic ones).
 
 Cost: a few more, smaller kernels and collectives; nothing more on the wire than alignment.

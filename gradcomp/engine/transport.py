@@ -152,7 +152,7 @@ def all_gather_alike(
     payloads: list[Payload], device: torch.device, exchange: Transport, native: bool = True
 ) -> list[list[Payload]]:
     """:func:`all_gather_payloads` for payloads of the same shapes on every rank
-    (``Compressor.same_shapes``: fixed-size codes, exact top-k): one equal-size all-gather (the
+    (``Capabilities.same_shapes``: fixed-size codes, exact top-k): one equal-size all-gather (the
     backend's, or with ``native`` False gradcomp's own), no size or shape exchange, and nothing read
     on the host."""
     packed = packing.pack([t for payload in payloads for t in payload], device)
