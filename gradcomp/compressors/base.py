@@ -56,7 +56,6 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from gradcomp import host
 from gradcomp.compressors.capabilities import Aggregation as Aggregation  # re-exported: the interface's name
 from gradcomp.compressors.capabilities import Capabilities, ratio_option
 from gradcomp.options import format_value
@@ -375,50 +374,6 @@ def flat_out(out: Tensor | None, meta: Meta, device: torch.device) -> Tensor:
 def _shares_memory(tensor: Tensor, payload: Payload) -> bool:
     storage = tensor.untyped_storage().data_ptr()
     return any(t.untyped_storage().data_ptr() == storage for t in payload)
-
-
-def payload_finite(payload: Payload) -> Tensor:
-    """Whether every floating tensor of ``payload`` is finite (integer parts, such as indices, are),
-    as a 0-d bool tensor on the payload's device: :func:`finite` of each, combined there."""
-    floating = [finite(t) for t in payload if t.is_floating_point()]
-    if not floating:
-        return torch.ones((), dtype=torch.bool, device=payload[0].device if payload else None)
-    for other in floating[1:]:
-        floating[0] = floating[0] & other
-    return floating[0]
-
-
-def keep_if(ok: Tensor, new: Tensor, old: Tensor) -> Tensor:
-    """A state after a step: ``new`` where the step was finite (``ok``, a 0-d bool tensor), else
-    ``old``. On an accelerator written into ``old`` with ``torch.where`` (no host read) and
-    ``old`` returned; on the CPU, where a read is free, whichever buffer holds it is returned, by
-    one read and no pass (rule "host reads", ``docs/architecture.md``). The caller keeps the
-    returned buffer as the state, and the other as scratch."""
-    if host.reads_are_free(old.device):
-        return new if host.flag(ok) else old
-    torch.where(ok, new, old, out=old)
-    return old
-
-
-def commit(ok: Tensor, new: Tensor, state: Tensor) -> None:
-    """``state`` becomes ``new`` where the step was finite (``ok``): :func:`keep_if` for a state
-    that must stay in its buffer (one copy or masked pass)."""
-    if host.reads_are_free(state.device):
-        if host.flag(ok):
-            state.copy_(new)
-    else:
-        torch.where(ok, new, state, out=state)
-
-
-def finite(tensor: Tensor) -> Tensor:
-    """Whether every element is finite, as a 0-d bool tensor on the tensor's device: nothing is read
-    on the host, so a caller commits with ``torch.where(ok, new, old)`` instead of branching (rule
-    "host reads", ``docs/architecture.md``). One reduction pass: the min and max are both finite
-    exactly when every element is (a NaN propagates into both, an Inf into one), and unlike a sum
-    they cannot overflow."""
-    if not tensor.numel():
-        return torch.ones((), dtype=torch.bool, device=tensor.device)
-    return torch.isfinite(torch.stack(torch.aminmax(tensor))).all()
 
 
 def check_gradient(tensor: Tensor) -> Tensor:

@@ -20,9 +20,9 @@ from gradcomp.compressors.base import (
     Meta,
     Payload,
     check_gradient,
-    finite,
     flat_out,
 )
+from gradcomp.compressors.finite import finite
 from gradcomp.compressors.randomness import Generators
 from gradcomp.compressors.registry import register
 from gradcomp.flat import views

@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from gradcomp.compressors.base import Aggregation, Capabilities, Compressor, CompressorConfig, Payload, payload_finite
+from gradcomp.compressors.base import Aggregation, Capabilities, Compressor, CompressorConfig, Payload
+from gradcomp.compressors.finite import payload_finite
 from gradcomp.compressors.registry import REGISTRY, parse_spec
 from gradcomp.compressors.simulate import aggregate, compress_all, roundtrip
 from gradcomp.testing.subject import Subject, gaussian, rounds

@@ -14,8 +14,9 @@ from typing import Any
 
 from torch import Tensor
 
-from gradcomp.compressors.base import Compressor, Key, Payload, commit, finite
+from gradcomp.compressors.base import Compressor, Key, Payload
 from gradcomp.compressors.feedback.memory import FeedbackContext, entries, keyed, state_for
+from gradcomp.compressors.finite import commit, finite
 from gradcomp.workspace import Workspace
 
 

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradcomp.compressors.base import Key, keep_if
+from gradcomp.compressors.base import Key
 from gradcomp.compressors.feedback.memory import buffer_for, entries, keyed, state_for
+from gradcomp.compressors.finite import keep_if
 
 
 class MomentumCorrection:

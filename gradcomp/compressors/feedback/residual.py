@@ -19,8 +19,9 @@ import torch
 from torch import Tensor
 
 from gradcomp import host
-from gradcomp.compressors.base import Compressor, Key, Payload, finite, keep_if, payload_finite
+from gradcomp.compressors.base import Compressor, Key, Payload
 from gradcomp.compressors.feedback.memory import FeedbackContext, entries, keyed, state_for
+from gradcomp.compressors.finite import finite, keep_if, payload_finite
 from gradcomp.workspace import Workspace
 
 
@@ -49,7 +50,7 @@ class Residuals:
         skips it), and the next step starts clean (rule "one bad step", ``docs/architecture.md``).
         On an accelerator the test and the commit run on the device (``torch.where``: a branch would
         read the test, a synchronization inside backward); on the CPU, where reading it is free, a
-        branch saves the commit's pass (:func:`gradcomp.compressors.base.keep_if`). Cost: a payload
+        branch saves the commit's pass (:func:`gradcomp.compressors.finite.keep_if`). Cost: a payload
         that shows every bad step is checked there (a few elements); the others cost a reduction
         pass, and the contribution a decompression and a subtract unless ``inner`` fuses them
         (``subtract_contribution``: PowerSGD in one pass, the sparsifiers at their k elements)."""

@@ -18,7 +18,6 @@ from gradcomp.compressors.base import (
     Measured,
     Payload,
     check_gradient,
-    finite,
 )
 from gradcomp.compressors.capabilities import ratio_option
 from gradcomp.compressors.feedback.clipping import Clipping
@@ -27,6 +26,7 @@ from gradcomp.compressors.feedback.memory import FeedbackContext, Memory, buffer
 from gradcomp.compressors.feedback.momentum import MomentumCorrection
 from gradcomp.compressors.feedback.options import Feedback
 from gradcomp.compressors.feedback.residual import Residuals
+from gradcomp.compressors.finite import finite
 
 
 class ErrorFeedback(Compressor):
