@@ -48,6 +48,7 @@ from gradcomp.compressors.base import (
     keep_if,
     payload_finite,
 )
+from gradcomp.compressors.keys import plain
 from gradcomp.options import convert, format_value
 
 Variant = Literal["classic", "ef21"]
@@ -273,6 +274,10 @@ class ErrorFeedback(Compressor):
     def payload_length(self, count: int, key: Key = None) -> int:
         return self.inner.payload_length(count, key)
 
+    def state_keys(self) -> list[Key]:
+        states = (self.residuals, self.shares, self.velocities, self.estimates)
+        return list(dict.fromkeys(key for held in states for key in held))
+
     def take_residual(self, key: Key) -> Tensor | None:
         """What ``key`` has not sent yet, handed over; every state of ``key`` forgotten (a tensor that
         comes back starts afresh, as on its first step).
@@ -451,13 +456,13 @@ class ErrorFeedback(Compressor):
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {
             "inner": self.inner.state_dict(),
-            "residuals": [{"key": key, "residual": residual} for key, residual in self.residuals.items()],
+            "residuals": [{"key": plain(key), "residual": residual} for key, residual in self.residuals.items()],
         }
         if self.feedback.momentum:
-            state["velocities"] = [{"key": key, "velocity": u} for key, u in self.velocities.items()]
+            state["velocities"] = [{"key": plain(key), "velocity": u} for key, u in self.velocities.items()]
         if self.feedback.variant == "ef21":
-            state["shares"] = [{"key": key, "share": h} for key, h in self.shares.items()]
-            state["estimates"] = [{"key": key, "estimate": g} for key, g in self.estimates.items()]
+            state["shares"] = [{"key": plain(key), "share": h} for key, h in self.shares.items()]
+            state["estimates"] = [{"key": plain(key), "estimate": g} for key, g in self.estimates.items()]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

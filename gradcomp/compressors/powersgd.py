@@ -22,6 +22,7 @@ from gradcomp.compressors.base import (
     finite,
     flat_out,
 )
+from gradcomp.compressors.keys import plain
 from gradcomp.compressors.randomness import Generators
 from gradcomp.compressors.registry import register
 from gradcomp.flat import views
@@ -255,7 +256,7 @@ class PowerSGD(Compressor):
     def state_dict(self) -> dict[str, Any]:
         return {
             "shared": self.shared.state_dict(),
-            "memory": [{"key": key, "q": q} for key, q in self.memory.items()],
+            "memory": [{"key": plain(key), "q": q} for key, q in self.memory.items()],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

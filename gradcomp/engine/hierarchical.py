@@ -7,7 +7,7 @@ Compression pays only on the slow hop between nodes, so a bucket takes three ste
    *shard j*, which holds piece j of every tensor of the bucket (each tensor cut into L pieces of
    its rows, :class:`NodeShards`), so that a shard is made of whole pieces of tensors, the same ones
    whichever bucket DDP puts a tensor in.
-2. **Across nodes**, local rank j compresses its shard's pieces (each keyed ``(key, "node", j)``: its
+2. **Across nodes**, local rank j compresses its shard's pieces (each keyed ``StateKey.of_node(j)``: its
    error-feedback residual and PowerSGD memory follow the piece) and averages them with the local
    rank j of every other node, through the spec's route (:mod:`gradcomp.engine.routes`) on that
    group of ``world / L`` ranks: a node sends 1 / L of its compressed gradient per local rank, the
@@ -44,6 +44,7 @@ from torch import Tensor
 from gradcomp.collectives import hierarchical, ring
 from gradcomp.collectives.link import Link
 from gradcomp.collectives.ops import ReduceOp
+from gradcomp.compressors.keys import StateKey
 from gradcomp.engine.routes import BucketWork, RouteSteps
 from gradcomp.flat import views
 
@@ -166,7 +167,7 @@ class HierarchicalRoute:
         start, stop = held.bounds[self.rank]
         shard = BucketWork(
             held.buffer[start:stop],
-            [] if held.shards is None else [(key, "node", self.rank) for key in work.keys],
+            [] if held.shards is None else [StateKey.of(key).of_node(self.rank) for key in work.keys],
             [] if held.shards is None else held.shards.shard_shapes(self.rank),
             work.record,
             work.ratio,

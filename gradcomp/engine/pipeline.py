@@ -69,7 +69,8 @@ from gradcomp.collectives.hierarchical import subgroups
 from gradcomp.collectives.link import Traffic
 from gradcomp.compressors import Compressor, Key, make_compressor
 from gradcomp.compressors.base import piece_multiple
-from gradcomp.engine import hierarchical, pieces
+from gradcomp.compressors.keys import plain
+from gradcomp.engine import handover, hierarchical, pieces
 from gradcomp.engine.routes import BucketWork, DenseRoute, GatherRoute, RouteSteps, SumRoute, TwoPhaseRoute
 from gradcomp.engine.spec import TWO_PHASE_FROM, HookSpec, HookSpecLike, Route
 from gradcomp.engine.stats import BucketRecord
@@ -326,13 +327,26 @@ class Engine:
         self.records.append(work.record)
         done.set_result((work.buffer, None))
 
+    @property
+    def cuts(self) -> handover.Cuts:
+        """How the engine cuts a tensor before compressing it (pieces, node shards, two-phase shards)."""
+        local = max(self.spec.local_size, 1)
+        multiple = piece_multiple(self.spec.compressor.config) if self.spec.compressor else 1
+        return handover.Cuts(self.spec.pieces, multiple, self.spec.min_numel, local, self.world // local)
+
+    def take_residual(self, parameter: Key, shape: torch.Size) -> Tensor | None:
+        """What the engine has not sent yet of tensor ``parameter`` (its key as the caller gave it)
+        of ``shape``, every part of it in its place, and every state of the tensor forgotten: for a
+        caller that averages the tensor another way from now on (:mod:`gradcomp.engine.handover`)."""
+        return handover.take_residual(self.compressor, self.cuts, parameter, shape)
+
     def state_dict(self) -> dict[str, Any]:
         """What the engine learned about its transfers, the padded all-gather's capacity per bucket,
         and the steps it compressed (the warm-up's clock), as plain values. Saved with the
         compressor's state, a resumed run sends exactly what the run straight through sends, without
         re-learning the capacities, and continues a warm-up where it stopped."""
         held = self.route.capacities if isinstance(self.route, GatherRoute) else {}
-        capacities = [{"keys": list(keys), "bytes": size} for keys, size in held.items()]
+        capacities = [{"keys": [plain(k) for k in keys], "bytes": size} for keys, size in held.items()]
         return {"capacities": capacities, "steps": self.steps_done}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
