@@ -184,7 +184,7 @@ class AutoState(TrainingHookState):
             size = numel(shapes[first:end])
             engine = self.engines[candidate]
             handles.append(engine.reduce(buffer[start : start + size], keys[first:end], shapes[first:end],
-                                         bucket.index(), last=False))  # fmt: skip
+                                         bucket.index(), bucket.is_last()))  # fmt: skip
             start, first = start + size, end
         handle = handles[0] if len(handles) == 1 else join(handles, buffer)
         if bucket.is_last():

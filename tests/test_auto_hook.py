@@ -53,7 +53,6 @@ def test_specs_parse_with_the_candidates_own_options() -> None:
         ("auto:ratio=0.1", "unknown auto option 'ratio=0.1'"),
         ("auto:candidates=noop", "cannot be an auto candidate"),
         ("auto:candidates=quantize:bits=4,local_size=2|sign:ef=true,local_size=4", "one node size"),
-        ("auto:candidates=sign:ef=true,pieces=2", "in pieces"),
         ("auto:candidates=zip", "unknown compressor 'zip'"),
         ("auto:measure_at=1", "measure_at must be >= 2"),
         ("auto:margin=1", "margin < 1"),

@@ -284,8 +284,9 @@ def test_a_silent_or_frozen_peer_is_an_error_naming_it_within_the_timeout(how: s
         ("quantize:bits=4,local_size=two", "local_size"),
         ("quantize:bits=4,param_bits=1", "param_bits"),
         ("noop:param_bits=8", "noop has none"),
-        ("quantize:bits=4,ef=true,warmup=5", "warmup is built for DDP's hooks"),
-        ("quantize:bits=4,ef=ef21", "ef=ef21 is built for DDP's hooks"),
+        ("quantize:bits=4,ef=true,warmup=5", "no step clock of the engine's"),
+        ("quantize:bits=4,ef=ef21", "a reduce-scatter leaves each rank its own shard only"),
+        ("quantize:bits=4,pieces=2", "reduce-scatters a module's shard in one call"),
         ("nonsense", "unknown compressor"),
     ],
 )

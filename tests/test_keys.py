@@ -52,7 +52,7 @@ def test_a_part_is_cut_once_per_kind_and_hops_are_named() -> None:
         StateKey.of(1).of_shard(0).of_reduced(0)
     with pytest.raises(ValueError, match="unknown hop 'across'; valid: intra, inter"):
         StateKey(1, hop="across")
-    with pytest.raises(TypeError, match="use StateKey.of"):
+    with pytest.raises(TypeError, match=r"use StateKey\.of"):
         StateKey(StateKey(1))
 
 

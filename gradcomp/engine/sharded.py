@@ -37,7 +37,7 @@ from gradcomp.collectives import hierarchical
 from gradcomp.collectives.executor import executor
 from gradcomp.collectives.groups import as_timeout, private
 from gradcomp.compressors import REGISTRY, Compressor, Key, Meta, Spec, make_compressor
-from gradcomp.engine import reduce_scatter, transport
+from gradcomp.engine import reduce_scatter, rules, transport
 from gradcomp.engine.pipeline import check_same_spec
 from gradcomp.engine.spec import NOOP, HookSpec, split_hook_spec
 from gradcomp.engine.stats import BucketRecord, CallSteps
@@ -75,32 +75,7 @@ class ShardSpec:
             raise ValueError(f"param_bits must be 0 (exact) or 2..8, got {self.param_bits!r}")
         if self.param_bits and self.hook.noop:
             raise ValueError("param_bits quantizes the parameter all-gather of a reduce-scatter spec; noop has none")
-        if self.hook.algo not in SHARD_ALGORITHMS:
-            raise ValueError(
-                f"sharded training reduce-scatters with algo {' or '.join(SHARD_ALGORITHMS)}, got {self.hook.algo!r}"
-            )
-        if self.hook.aggregation != "auto":
-            raise ValueError(
-                "aggregation chooses between DDP's all-gather and two-phase; a sharded reduce-scatter has "
-                f"one way to aggregate: leave it out (got {self.hook.aggregation!r})"
-            )
-        if self.hook.warmup:
-            raise ValueError("warmup is built for DDP's hooks, not yet for the sharded reduce-scatter: leave it out")
-        if self.hook.pieces > 1:
-            raise ValueError("pieces is built for DDP's hooks, not yet for the sharded reduce-scatter: leave it out")
-        if self.hook.keeps_some_dense:
-            raise ValueError(
-                "min_numel and vectors are built for DDP's hooks, not yet for the sharded reduce-scatter: "
-                "leave them out"
-            )
-        spec = self.hook.compressor
-        if spec is not None and spec.feedback.variant == "ef21":
-            raise ValueError("ef=ef21 is built for DDP's hooks, not yet for the sharded reduce-scatter: use ef=true")
-        if spec is not None and REGISTRY[spec.name].needs_shapes:
-            raise ValueError(
-                f"{spec.name} needs each tensor's shape (it compresses matrices), and a sharded gradient is a "
-                f"flat shard of several tensors; valid for sharded training: {', '.join(valid_names())}"
-            )
+        rules.check(self.hook, rules.Surface.FSDP2)
 
     @classmethod
     def parse(cls, spec: ShardSpecLike, **defaults: Any) -> ShardSpec:

@@ -18,14 +18,14 @@ run names, TensorBoard's HParams and the ranks' agreement check at the first ste
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gradcomp.collectives import FLAT_ALGORITHMS
-from gradcomp.compressors import REGISTRY, Aggregation, Spec, parse_spec
+from gradcomp.compressors import REGISTRY, Spec, parse_spec
 from gradcomp.compressors.registry import SpecLike
+from gradcomp.engine import rules
 from gradcomp.options import convert, split_spec
 
 ALGORITHMS = ("native", *FLAT_ALGORITHMS)
@@ -53,19 +53,6 @@ OTHER_KINDS = {
     "diloco": "diloco is a sync spec, not a hook spec: gradcomp.sync.DiLoCo, or a run's --sync",
 }
 """Spec names of other kinds that a hook spec is not, with where they go (a user's likely mix-up)."""
-
-
-class Route(str, enum.Enum):
-    """How a spec's payloads travel (:meth:`HookSpec.route`): the engine runs it, the cost model prices it."""
-
-    NONE = "none"
-    """Nothing travels (``noop``)."""
-    SUM = "sum"
-    """Payloads all-reduced (``sum`` compressors, ``allreduce``), with the spec's ``algo``."""
-    GATHER = "gather"
-    """Every rank's payloads all-gathered, each rank summing them in rank order."""
-    TWO_PHASE = "two_phase"
-    """A compressed reduce-scatter, then an all-gather of the compressed shards."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,34 +104,11 @@ class HookSpec:
                 raise ValueError(f"{option} must be an integer >= 0, got {value!r}")
         if isinstance(self.local_size, bool) or not isinstance(self.local_size, int) or self.local_size < 0:
             raise ValueError(f"local_size must be a whole number of ranks per node (0: flat), got {self.local_size!r}")
-        if self.local_size > 1 and self.compressor is None:
-            raise ValueError("noop sends nothing: local_size has no nodes to reduce across")
-        if self.local_size > 1 and self.pieces > 1:
-            raise ValueError("pieces and local_size do not combine yet: a node's shard travels whole")
-        if self.local_size > 1 and self.keeps_some_dense:
-            raise ValueError("min_numel and vectors do not combine with local_size yet: a node shards every tensor")
         if isinstance(self.pieces, bool) or not isinstance(self.pieces, int) or self.pieces < 1:
             raise ValueError(f"pieces must be an integer >= 1, got {self.pieces!r}")
         if self.vectors not in VECTORS:
             raise ValueError(f"vectors must be one of {', '.join(VECTORS)}, got {self.vectors!r}")
-        if self.compressor is None and self.keeps_some_dense:
-            raise ValueError("noop sends nothing: min_numel and vectors choose what travels uncompressed")
-        name = self.compressor.name if self.compressor else NOOP
-        if self.pieces > 1 and self.compressor is None:
-            raise ValueError("noop sends nothing: pieces has nothing to cut")
-        if self.pieces > 1 and not REGISTRY[name].local:
-            raise ValueError(
-                f"pieces: {name} compresses each tensor as a whole, so its pieces would compress otherwise; "
-                "pieces takes compressors local to elements or chunks: the casts, quantize, qsgd, terngrad, "
-                "sign, fp8"
-            )
-        if self.aggregation == "two_phase" and self.compressor and REGISTRY[name].aggregation is Aggregation.SUM:
-            raise ValueError(f"two_phase is for gather compressors; {name} sums its payloads (all-reduce)")
-        if self.compressor is not None and self.compressor.feedback.variant == "ef21":
-            if self.aggregation == "two_phase":
-                raise ValueError("ef=ef21 adds every aggregate to its estimate; two_phase aggregates twice: use gather")
-            if self.warmup:
-                raise ValueError("ef=ef21 keeps estimates that uncompressed warm-up steps would bypass: no warmup")
+        rules.check(self)  # how the options combine: the one table (gradcomp.engine.rules)
 
     @classmethod
     def parse(cls, spec: HookSpecLike, **defaults: Any) -> HookSpec:
@@ -187,19 +151,6 @@ class HookSpec:
     def uncompressed(self, shape: Sequence[int]) -> bool:
         """Whether a tensor of ``shape`` travels uncompressed under the spec's per-tensor policy."""
         return math.prod(shape) < self.min_numel or (self.vectors == "dense" and len(shape) <= 1)
-
-    def route(self, world: int) -> Route:
-        """How the payloads travel among ``world`` ranks: the one rule the engine and the cost model
-        share. ``gather`` compressors go two-phase when asked, or with ``aggregation=auto`` from
-        :data:`TWO_PHASE_FROM` ranks on, except under EF21 (its estimates take each aggregate once)."""
-        if self.compressor is None:
-            return Route.NONE
-        if REGISTRY[self.compressor.name].aggregation is Aggregation.SUM:
-            return Route.SUM
-        ef21 = self.compressor.feedback.variant == "ef21"
-        if self.aggregation == "two_phase" or (self.aggregation == "auto" and world >= TWO_PHASE_FROM and not ef21):
-            return Route.TWO_PHASE
-        return Route.GATHER
 
     def __str__(self) -> str:
         """The canonical text: the compressor spec with every option of its config (``allreduce`` for

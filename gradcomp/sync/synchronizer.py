@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from gradcomp import collectives
 from gradcomp.collectives.executor import Handle
 from gradcomp.collectives.groups import as_timeout
-from gradcomp.engine import Engine, HookSpec, HookSpecLike
+from gradcomp.engine import Engine, HookSpec, HookSpecLike, rules
 from gradcomp.engine.pipeline import check_same_spec
 from gradcomp.engine.stats import BucketRecord, StepStats, newest, per_step, write_trace
 from gradcomp.flat import views
@@ -128,8 +128,7 @@ class Synchronizer(TrainingHookState):
         timeout = as_timeout(timeout)  # a number of seconds, or refused here
         self.sync = SyncSpec.parse(sync)
         self.spec = HookSpec.parse(spec)  # both checked before any collective
-        if self.spec.noop:
-            raise ValueError("noop sends nothing, so the replicas would never synchronize: give a hook spec")
+        rules.check(self.spec, rules.Surface.SYNC)
         if self.sync.local_size > 1 and group is None:
             raise ValueError(
                 "local_size: a replica per node synchronizes across nodes; give the group of the local rank j of "
@@ -242,7 +241,8 @@ class Synchronizer(TrainingHookState):
                 torch.sub(self.globals[i], self.tensors[i].detach(), out=view)
         shapes = [self.tensors[i].shape for i in members]
         number = self.engine.steps_done  # every call is a step of the engine's clock: its record's number
-        handle = self.engine.reduce(buffer, members, shapes, bucket=fragment)
+        handle = self.engine.reduce(buffer, members, shapes, bucket=fragment, last=True)
+        self.engine.end_step()
         lands = self.steps_done + self.sync.delay
         self._in_flight.append(_InFlight(fragment, lands, handle, number=number))
 
@@ -325,7 +325,8 @@ class Synchronizer(TrainingHookState):
         if not tensors:
             return
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        self._state_engine.reduce(flat, None, None).wait()
+        self._state_engine.reduce(flat, None, None, last=True).wait()
+        self._state_engine.end_step()
         records.append(self._state_engine.records[-1])
         for t, average in zip(tensors, views(flat, [t.shape for t in tensors]), strict=True):
             t.copy_(average)
