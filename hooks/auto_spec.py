@@ -6,12 +6,18 @@ import dataclasses
 from typing import Any
 
 from gradcomp.engine import rules
-from gradcomp.engine.spec import ALLREDUCE, HookSpec
+from gradcomp.engine.spec import ALLREDUCE, HookSpec, add_other_kind
 from gradcomp.options import convert, split_nesting_spec
 
 NAME = "auto"
 DEFAULT_CANDIDATES = ("fp16", "powersgd:rank=4,ef=true", "topk:ratio=0.01,ef=true", "sign:ef=true")
 """Beside ``allreduce``: the lossless cast and error-feedback-protected compressors."""
+
+add_other_kind(
+    NAME,
+    "auto is no compressor: it chooses among hooks itself; attach it with "
+    "gradcomp.hooks.register(ddp_model, 'auto') (a training run's --hook auto)",
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,15 +44,20 @@ TWO_PHASE_FROM = 8
 compression error; from 8 ranks on, bytes dominate."""
 
 
-OTHER_KINDS = {
-    "auto": "auto is no compressor: it chooses among hooks itself; attach it with "
-    "gradcomp.hooks.register(ddp_model, 'auto') (a training run's --hook auto)",
-    "torch": "torch's hooks (torch:fp16, torch:powersgd, ...) are DDP's own, not gradcomp's engine's: attach one "
-    "with gradcomp.hooks.register(ddp_model, 'torch:fp16'); here take gradcomp's (fp16, powersgd, ...)",
-    "localsgd": "localsgd is a sync spec, not a hook spec: gradcomp.sync.LocalSGD, or a run's --sync",
-    "diloco": "diloco is a sync spec, not a hook spec: gradcomp.sync.DiLoCo, or a run's --sync",
-}
-"""Spec names of other kinds that a hook spec is not, with where they go (a user's likely mix-up)."""
+OTHER_KINDS: dict[str, str] = {}
+"""Spec names of other kinds that a hook spec is not, each with where it goes (a user's likely mix-up):
+added by the modules that own them when imported (:func:`add_other_kind`), the engine naming none.
+With only the engine imported, such a name is refused as any unknown compressor is."""
+
+
+def add_other_kind(name: str, message: str) -> None:
+    """Refuse ``name`` (a spec's name before any ``:``) as a hook spec with ``message``, which says where
+    such a spec goes, before its options are read as the engine's. For the modules that own a kind of
+    spec beside the engine's (:mod:`gradcomp.sync` its ``localsgd`` and ``diloco``, the layers above
+    the core theirs), which call it for themselves when imported."""
+    if name in REGISTRY or name in (ALLREDUCE, NOOP):
+        raise ValueError(f"{name!r} is a hook spec's name already; another kind of spec needs another name")
+    OTHER_KINDS[name] = message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +125,8 @@ class HookSpec:
         unknown = sorted(set(defaults) - set(ENGINE_OPTIONS))
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; valid: {', '.join(ENGINE_OPTIONS)}")
-        if isinstance(spec, str) and spec.strip().partition(":")[0] in OTHER_KINDS:
-            raise ValueError(OTHER_KINDS[spec.strip().partition(":")[0]])  # before its options are read as ours
+        if isinstance(spec, str):
+            _check_name(spec.partition(":")[0].strip())  # before its options are read as ours
         name, options = split_hook_spec(spec)
         engine = {**defaults, **{key: options.pop(key) for key in ENGINE_OPTIONS if key in options}}
         for key in ("seed", "warmup", "min_numel", "pieces", "local_size"):
@@ -134,9 +139,7 @@ class HookSpec:
             if options:
                 raise ValueError(f"noop takes no options, got {sorted(options)}")
             return cls(None, **engine)
-        if name not in REGISTRY and name != ALLREDUCE:
-            valid = ", ".join([ALLREDUCE, NOOP, *sorted(REGISTRY)])
-            raise ValueError(OTHER_KINDS.get(name) or f"unknown compressor {name!r}; valid hook names: {valid}")
+        _check_name(name)
         return cls(parse_spec(("none" if name == ALLREDUCE else name, options)), **engine)
 
     @property
@@ -174,6 +177,14 @@ class HookSpec:
 
 HookSpecLike = str | tuple[str, Mapping[str, Any]] | Spec | HookSpec
 """Anything :meth:`HookSpec.parse` takes."""
+
+
+def _check_name(name: str) -> None:
+    """Refuse a name that is no hook's: with where it goes for a spec of another kind
+    (:data:`OTHER_KINDS`), else with the valid names."""
+    if name not in REGISTRY and name not in (ALLREDUCE, NOOP):
+        valid = ", ".join([ALLREDUCE, NOOP, *sorted(REGISTRY)])
+        raise ValueError(OTHER_KINDS.get(name) or f"unknown compressor {name!r}; valid hook names: {valid}")
 
 
 def split_hook_spec(spec: str | tuple[str, Mapping[str, Any]] | SpecLike) -> tuple[str, dict[str, Any]]:
