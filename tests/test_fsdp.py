@@ -185,6 +185,20 @@ def against_fsdp(rank: int, world: int) -> Failures:
     errors = {bits: relative_error(run(f"none:param_bits={bits}", rank)[0], default) for bits in (8, 2)}
     failures.expect(0 < errors[8] < 0.1 and errors[2] > errors[8], f"param_bits: gradients' relative errors {errors}")
 
+    # the per-tensor policy: the picked parameters' columns travel uncompressed, the others compressed
+    mine, state = run("sign:ef=true,vectors=dense", rank)
+    vectors = [i for i, p in enumerate(p for p in Net().parameters() if p.requires_grad) if p.dim() == 1]
+    failures.expect(close([mine[i] for i in vectors], [default[i] for i in vectors], rtol=1e-6, atol=1e-7),
+                    "vectors=dense: the 1-D parameters are not the average")  # fmt: skip
+    matrices = [i for i in range(len(mine)) if i not in vectors]
+    failures.expect(not close([mine[i] for i in matrices], [default[i] for i in matrices], rtol=1e-3),
+                    "vectors=dense: the matrices were not compressed")  # fmt: skip
+    step = state.steps()[-1]
+    failures.expect(0 < step.uncompressed_bytes < step.input_bytes, f"vectors=dense: step record {step}")
+    mine, state = run("sign:ef=true,min_numel=1000", rank)  # every parameter: FSDP2's average
+    failures.expect(close(mine, default, rtol=1e-6, atol=1e-7), "min_numel above every parameter: not the average")
+    failures.expect(state.steps()[-1].uncompressed_bytes == state.steps()[-1].input_bytes, "min_numel: bytes")
+
     # noop: each rank's own shard, divided (the compute floor of benchmarks)
     mine, state = run("noop", rank)
     failures.expect(state.engine is None and close(mine, local_shards(rank, world), rtol=1e-6), "noop: not its own")
@@ -389,3 +403,20 @@ def nan_at_step_3(rank: int, world: int) -> Failures:
 
 def test_one_non_finite_batch_skips_one_step_under_gradscaler() -> None:
     run_checks(2, nan_at_step_3, timeout=120)
+
+
+def test_the_policys_columns_are_its_tensors_shards_and_an_unknown_layout_goes_compressed() -> None:
+    from gradcomp.engine.columns import Columns, dense_columns
+    from gradcomp.engine.spec import HookSpec
+
+    spec = HookSpec.parse("sign:ef=true,vectors=dense,min_numel=50")
+    tensors = [(torch.Size((13, 7)), 48), (torch.Size((7,)), 4), (torch.Size((3,)), 2), (torch.Size((5, 5)), 13)]
+    assert dense_columns(spec, tensors, 67) == [(48, 67)]  # the vectors and the 25-element matrix, one span
+    assert dense_columns(spec, tensors, 66) is None  # a parameter left out: which one is not known
+    columns = Columns.of([(1, 3)], 5, torch.device("cpu"))
+    rows = torch.arange(10.0).view(2, 5)
+    plain, kept = columns.split(rows)
+    assert plain.tolist() == [[1, 2], [6, 7]] and kept.tolist() == [[0, 3, 4], [5, 8, 9]]
+    out = torch.empty(5)
+    columns.join(out, plain[1], kept[1])
+    assert torch.equal(out, rows[1])

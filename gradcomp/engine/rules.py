@@ -134,9 +134,6 @@ RULES: tuple[Rule, ...] = (
     Rule("warmup", (FSDP2,), lambda o: o.warmup > 0,
          "warmup sends DDP's first steps uncompressed; FSDP2 reduces module by module, with no step clock of "
          "the engine's: leave it out"),
-    Rule("min_numel or vectors", (FSDP2,), _policy,
-         "min_numel and vectors pick tensors out of a bucket; FSDP2 hands its reduce-scatter a module's shards "
-         "without naming the tensors in them: leave them out"),
     Rule("ef21", (FSDP2,), _ef21,
          "ef=ef21 keeps a global estimate of every tensor on every rank; a reduce-scatter leaves each rank its own "
          "shard only: use ef=true"),
