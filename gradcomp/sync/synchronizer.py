@@ -129,18 +129,7 @@ class Synchronizer(TrainingHookState):
         self.sync = SyncSpec.parse(sync)
         self.spec = HookSpec.parse(spec)  # both checked before any collective
         rules.check(self.spec, rules.Surface.SYNC)
-        if self.sync.local_size > 1 and group is None:
-            raise ValueError(
-                "local_size: a replica per node synchronizes across nodes; give the group of the local rank j of "
-                "every node (gradcomp.collectives.hierarchical.subgroups, docs/local-sgd.md)"
-            )
-        if self.sync.state and optimizer is None:
-            raise ValueError("state=true averages the inner optimizer's state: pass the optimizer")
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            raise TypeError(
-                "the model is wrapped in DistributedDataParallel, which averages every step's gradients: with a "
-                "synchronizer the run would communicate twice; give it the plain module (model.module), unwrapped"
-            )
+        self._refuse(model, optimizer, group)
         self.optimizer = optimizer
         self.model = model
         self.parameters = [p for p in model.parameters() if p.requires_grad]
@@ -158,25 +147,12 @@ class Synchronizer(TrainingHookState):
         self.error: BaseException | None = None
         """The error that failed a synchronization (a :class:`gradcomp.errors.PeerError` names the peer)."""
 
-        device = self.tensors[0].device
-        check_same_spec(f"{self.sync} over {self.spec}", self.engine.group, device)
-        with torch.no_grad():
-            for tensor in [*model.parameters(), *model.buffers()]:  # one start on every rank, as DDP's
-                collectives.broadcast(local(tensor.detach()), 0, group=self.engine.group)
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.parameters) else torch.float32
-        self.globals = [t.detach().to(dtype, copy=True) for t in self.tensors]
+        self.globals = self._first_globals(model, dtype)
         """The last synchronized parameters, bitwise the same on every rank (float32, or float64)."""
-        self.outer = [
-            torch.optim.SGD(
-                [self.globals[i] for i in members],
-                lr=self.sync.outer_lr,
-                momentum=self.sync.momentum,
-                nesterov=self.sync.nesterov,
-            )
-            for members in self.fragments
-        ]
+        self.outer = [self._outer([self.globals[i] for i in members]) for members in self.fragments]
         self._buffers = [
-            torch.empty(sum(self.tensors[i].numel() for i in members), dtype=dtype, device=device)
+            torch.empty(sum(self.tensors[i].numel() for i in members), dtype=dtype, device=self.tensors[0].device)
             for members in self.fragments
         ]
         self.steps_done = 0
@@ -186,6 +162,37 @@ class Synchronizer(TrainingHookState):
         self._steps_here = 0  # step() calls in this process (statistics count from 0, also on resume)
         _made[:] = [made for made in _made if made() is not None]
         _made.append(weakref.ref(self))  # flushed at interpreter exit if still in flight then (_flush_at_exit)
+
+    def _refuse(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup | None
+    ) -> None:
+        """What no synchronizer can do with these arguments, refused before any collective."""
+        if self.sync.local_size > 1 and group is None:
+            raise ValueError(
+                "local_size: a replica per node synchronizes across nodes; give the group of the local rank j of "
+                "every node (gradcomp.collectives.hierarchical.subgroups, docs/local-sgd.md)"
+            )
+        if self.sync.state and optimizer is None:
+            raise ValueError("state=true averages the inner optimizer's state: pass the optimizer")
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            raise TypeError(
+                "the model is wrapped in DistributedDataParallel, which averages every step's gradients: with a "
+                "synchronizer the run would communicate twice; give it the plain module (model.module), unwrapped"
+            )
+
+    def _outer(self, globals_: list[Tensor]) -> torch.optim.SGD:
+        """A fragment's outer optimizer: SGD on its global parameters, with the spec's momentum."""
+        sync = self.sync
+        return torch.optim.SGD(globals_, lr=sync.outer_lr, momentum=sync.momentum, nesterov=sync.nesterov)
+
+    def _first_globals(self, model: nn.Module, dtype: torch.dtype) -> list[Tensor]:
+        """Every rank checked to run the same specs, given rank 0's parameters and buffers (one start
+        on every rank, as DDP's), and the global parameters made from them."""
+        check_same_spec(f"{self.sync} over {self.spec}", self.engine.group, self.tensors[0].device)
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                collectives.broadcast(local(tensor.detach()), 0, group=self.engine.group)
+        return [t.detach().to(dtype, copy=True) for t in self.tensors]
 
     # -- the training loop's calls ---------------------------------------------------------------
 
