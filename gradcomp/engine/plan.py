@@ -180,7 +180,8 @@ class BucketPlan:
 def _lines(part: Part) -> list[str]:
     how = part.route.value + (f" ({part.transfer.value})" if part.transfer else "")
     how += f" at ratio {part.ratio:.3g}" if part.ratio is not None else ""
-    how += f" [{len(part.segments)} segments, {part.numel:,} elements]"
+    count = len(part.segments)
+    how += f" [{count} segment{'' if count == 1 else 's'}, {part.numel:,} elements]"
     lines = [f"{how}: {part.why}" if part.why else how]
     lines += [f"  {_segment(s)}" for s in part.segments]
     if part.inner is not None:
