@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from gradcomp import launch
 from gradcomp.engine.sharded import ShardSpec
 from gradcomp.engine.spec import HookSpec
 from gradcomp.hooks import auto, ddp, fsdp2, hybrid, torch_fsdp, torch_hooks
@@ -63,6 +64,8 @@ __all__ = [
 
 fsdp = fsdp2.fsdp
 hsdp = hybrid.hsdp
+
+launch.preload(__name__)  # ranks started from this process find the hooks imported (gradcomp.launch.preload)
 
 AnySpec = HookSpec | TorchHookSpec | AutoSpec
 """A parsed hook spec of any kind: gradcomp's, torch's (``torch:...``) or ``auto``."""

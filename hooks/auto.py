@@ -41,7 +41,6 @@ state (error-feedback residuals) for the buckets it ever averaged.
 import dataclasses
 import datetime
 import logging
-import math
 import os
 import statistics
 import time
@@ -62,7 +61,6 @@ from gradcomp.cost.online import Bucket
 from gradcomp.cost.profile import Timings
 from gradcomp.cost.step import Workload, method_of
 from gradcomp.engine import Engine
-from gradcomp.engine.hierarchical import NodeShards
 from gradcomp.engine.stats import StepStats, per_step, write_trace
 from gradcomp.flat import numel, views
 from gradcomp.hooks.auto_spec import DEFAULT_CANDIDATES, NAME, AutoSpec, is_auto_spec
@@ -186,7 +184,7 @@ class AutoState(TrainingHookState):
             size = numel(shapes[first:end])
             engine = self.engines[candidate]
             handles.append(engine.reduce(buffer[start : start + size], keys[first:end], shapes[first:end],
-                                         bucket.index(), last=False))  # fmt: skip
+                                         bucket.index(), bucket.is_last()))  # fmt: skip
             start, first = start + size, end
         handle = handles[0] if len(handles) == 1 else join(handles, buffer)
         if bucket.is_last():
@@ -396,23 +394,10 @@ class AutoState(TrainingHookState):
         self.choice = choice
 
     def _take_residual(self, candidate: int, key: int, shape: torch.Size) -> Tensor | None:
-        """What ``key`` had not sent through ``candidate``, in the tensor's shape. Across nodes this
-        rank kept only its piece's (its node's unsent share of the rows it compressed, keyed as
-        :mod:`gradcomp.engine.hierarchical` keys them): zeros elsewhere, so that every node's residual
-        is sent once, by the rank that held it."""
-        engine = self.engines[candidate]
-        local = engine.spec.local_size
-        if local <= 1:
-            return engine.compressor.take_residual(key)
-        j = dist.get_rank(self._nodes[0]) if self._nodes is not None else 0
-        piece = engine.compressor.take_residual((key, "node", j))
-        if piece is None:
-            return None
-        full = piece.new_zeros(shape)
-        (pieces,) = NodeShards((shape,), local).pieces  # the tensor's row blocks, in order
-        start = sum(math.prod(p) for p in pieces[:j])
-        full.view(-1)[start : start + piece.numel()] = piece.reshape(-1)
-        return full
+        """What ``key`` had not sent through ``candidate``, in the tensor's shape: every part of it
+        that candidate's engine cut it into (pieces, node shards, two-phase shards) in its place
+        (:meth:`gradcomp.engine.Engine.take_residual`)."""
+        return self.engines[candidate].take_residual(key, shape)
 
     def _flush(self, buffer: Tensor, keys: list[int], shapes: list[torch.Size]) -> None:
         """Add pending residuals into this bucket's gradients (times the world size: the engine

@@ -5,12 +5,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from gradcomp.engine.spec import ALLREDUCE, HookSpec
+from gradcomp.engine import rules
+from gradcomp.engine.spec import ALLREDUCE, HookSpec, add_other_kind
 from gradcomp.options import convert, split_nesting_spec
 
 NAME = "auto"
 DEFAULT_CANDIDATES = ("fp16", "powersgd:rank=4,ef=true", "topk:ratio=0.01,ef=true", "sign:ef=true")
 """Beside ``allreduce``: the lossless cast and error-feedback-protected compressors."""
+
+add_other_kind(
+    NAME,
+    "auto is no compressor: it chooses among hooks itself; attach it with "
+    "gradcomp.hooks.register(ddp_model, 'auto') (a training run's --hook auto)",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,11 +43,9 @@ class AutoSpec:
         if not self.candidates:
             raise ValueError("auto needs at least one candidate besides allreduce")
         parsed = [HookSpec.parse(candidate) for candidate in self.candidates]
-        if any(spec.noop for spec in parsed):
-            raise ValueError("noop sends nothing: it cannot be an auto candidate")
-        if any(spec.pieces > 1 for spec in parsed):
-            # their state lives under piece keys, which switching a bucket away (take_residual) would miss
-            raise ValueError("auto does not choose among hooks in pieces yet")
+        for spec in parsed:
+            rules.check(spec, rules.Surface.AUTO)
+        # the nodes are probed once, with one layout, and priced on one cluster of nodes
         sizes = sorted({spec.local_size for spec in parsed if spec.local_size > 1})
         if len(sizes) > 1:
             raise ValueError(f"auto's candidates across nodes take one node size, got local_size {sizes}")

@@ -234,7 +234,9 @@ class CompressedAdamW(torch.optim.Optimizer):
                 else:
                     m.lerp_(p.grad, 1 - beta1)
         if self.hook_state is not None:
-            self.hook_state.carrier.reduce(flat, list(range(len(parameters))), [p.shape for p in parameters]).wait()
+            carrier = self.hook_state.carrier
+            carrier.reduce(flat, list(range(len(parameters))), [p.shape for p in parameters], last=True).wait()
+            carrier.end_step()
         elif dist.is_initialized() and dist.get_world_size() > 1:
             raise RuntimeError(
                 "a compressed step averages the momentum through the hook's state: call attach(model) first"
@@ -258,9 +260,10 @@ class CompressedAdamW(torch.optim.Optimizer):
         if (step - self.spec.freeze) % self.spec.variance_every:
             return
         if self.hook_state is not None and self.hook_state.variance is not None:
-            handle = self.hook_state.variance.reduce(self.local_variance, list(range(len(parameters))),
-                                                     [p.shape for p in parameters])  # fmt: skip
-            handle.wait()
+            variance = self.hook_state.variance
+            shapes = [p.shape for p in parameters]
+            variance.reduce(self.local_variance, list(range(len(parameters))), shapes, last=True).wait()
+            variance.end_step()
             self.local_variance.clamp_(min=0)  # a lossy carrier may round a tiny variance below 0
         for p, averaged in zip(parameters, local, strict=True):
             self.state[p]["exp_avg_sq"].copy_(averaged)

@@ -7,6 +7,7 @@ import dataclasses
 import math
 from typing import Any
 
+from gradcomp.engine import rules
 from gradcomp.engine.spec import HookSpec
 from gradcomp.options import convert, split_nesting_spec
 
@@ -52,18 +53,13 @@ class CompressedAdamWSpec:
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         carrier = HookSpec.parse(self.carrier)
-        if carrier.noop:
-            raise ValueError("the carrier averages the momentum over the ranks: noop would let them drift apart")
-        assert carrier.compressor is not None
-        if carrier.compressor.feedback.momentum:
-            raise ValueError("the carrier already sends Adam's momentum: momentum correction would apply a second one")
+        rules.check(carrier, rules.Surface.CARRIER)
         object.__setattr__(self, "carrier", str(carrier))  # frozen: canonical once
         every = self.variance_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"variance_every must be an integer >= 0, got {every!r}")
         variance = HookSpec.parse(self.variance_carrier)
-        if variance.noop:
-            raise ValueError("the variance carrier averages the ranks' variances: noop would let them drift apart")
+        rules.check(variance, rules.Surface.CARRIER)
         object.__setattr__(self, "variance_carrier", str(variance))
 
     @classmethod

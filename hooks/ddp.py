@@ -177,7 +177,10 @@ def gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[
         parameters = bucket.parameters()
         keys = state.keys(parameters)
         shapes = shapes_of(parameters)
-    return deliver(state, engine.reduce(bucket.buffer(), keys, shapes, bucket.index(), bucket.is_last()))
+    handle = engine.reduce(bucket.buffer(), keys, shapes, bucket.index(), bucket.is_last())
+    if bucket.is_last():
+        engine.end_step()
+    return deliver(state, handle)
 
 
 def unchanged(bucket: GradBucket) -> torch.futures.Future[Tensor]:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradcomp.collectives.groups import as_timeout
+from gradcomp.engine.columns import dense_columns
 from gradcomp.engine.sharded import ShardedEngine, ShardSpec, ShardSpecLike
 from gradcomp.engine.transport import all_gather_single
 from gradcomp.hooks.ddp import HookState
@@ -56,10 +57,14 @@ def available() -> bool:
 
 class CompressedReduceScatter(ReduceScatter if ReduceScatter is not None else object):  # type: ignore[misc]
     """FSDP2's ``ReduceScatter`` for one FSDP module, through the hook's engine (``key``: the module's
-    name). ``noop`` (no engine) keeps each rank's own shard, divided: the compute floor."""
+    name). ``noop`` (no engine) keeps each rank's own shard, divided: the compute floor. With the
+    spec's per-tensor policy (``min_numel``, ``vectors``) the columns of the parameters it picks travel
+    uncompressed (:mod:`gradcomp.engine.columns`)."""
 
-    def __init__(self, state: HookState, key: str) -> None:
+    def __init__(self, state: HookState, key: str, module: Any = None) -> None:
         self.state, self.key = state, key
+        self.shards: list[tuple[torch.Size, int]] = [] if module is None else parameter_shards(module)
+        """Per parameter of the module, in FSDP2's order: its shape and the elements of its shard."""
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -82,7 +87,9 @@ class CompressedReduceScatter(ReduceScatter if ReduceScatter is not None else ob
                 assert isinstance(engine, ShardedEngine)
                 if self.state.loss_scale is not None and engine.calls.starts_step(self.key):
                     self.state.follow_scale()
-                engine.reduce_scatter(output_tensor, input_tensor, divisor, self.key)
+                assert isinstance(self.state.spec, ShardSpec)
+                dense = dense_columns(self.state.spec.hook, self.shards, output_tensor.numel()) if self.shards else None
+                engine.reduce_scatter(output_tensor, input_tensor, divisor, self.key, dense or ())
         except Exception as error:
             self.state.error = self.state.error or error  # the first is the cause; later ones its consequences
             raise
@@ -176,7 +183,8 @@ def fsdp(
     if scaler is not None:
         state.follow(scaler)
     for name, module in modules:
-        module.set_custom_reduce_scatter(CompressedReduceScatter(state, name))
+        policy = module if parsed.hook.keeps_some_dense else None  # the module's parameters, for the policy
+        module.set_custom_reduce_scatter(CompressedReduceScatter(state, name, policy))
         if parsed.param_bits:
             module.set_custom_all_gather(QuantizedAllGather(state))
     return state
@@ -201,6 +209,15 @@ def sharded_modules(model: nn.Module) -> list[tuple[str, Any]]:
     if not found:
         raise ValueError("the model holds no FSDP2 module with parameters: apply fully_shard to it first")
     return found
+
+
+def parameter_shards(module: Any) -> list[tuple[torch.Size, int]]:
+    """Per trainable parameter of an FSDP2 module (frozen ones have no gradient to reduce), in the
+    order FSDP2 lays out its reduce-scatter input: the parameter's shape and the elements of its
+    (padded) shard, the columns it holds in every row."""
+    (group,) = module._get_fsdp_state()._fsdp_param_groups  # one mesh per module
+    trainable = [p for p in group.fsdp_params if p.sharded_param.requires_grad]
+    return [(p._orig_size, p.padded_sharded_param_size.numel()) for p in trainable]
 
 
 def shard_group(module: nn.Module) -> dist.ProcessGroup:

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from gradcomp.collectives.groups import as_timeout
 from gradcomp.collectives.hierarchical import subgroups
-from gradcomp.engine import Engine
+from gradcomp.engine import Engine, rules
 from gradcomp.engine.spec import HookSpec, HookSpecLike
 from gradcomp.hooks.auto_spec import is_auto_spec
 from gradcomp.hooks.ddp import HookState, check_saved
@@ -217,15 +217,7 @@ def parse(spec: HookSpecLike, **defaults: Any) -> HookSpec:
             "needs no hook (fully_shard with the 2-D mesh), and auto chooses among DDP hooks"
         )
     parsed = HookSpec.parse(spec, **defaults)
-    if parsed.local_size > 1:
-        raise ValueError("HSDP's nodes are the model's mesh (fully_shard over mesh['shard']): leave local_size out")
-    if parsed.pieces > 1 or parsed.keeps_some_dense:
-        raise ValueError("pieces, min_numel and vectors pick tensors out of DDP's buckets; an HSDP shard is flat")
-    if parsed.compressor is not None and parsed.compressor.capabilities.needs_shapes:
-        raise ValueError(
-            f"{parsed.compressor.name} needs each tensor's shape (it compresses matrices), and an HSDP "
-            "shard is a flat piece of several tensors: use a quantizer, sign, a cast or a sparsifier"
-        )
+    rules.check(parsed, rules.Surface.HSDP)
     return parsed
 
 

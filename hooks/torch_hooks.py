@@ -48,7 +48,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from gradcomp.collectives.cost_model import ring_traffic
 from gradcomp.compressors import parse_spec
 from gradcomp.cost.step import Method
-from gradcomp.engine.spec import HookSpec
+from gradcomp.engine.spec import HookSpec, add_other_kind
 from gradcomp.engine.stats import StepStats, newest, write_trace
 from gradcomp.hooks.ddp import check_saved
 from gradcomp.options import format_value, options_from, split_spec
@@ -62,6 +62,12 @@ BUILTIN = "allreduce"
 Hook = Callable[["TorchHookState", GradBucket], torch.futures.Future[Tensor]]
 RECORDS = 10_000
 """Steps a :class:`TorchHookState` keeps (its memory stays flat however long the run)."""
+
+add_other_kind(
+    PREFIX.rstrip(":"),
+    "torch's hooks (torch:fp16, torch:powersgd, ...) are DDP's own, not gradcomp's engine's: attach one "
+    "with gradcomp.hooks.register(ddp_model, 'torch:fp16'); here take gradcomp's (fp16, powersgd, ...)",
+)
 
 
 @dataclasses.dataclass(frozen=True)

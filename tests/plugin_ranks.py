@@ -12,4 +12,6 @@ def averaged(rank: int, world: int, spec: str) -> float:
     """The sum of a bucket averaged through ``spec`` (each rank's own values)."""
     engine = Engine(spec)
     bucket = torch.randn(4096, generator=torch.Generator().manual_seed(rank))
-    return float(engine.reduce(bucket, [0], [bucket.shape]).wait().sum())
+    averaged = engine.reduce(bucket, [0], [bucket.shape], last=True).wait()
+    engine.end_step()
+    return float(averaged.sum())

@@ -12,6 +12,8 @@ import torch
 
 from gradcomp import hooks
 from gradcomp.collectives.cost_model import LinkCosts, all_reduce_seconds
+from gradcomp.collectives.ring import chunk_bounds
+from gradcomp.compressors.keys import StateKey
 from gradcomp.cost import online
 from gradcomp.cost.choose import choose
 from gradcomp.cost.cluster import Cluster
@@ -51,7 +53,6 @@ def test_specs_parse_with_the_candidates_own_options() -> None:
         ("auto:ratio=0.1", "unknown auto option 'ratio=0.1'"),
         ("auto:candidates=noop", "cannot be an auto candidate"),
         ("auto:candidates=quantize:bits=4,local_size=2|sign:ef=true,local_size=4", "one node size"),
-        ("auto:candidates=sign:ef=true,pieces=2", "in pieces"),
         ("auto:candidates=zip", "unknown compressor 'zip'"),
         ("auto:measure_at=1", "measure_at must be >= 2"),
         ("auto:margin=1", "margin < 1"),
@@ -175,6 +176,7 @@ def _auto_ranks(rank: int, world: int) -> dict[str, Any]:
     failures.expect(torch.equal(flat, expected) and not state.pending, "the flush is not the residual times p")
     decisions = [d["buckets"] for d in state.decisions]
     _a_candidate_warms_up_on_the_hooks_clock(failures, batches)
+    _leaving_two_phase(failures, batches, rank, world)
     _leaving_ef21(failures, batches)
     return {"failures": failures, "decisions": decisions}
 
@@ -196,6 +198,34 @@ def _a_candidate_warms_up_on_the_hooks_clock(failures: Failures, batches: list[A
     compressed = [s.input_bytes / s.payload_bytes for s in state.steps() if s.step >= 3]
     failures.expect(len(compressed) == 3 and set(compressed) == expected,
                     f"ratios from step 3 {compressed}, plain top-k's {expected}")  # fmt: skip
+
+
+def _leaving_two_phase(failures: Failures, batches: list[Any], rank: int, world: int) -> None:
+    """Switching away from a two-phase candidate hands over every part of a tensor's residual: the
+    shard this rank compressed for each rank, in place, plus the reduced shard it compressed again,
+    added at its own shard's place (before, only the plain key was looked up: nothing was handed over)."""
+    spec = "auto:candidates=topk:ratio=0.1,ef=true,aggregation=two_phase,measure_at=2"
+    ddp, state = wrap(toy_model(), spec, link=DEAR_LINK)
+    assert isinstance(state, AutoState)
+    sgd_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), batches[:4])
+    chosen = [key for key, c in state.choice.items() if c == 1]
+    failures.expect(bool(chosen), f"dear link, two-phase: {state.decisions}")
+    residuals = state.engines[1].compressor.residuals  # type: ignore[attr-defined]
+    shapes = {k: s for identity, held in state._shapes.items() for k, s in zip(identity, held, strict=True)}
+    expected = {}
+    for key in chosen:
+        flat = torch.zeros(shapes[key]).view(-1)
+        bounds = chunk_bounds(flat.numel(), world)
+        for j, (start, stop) in enumerate(bounds):
+            flat[start:stop] += residuals[(key, j)].reshape(-1)
+        start, stop = bounds[rank]
+        flat[start:stop] += residuals[(key, "reduced", rank)].reshape(-1)
+        expected[key] = flat.view(shapes[key])
+    state._install(dict.fromkeys(state.choice, 0))
+    handed = all(key in state.pending and torch.equal(state.pending[key], expected[key]) for key in chosen)
+    failures.expect(handed, f"two-phase residuals not handed over in place: pending {sorted(state.pending)}")
+    left = [k for k in state.engines[1].compressor.state_keys() if StateKey.parse(k).parameter in chosen]
+    failures.expect(not left, f"two-phase residuals stayed with the old candidate: {left}")
 
 
 def _leaving_ef21(failures: Failures, batches: list[Any]) -> None:

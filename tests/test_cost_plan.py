@@ -37,8 +37,9 @@ def test_routes_per_aggregation() -> None:
     flat = {r: ok for r, ok, _ in plan.routes(method_of("fp16"), single)}
     assert flat == {"native": True, "ring": True, "tree": True, "halving_doubling": True, "in_network": False}
     assert {r for r, _, _ in plan.routes(method_of("fp16"), nodes)} == {*flat, "hierarchical", "local_size=4"}
-    # a spec local_size does not combine with is priced flat only
-    assert "local_size=4" not in {r for r, _, _ in plan.routes(method_of("fp16:vectors=dense"), nodes)}
+    # every variant the rules allow is priced (the policy across nodes: planned), none they refuse
+    assert "local_size=4" in {r for r, _, _ in plan.routes(method_of("fp16:vectors=dense"), nodes)}
+    assert "two_phase" not in {r for r, _, _ in plan.routes(method_of("sign:ef=ef21"), single)}
     torch_fp16 = TorchHookSpec.parse("torch:fp16").cost_method()
     assert [r for r, _, _ in plan.routes(torch_fp16, nodes, torch_hook=True)] == ["native"]
 

@@ -160,7 +160,42 @@ def against_fsdp(rank: int, world: int) -> Failures:
         f"quantize:bits=8: step record {step}",
     )
 
-    # set_gradient_divide_factor: a pre-multiplied sum (SUM for fp16)
+    _divide_factors(failures, rank, world, default)
+
+    # deterministic: two fresh runs of a stochastic compressor with the same seed agree bitwise
+    first, _ = run("quantize:bits=4,ef=true", rank)
+    again, _ = run("quantize:bits=4,ef=true", rank)
+    failures.expect(equal(first, again), "quantize:bits=4,ef=true: two runs differ")
+
+    if world % 2 == 0:
+        _two_hops(failures, rank, default)
+
+    # the quantized parameter all-gather (ZeRO++'s qwZ): gradients of nearly the same weights
+    errors = {bits: relative_error(run(f"none:param_bits={bits}", rank)[0], default) for bits in (8, 2)}
+    failures.expect(0 < errors[8] < 0.1 and errors[2] > errors[8], f"param_bits: gradients' relative errors {errors}")
+
+    _the_policy(failures, rank, default)
+
+    # noop: each rank's own shard, divided (the compute floor of benchmarks)
+    mine, state = run("noop", rank)
+    failures.expect(state.engine is None and close(mine, local_shards(rank, world), rtol=1e-6), "noop: not its own")
+    return failures
+
+
+def _two_hops(failures: Failures, rank: int, default: list[torch.Tensor]) -> None:
+    """local_size=2: a reduce-scatter inside the node, then across nodes."""
+    mine, _ = run("topk:ratio=1,local_size=2", rank)
+    failures.expect(close(mine, default, rtol=1e-5, atol=1e-7), "two hops of topk:ratio=1: not the average")
+    mine, _ = run("quantize:bits=8,ef=true,local_size=2", rank)
+    error = relative_error(mine, default)
+    failures.expect(error < 0.04, f"two hops of quantize:bits=8: relative error {error:.4f}")
+
+
+def _divide_factors(failures: Failures, rank: int, world: int, default: list[torch.Tensor]) -> None:
+    """set_gradient_divide_factor: a pre-multiplied sum (SUM for fp16)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    fp16 = MixedPrecisionPolicy(reduce_dtype=torch.float16)
     mine, _ = run("none", rank, factor=world * 4.0)
     quarter = [g / 4 for g in default]
     failures.expect(close(mine, quarter, rtol=1e-6), "none: divide factor not honoured")
@@ -169,26 +204,21 @@ def against_fsdp(rank: int, world: int) -> Failures:
     mine, _ = run("none", rank, fp16, factor=float(world))
     failures.expect(equal(mine, run(None, rank, fp16)[0]), "none with fp16: not FSDP2's pre/post divide")
 
-    # deterministic: two fresh runs of a stochastic compressor with the same seed agree bitwise
-    first, _ = run("quantize:bits=4,ef=true", rank)
-    again, _ = run("quantize:bits=4,ef=true", rank)
-    failures.expect(equal(first, again), "quantize:bits=4,ef=true: two runs differ")
 
-    if world % 2 == 0:
-        mine, state = run("topk:ratio=1,local_size=2", rank)
-        failures.expect(close(mine, default, rtol=1e-5, atol=1e-7), "two hops of topk:ratio=1: not the average")
-        mine, _ = run("quantize:bits=8,ef=true,local_size=2", rank)
-        error = relative_error(mine, default)
-        failures.expect(error < 0.04, f"two hops of quantize:bits=8: relative error {error:.4f}")
-
-    # the quantized parameter all-gather (ZeRO++'s qwZ): gradients of nearly the same weights
-    errors = {bits: relative_error(run(f"none:param_bits={bits}", rank)[0], default) for bits in (8, 2)}
-    failures.expect(0 < errors[8] < 0.1 and errors[2] > errors[8], f"param_bits: gradients' relative errors {errors}")
-
-    # noop: each rank's own shard, divided (the compute floor of benchmarks)
-    mine, state = run("noop", rank)
-    failures.expect(state.engine is None and close(mine, local_shards(rank, world), rtol=1e-6), "noop: not its own")
-    return failures
+def _the_policy(failures: Failures, rank: int, default: list[torch.Tensor]) -> None:
+    """The per-tensor policy: the picked parameters' columns travel uncompressed, the others compressed."""
+    mine, state = run("sign:ef=true,vectors=dense", rank)
+    vectors = [i for i, p in enumerate(p for p in Net().parameters() if p.requires_grad) if p.dim() == 1]
+    failures.expect(close([mine[i] for i in vectors], [default[i] for i in vectors], rtol=1e-6, atol=1e-7),
+                    "vectors=dense: the 1-D parameters are not the average")  # fmt: skip
+    matrices = [i for i in range(len(mine)) if i not in vectors]
+    failures.expect(not close([mine[i] for i in matrices], [default[i] for i in matrices], rtol=1e-3),
+                    "vectors=dense: the matrices were not compressed")  # fmt: skip
+    step = state.steps()[-1]
+    failures.expect(0 < step.uncompressed_bytes < step.input_bytes, f"vectors=dense: step record {step}")
+    mine, state = run("sign:ef=true,min_numel=1000", rank)  # every parameter: FSDP2's average
+    failures.expect(close(mine, default, rtol=1e-6, atol=1e-7), "min_numel above every parameter: not the average")
+    failures.expect(state.steps()[-1].uncompressed_bytes == state.steps()[-1].input_bytes, "min_numel: bytes")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -284,8 +314,9 @@ def test_a_silent_or_frozen_peer_is_an_error_naming_it_within_the_timeout(how: s
         ("quantize:bits=4,local_size=two", "local_size"),
         ("quantize:bits=4,param_bits=1", "param_bits"),
         ("noop:param_bits=8", "noop has none"),
-        ("quantize:bits=4,ef=true,warmup=5", "warmup is built for DDP's hooks"),
-        ("quantize:bits=4,ef=ef21", "ef=ef21 is built for DDP's hooks"),
+        ("quantize:bits=4,ef=true,warmup=5", "no step clock of the engine's"),
+        ("quantize:bits=4,ef=ef21", "a reduce-scatter leaves each rank its own shard only"),
+        ("quantize:bits=4,pieces=2", "reduce-scatters a module's shard in one call"),
         ("nonsense", "unknown compressor"),
     ],
 )
@@ -388,3 +419,20 @@ def nan_at_step_3(rank: int, world: int) -> Failures:
 
 def test_one_non_finite_batch_skips_one_step_under_gradscaler() -> None:
     run_checks(2, nan_at_step_3, timeout=120)
+
+
+def test_the_policys_columns_are_its_tensors_shards_and_an_unknown_layout_goes_compressed() -> None:
+    from gradcomp.engine.columns import Columns, dense_columns
+    from gradcomp.engine.spec import HookSpec
+
+    spec = HookSpec.parse("sign:ef=true,vectors=dense,min_numel=50")
+    tensors = [(torch.Size((13, 7)), 48), (torch.Size((7,)), 4), (torch.Size((3,)), 2), (torch.Size((5, 5)), 13)]
+    assert dense_columns(spec, tensors, 67) == [(48, 67)]  # the vectors and the 25-element matrix, one span
+    assert dense_columns(spec, tensors, 66) is None  # a parameter left out: which one is not known
+    columns = Columns.of([(1, 3)], 5, torch.device("cpu"))
+    rows = torch.arange(10.0).view(2, 5)
+    plain, kept = columns.split(rows)
+    assert plain.tolist() == [[1, 2], [6, 7]] and kept.tolist() == [[0, 3, 4], [5, 8, 9]]
+    out = torch.empty(5)
+    columns.join(out, plain[1], kept[1])
+    assert torch.equal(out, rows[1])

@@ -11,6 +11,7 @@ import torch
 
 from gradcomp.engine.hierarchical import NodeShards, check_local_size, gather, scatter
 from gradcomp.engine.spec import HookSpec
+from gradcomp.flat import views
 from tests.distributed import Failures, parameters_identical_on_all_ranks, run_checks
 from tests.test_hooks import resume
 from tests.toy_ddp import train
@@ -23,6 +24,8 @@ KINDS = [
     "randomk:ratio=0.1,scale=false,ef=true",  # summed sparse
     "powersgd:rank=2,ef=true",  # two rounds, on row blocks of the matrices
     "threshold:tau=0.001,ef=true",  # payloads sized by their values
+    "sign:ef=true,vectors=dense,pieces=2",  # the policy's vectors flat and dense, the rest across nodes, in pieces
+    "fp16:min_numel=100",  # a cast's small tensors dense: runs of the bucket across nodes
 ]
 
 
@@ -76,10 +79,10 @@ def test_node_shards_hold_every_piece_once_and_scatter_back(shapes: list[tuple[i
         assert stop - start == sum(math.prod(s) for s in shards.shard_shapes(j))
     bucket = torch.arange(numel, dtype=torch.float32)
     layout, back = torch.empty(numel), torch.empty(numel)
-    scatter(shards.pairs(bucket, layout), 2.0)
+    scatter(shards.pairs(views(bucket, sizes), layout), 2.0)
     assert sorted(layout.tolist()) == sorted((bucket / 2).tolist()), "every element once, divided"
     layout.mul_(2)
-    gather(shards.pairs(back, layout))
+    gather(shards.pairs(views(back, sizes), layout))
     assert torch.equal(back, bucket)
 
 
@@ -90,9 +93,9 @@ def test_local_size_is_checked_against_the_world_and_the_launcher(monkeypatch: p
     with pytest.raises(ValueError, match="launcher started 4 ranks per node"):
         check_local_size(2, 8)
     check_local_size(4, 8)
-    for bad, message in [("sign:local_size=-1", "whole number"), ("noop:local_size=2", "no nodes"),
-                         ("sign:local_size=2,pieces=2", "do not combine"),
-                         ("sign:local_size=2,vectors=dense", "do not combine with local_size")]:  # fmt: skip
+    for bad, message in [("sign:local_size=-1", "whole number"), ("noop:local_size=2", "no nodes")]:
         with pytest.raises(ValueError, match=message):
             HookSpec.parse(bad)
+    for combined in ("sign:local_size=2,pieces=2", "sign:local_size=2,vectors=dense", "fp16:local_size=2,min_numel=9"):
+        assert HookSpec.parse(combined).local_size == 2  # planned (tests/test_plan.py), not refused
     assert str(HookSpec.parse("sign:ef=true,local_size=2")).endswith("local_size=2")

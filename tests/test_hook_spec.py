@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+import gradcomp.hooks  # (auto and torch's hooks tell the engine where their specs go)
+import gradcomp.sync  # noqa: F401  (and so do localsgd and diloco)
 from gradcomp.compressors import parse_spec
+from gradcomp.engine import spec as hook_spec
 from gradcomp.engine.spec import HookSpec
 
 
@@ -65,6 +68,21 @@ def test_defaults_apply_where_the_text_is_silent() -> None:
 def test_bad_specs_are_refused_with_the_valid_choices(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         HookSpec.parse(spec)
+
+
+@pytest.mark.parametrize("spec", ["auto", "torch:fp16", "diloco:every=5"])
+def test_with_the_engine_alone_other_kinds_are_unknown_compressors(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine names no other kind of spec: those who own one register it (hook_spec.add_other_kind)."""
+    monkeypatch.setattr(hook_spec, "OTHER_KINDS", {})
+    name = spec.partition(":")[0]
+    with pytest.raises(ValueError, match=f"unknown compressor '{name}'; valid hook names: allreduce, noop, bf16"):
+        HookSpec.parse(spec)
+
+
+def test_another_kind_cannot_take_a_hook_name() -> None:
+    for name in ("topk", "allreduce", "noop"):
+        with pytest.raises(ValueError, match=f"'{name}' is a hook spec's name already"):
+            hook_spec.add_other_kind(name, "elsewhere")
 
 
 def test_every_list_of_specs_splits_by_one_rule() -> None:

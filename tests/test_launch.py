@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from gradcomp import launch
 from gradcomp.launch import RankError, spawn
+
+LAYERS = ("gradcomp.hooks", "gradcomp.experiments.training.run")
+"""Modules of the layers above the core that add themselves to the fork server's preload list."""
+IMPORTED_FIRST = [name for name in LAYERS if name in sys.modules]
+"""In a rank: those of them that its process had imported before it imported this module."""
 
 
 def identify(rank: int, world: int, offset: int) -> tuple[int, int, int]:
@@ -117,6 +123,20 @@ def test_ranks_start_as_asked_and_see_the_callers_environment_of_now(
     monkeypatch.setenv("GRADCOMP_TEST_VARIABLE", "set later")
     results = spawn(2, environment_and_start, ("GRADCOMP_TEST_VARIABLE",))
     assert results == [("set later", method)] * 2
+
+
+def imported_first(rank: int, world: int) -> list[str]:
+    return IMPORTED_FIRST
+
+
+@pytest.mark.skipif(os.environ.get("GRADCOMP_START_METHOD") == "spawn", reason="ranks start from no fork server")
+def test_ranks_start_with_the_layers_above_imported() -> None:
+    """The core names no layer above it: they add themselves to the fork server's preload list when
+    imported (here, by the test session), and its ranks start with them imported."""
+    import gradcomp.experiments.training.run  # noqa: F401  (and the hooks: as the session already has)
+
+    assert set(LAYERS) <= set(launch.PRELOAD)
+    assert spawn(2, imported_first) == [list(LAYERS)] * 2
 
 
 def test_an_unknown_start_method_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

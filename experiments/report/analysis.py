@@ -235,13 +235,7 @@ def _group(
         return group
     metric = group.metric
     for method in methods:
-        method.final = [float(r.metrics[metric.key]) for r in method.finished if r.metrics.get(metric.key) is not None]
-        if len(method.final) > 1 and statistics.stdev(method.final) > 0:
-            from scipy import stats  # here: scipy.stats costs half a second at every start of the command line
-
-            interval = stats.t.interval(CONFIDENCE, len(method.final) - 1, loc=method.final_mean,
-                                        scale=stats.sem(method.final))  # fmt: skip
-            method.final_ci = (float(interval[0]), float(interval[1]))
+        _finals(method, metric)
     candidates = [baseline] if baseline else list(BASELINES)
     chosen = next((m for h in candidates if (m := group.method(h)) is not None and m.final), None)
     if chosen is None:
@@ -280,6 +274,17 @@ def _group(
                 method.time_p = _welch(_reached(method), _reached(fastest_torch))
     group.verdict = verdict(group)
     return group
+
+
+def _finals(method: MethodRuns, metric: Metric) -> None:
+    """The method's final values of ``metric`` over its finished runs, and their confidence interval."""
+    method.final = [float(r.metrics[metric.key]) for r in method.finished if r.metrics.get(metric.key) is not None]
+    if len(method.final) > 1 and statistics.stdev(method.final) > 0:
+        from scipy import stats  # here: scipy.stats costs half a second at every start of the command line
+
+        interval = stats.t.interval(CONFIDENCE, len(method.final) - 1, loc=method.final_mean,
+                                    scale=stats.sem(method.final))  # fmt: skip
+        method.final_ci = (float(interval[0]), float(interval[1]))
 
 
 def time_to_target(evals: Sequence[dict[str, Any]], metric: Metric, target: float) -> float | None:

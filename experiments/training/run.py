@@ -41,11 +41,13 @@ from gradcomp.experiments.training.config import PATH_FIELDS, TrainConfig, add_a
 from gradcomp.experiments.training.loop import Loop
 from gradcomp.experiments.training.metrics import NullWriter, TensorBoardWriter, WireMeter, Writer
 from gradcomp.experiments.training.optim import make_optimizer, make_schedule
-from gradcomp.launch import RankError, spawn
+from gradcomp.launch import RankError, preload, spawn
 from gradcomp.netem import NetemError
 from gradcomp.state import TrainingHookState
 
 logger = logging.getLogger(__name__)
+
+preload(__name__)  # a run's ranks find this module, their target's, imported (gradcomp.launch.preload)
 
 
 def train(rank: int, world: int, config: TrainConfig) -> dict[str, Any] | None:

@@ -249,6 +249,12 @@ class Compressor(ABC):
         """
         return self.decompress(payload, ctx, out=out)
 
+    def state_keys(self) -> list[Key]:
+        """The keys this compressor keeps per-tensor state for that :meth:`take_residual` hands over
+        or forgets (error feedback's); a caller collects every part of a tensor's state from them
+        (:func:`gradcomp.compressors.keys.of_parameter`). None by default."""
+        return []
+
     def take_residual(self, key: Key) -> Tensor | None:
         """Hand over what this compressor has not sent yet of tensor ``key``'s gradients, and forget
         the tensor's feedback state: for a caller that averages ``key`` another way from now on (the

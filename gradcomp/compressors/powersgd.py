@@ -23,6 +23,7 @@ from gradcomp.compressors.base import (
     flat_out,
 )
 from gradcomp.compressors.finite import finite
+from gradcomp.compressors.keys import plain
 from gradcomp.compressors.randomness import Generators
 from gradcomp.compressors.registry import register
 from gradcomp.flat import views
@@ -263,7 +264,7 @@ class PowerSGD(Compressor):
     def state_dict(self) -> dict[str, Any]:
         return {
             "shared": self.shared.state_dict(),
-            "memory": [{"key": key, "q": q} for key, q in self.memory.items()],
+            "memory": [{"key": plain(key), "q": q} for key, q in self.memory.items()],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from gradcomp.compressors.keys import plain
+
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive ranks over the seed space
 
 
@@ -17,8 +19,9 @@ def rank_seed(seed: int, rank: int) -> int:
 
 
 def key_seed(seed: int, key: Hashable) -> int:
-    """A seed for one key's stream: stable across processes and runs (unlike ``hash`` of strings)."""
-    return (seed + zlib.crc32(repr(key).encode()) * _MIX) % (2**63)
+    """A seed for one key's stream: stable across processes and runs (unlike ``hash`` of strings),
+    and the same for a :class:`~gradcomp.compressors.keys.StateKey` as for its plain form."""
+    return (seed + zlib.crc32(repr(plain(key)).encode()) * _MIX) % (2**63)
 
 
 class Generators:
@@ -46,7 +49,9 @@ class Generators:
     def state_dict(self) -> dict[str, Any]:
         return {
             "seed": self.seed,
-            "streams": [{"key": k, "device": d, "state": g.get_state()} for (k, d), g in self._generators.items()],
+            "streams": [
+                {"key": plain(k), "device": d, "state": g.get_state()} for (k, d), g in self._generators.items()
+            ],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

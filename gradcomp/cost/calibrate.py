@@ -185,7 +185,8 @@ def time_bucket(
     copy = bucket.clone()
 
     def run() -> None:
-        engine.reduce(copy, keys, shapes).wait()
+        engine.reduce(copy, keys, shapes, last=True).wait()
+        engine.end_step()
 
     return _slowest_median(run, repeats, 2, functools.partial(copy.copy_, bucket), group)
 

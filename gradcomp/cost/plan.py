@@ -20,6 +20,7 @@ from gradcomp.compressors import Aggregation
 from gradcomp.cost.cluster import ALL_REDUCE, Cluster
 from gradcomp.cost.kernels import KernelCost
 from gradcomp.cost.step import Method, StepPrediction, Workload, predict
+from gradcomp.engine import rules
 
 CANDIDATES = (
     "allreduce",
@@ -63,22 +64,19 @@ def routes(method: Method, cluster: Cluster, torch_hook: bool = False) -> list[t
     found = []
     if method.compressor.capabilities.aggregation is Aggregation.GATHER:
         for route, aggregation in (("all_gather", "gather"), ("two_phase", "two_phase")):
-            try:
-                spec = dataclasses.replace(method.spec, aggregation=aggregation)
-            except ValueError:  # a route the spec refuses (EF21 takes each aggregate once: not two-phase)
-                continue
-            found.append((route, True, dataclasses.replace(method, spec=spec)))
+            spec = rules.derive(method.spec, rules.Surface.DDP, aggregation=aggregation)
+            if spec is not None:  # None: a route the rules refuse (EF21 takes each aggregate once: not two-phase)
+                found.append((route, True, dataclasses.replace(method, spec=spec)))
     else:
         for algo in ALL_REDUCE:
             if algo == "hierarchical" and (cluster.local_size == 1 or cluster.nodes == 1):
                 continue  # the same as the ring there
             found.append((algo, algo in HOOK_ALGORITHMS, dataclasses.replace(method, algo=algo)))
     if cluster.local_size > 1 and cluster.nodes > 1 and method.spec.local_size <= 1:
-        try:  # the hook across nodes: uncompressed inside each, compressed between them
-            spec = dataclasses.replace(method.spec, local_size=cluster.local_size)
-        except ValueError:  # a spec local_size does not combine with (min_numel, vectors, pieces)
-            return found
-        found.append((f"local_size={cluster.local_size}", True, dataclasses.replace(method, spec=spec)))
+        # the hook across nodes: uncompressed inside each, compressed between them
+        spec = rules.derive(method.spec, rules.Surface.DDP, local_size=cluster.local_size)
+        if spec is not None:
+            found.append((f"local_size={cluster.local_size}", True, dataclasses.replace(method, spec=spec)))
     return found
 
 

@@ -30,7 +30,8 @@ from gradcomp.collectives.cost_model import all_reduce_seconds, ring_traffic
 from gradcomp.compressors import Spec, make_compressor, parse_spec
 from gradcomp.cost.cluster import Cluster
 from gradcomp.cost.kernels import KernelCost
-from gradcomp.engine.spec import ALLREDUCE, HookSpec, HookSpecLike, Route
+from gradcomp.engine.plan import BucketPlan, Context, Part, Route, plan_bucket, segments_of
+from gradcomp.engine.spec import HookSpec, HookSpecLike
 
 FIRST_BUCKET_BYTES, BUCKET_BYTES = 1 << 20, 25 << 20
 """DDP's bucket caps (``dist._DEFAULT_FIRST_BUCKET_BYTES`` and ``bucket_cap_mb=25``)."""
@@ -117,8 +118,8 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """A hook as the cost model prices it: its spec (what the engine runs, and the route its payloads
-    take: ``HookSpec.route``, the one rule both share), a label for tables, and the all-reduce
+    """A hook as the cost model prices it: its spec (what the engine runs: the cost model prices the
+    engine's own plan of it, :func:`plan_of`), a label for tables, and the all-reduce
     algorithm its ``sum`` payloads are priced on: the spec's, or in the planner one that no hook runs
     (hierarchical, in-network reduction). :func:`method_of` makes one from a spec."""
 
@@ -135,10 +136,6 @@ class Method:
     def kernel_spec(self) -> str | None:
         """The compressor spec whose kernels this method runs (None: no kernel)."""
         return None if self.compressor is None else str(self.compressor)
-
-    def route(self, world: int) -> Route:
-        """How the payloads travel among ``world`` ranks: as the engine sends them."""
-        return self.spec.route(world)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,41 +194,48 @@ def bucket_cost(
     shapes: Sequence[tuple[int, ...]], method: Method, cluster: Cluster, kernels: Callable[[str], KernelCost]
 ) -> BucketCost:
     """What averaging one bucket of tensors of ``shapes`` costs with ``method`` on ``cluster``: the
-    tensors its spec's per-tensor policy leaves uncompressed priced as their own all-reduce."""
-    p = cluster.ranks
-    if method.compressor is None or p == 1:
+    plan the engine executes (:func:`plan_of`), each of its parts priced by its route."""
+    if method.compressor is None or cluster.ranks == 1:
         return BucketCost()
-    if method.spec.local_size > 1:
-        return _across_nodes(shapes, method, cluster, kernels)
-    if method.spec.keeps_some_dense:
-        dense = [s for s in shapes if method.spec.uncompressed(s)]
-        kept = [s for s in shapes if not method.spec.uncompressed(s)]
-        plain = dataclasses.replace(method, spec=dataclasses.replace(method.spec, min_numel=0, vectors="compressed"))
-        exact = Method(method.label, HookSpec.parse(ALLREDUCE), method.algo)
-        parts = [bucket_cost(kept, plain, cluster, kernels) if kept else BucketCost(),
-                 bucket_cost(dense, exact, cluster, kernels) if dense else BucketCost()]  # fmt: skip
-        return BucketCost(*(sum(getattr(c, f.name) for c in parts) for f in dataclasses.fields(BucketCost)))
-    spec = method.compressor
-    declared = spec.capabilities
-    kernel = kernels(str(spec))
-    route = method.route(p)
-    gather, two_phase = route in (Route.GATHER, Route.TWO_PHASE), route is Route.TWO_PHASE
-    sizes = [math.prod(s) for s in shapes]
-    if declared.elementwise:  # the bucket compresses whole
-        compress_s, decompress_s = kernel.compress(sum(sizes)), kernel.decompress(sum(sizes))
-        rounds = [sum(payload_bytes(str(spec), (n,))[0] for n in sizes)]
-    else:
-        compress_s = sum(kernel.compress(n) for n in sizes)
-        decompress_s = sum(kernel.decompress(n, p if gather and not two_phase else 1) for n in sizes)
-        per_tensor = [payload_bytes(str(spec), tuple(s)) for s in shapes]
-        rounds = [sum(r[i] for r in per_tensor) for i in range(declared.rounds)]
-    if two_phase:  # a compressed reduce-scatter (each rank sums p shards), then an all-gather
+    parts = [part_cost(part, method, cluster, kernels) for part in plan_of(shapes, method, cluster).parts]
+    return BucketCost(*(sum(getattr(c, f.name) for c in parts) for f in dataclasses.fields(BucketCost)))
+
+
+def plan_of(shapes: Sequence[tuple[int, ...]], method: Method, cluster: Cluster) -> BucketPlan:
+    """The plan the engine runs for a bucket of tensors of ``shapes`` (keyed by their index), past
+    the warm-up, on ``cluster``'s ranks."""
+    spec = method.spec
+    if spec.local_size > 1 and cluster.ranks % spec.local_size:
+        raise ValueError(f"local_size={spec.local_size} does not divide the cluster's {cluster.ranks} ranks")
+    sizes = [torch.Size(s) for s in shapes]
+    segments = segments_of(spec, sum(math.prod(s) for s in sizes), list(range(len(sizes))), sizes)
+    return plan_bucket(spec, Context(cluster.ranks), spec.warmup, segments)
+
+
+def part_cost(part: Part, method: Method, cluster: Cluster, kernels: Callable[[str], KernelCost]) -> BucketCost:
+    """One part of a bucket's plan on ``cluster``, by its route: the per-tensor policy's uncompressed
+    tensors as their own all-reduce, the compressed ones by the spec's route, across nodes around
+    the route on this rank's shard."""
+    if part.route is Route.NONE:
+        return BucketCost()
+    if part.route is Route.NODES:
+        return _across_nodes(part, method, cluster, kernels)
+    spec = parse_spec("none") if part.route is Route.DENSE else method.compressor
+    assert spec is not None
+    kernel, rounds = kernels(str(spec)), _payload_rounds(spec, part)
+    # an uncompressed part travels as one flat buffer: priced whole, as the all-reduce hook's bucket
+    sizes = [part.numel] if part.route is Route.DENSE else [s.numel for s in part.segments]
+    p = cluster.ranks
+    gather = part.route in (Route.GATHER, Route.TWO_PHASE)
+    compress_s = sum(kernel.compress(n) for n in sizes)
+    decompress_s = sum(kernel.decompress(n, p if part.route is Route.GATHER else 1) for n in sizes)
+    if part.route is Route.TWO_PHASE:  # a compressed reduce-scatter (each rank sums p shards), then an all-gather
         compress_s += sum(kernel.compress(n / p) for n in sizes)
         decompress_s = sum(kernel.decompress(n / p, p) * 2 for n in sizes)
     if not gather:
         seconds = sum(cluster.all_reduce(method.algo, b) for b in rounds)
         sent = sum(cluster.all_reduce_bytes(method.algo, b) for b in rounds)
-    elif two_phase:
+    elif part.route is Route.TWO_PHASE:
         seconds = cluster.all_to_all(rounds[0]) + cluster.all_gather(rounds[0] / p)
         sent = rounds[0] * (p - 1) / p * 2
     else:
@@ -239,24 +243,33 @@ def bucket_cost(
         sent = rounds[0] * (p - 1)
     # the later rounds' compute runs between the collectives; the engine's overhead (measured in
     # calibration) delays the bucket's landing
-    link = seconds + _later_rounds(kernel, sizes, declared.rounds) + kernel.overhead(sum(sizes))
+    link = seconds + _later_rounds(kernel, sizes, len(rounds)) + kernel.overhead(sum(sizes))
     return BucketCost(compress_s, decompress_s, seconds, link, sum(rounds), sent)
 
 
-def _across_nodes(
-    shapes: Sequence[tuple[int, ...]], method: Method, cluster: Cluster, kernels: Callable[[str], KernelCost]
-) -> BucketCost:
-    """A hierarchical hook (``local_size`` = L, :mod:`gradcomp.engine.hierarchical`): the node's ring
-    reduce-scatter and all-gather of the bucket on the link inside a node, around the spec's route
-    among the local rank j of every node on each tensor's j-th piece of rows (every local rank at
-    once, each on its own path across, as :class:`Cluster` has it). The engine's executor runs it
-    after the bucket is handed over; the shard's compression and decompression take the rank's
-    compute as the flat hook's do (on a CPU the executor shares backward's core, on a GPU its SMs),
-    so they are priced on backward's clock, the collectives on the link's."""
+def _payload_rounds(spec: Spec, part: Part) -> list[float]:
+    """The part's payload bytes per round: each segment's, by a real compression of one of its shape
+    (:func:`payload_bytes`); a run of an element-wise compressor's elements as that many single
+    elements (its payload is the concatenation of theirs)."""
+    text = str(spec)
+    per_segment = [
+        tuple(s.numel * b for b in payload_bytes(text, (1,))) if s.key is None else payload_bytes(text, tuple(s.shape))
+        for s in part.segments
+    ]
+    return [float(sum(r[i] for r in per_segment)) for i in range(len(per_segment[0]))] if per_segment else [0.0]
+
+
+def _across_nodes(part: Part, method: Method, cluster: Cluster, kernels: Callable[[str], KernelCost]) -> BucketCost:
+    """A part across nodes (``local_size`` = L, :mod:`gradcomp.engine.hierarchical`): the node's ring
+    reduce-scatter and all-gather of the part on the link inside a node, around the spec's route
+    among the local rank j of every node on each tensor's j-th piece of rows (its plan's inner part:
+    every local rank at once, each on its own path across, as :class:`Cluster` has it). The engine's
+    executor runs it after the bucket is handed over; the shard's compression and decompression take
+    the rank's compute as the flat hook's do (on a CPU the executor shares backward's core, on a GPU
+    its SMs), so they are priced on backward's clock, the collectives on the link's."""
+    assert part.inner is not None
     local = method.spec.local_size
-    if cluster.ranks % local:
-        raise ValueError(f"local_size={local} does not divide the cluster's {cluster.ranks} ranks")
-    n_bytes = sum(math.prod(s) for s in shapes) * 4
+    n_bytes = part.numel * 4
     inside = all_reduce_seconds("ring", n_bytes, local, cluster.inside)  # a reduce-scatter and an all-gather
     # every local rank crosses at once: on a shared uplink each has 1 / L of it, the backend's
     # collectives' fits too
@@ -264,9 +277,7 @@ def _across_nodes(
                               for fit in (cluster.native_all_reduce, cluster.native_all_gather))  # fmt: skip
     across = Cluster(cluster.ranks // local, cluster.crossing(local), native_all_reduce=reduce_fit,
                      native_all_gather=gather_fit)  # fmt: skip
-    pieces = [(-(-s[0] // local), *s[1:]) if s else (1,) for s in shapes]
-    flat = dataclasses.replace(method, spec=dataclasses.replace(method.spec, local_size=0))
-    shard = bucket_cost(pieces, flat, across, kernels)
+    shard = part_cost(part.inner, method, across, kernels)
     sent = shard.sent + ring_traffic(local) * n_bytes
     return BucketCost(shard.compress, shard.decompress, inside + shard.communicate, inside + shard.link,
                       shard.payload, sent)  # fmt: skip

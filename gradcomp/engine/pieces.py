@@ -23,6 +23,8 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from gradcomp.compressors.keys import StateKey
+
 PIECE_MIN = 1 << 18
 """Elements a piece holds at least (256K): below, a part's fixed costs (kernel launches, a
 collective's latency) outweigh what overlapping it saves."""
@@ -33,7 +35,8 @@ def cut(
 ) -> tuple[list[Hashable], list[torch.Size]]:
     """The tensors of ``shapes`` with each large one cut along its first dimension into up to
     ``pieces`` pieces of about :data:`PIECE_MIN` (and ``smallest``) elements or more, each a multiple
-    of ``multiple`` elements but the last; piece i of the tensor keyed ``k`` is keyed ``(k, "piece", i)``.
+    of ``multiple`` elements but the last; piece i of the tensor keyed ``k`` is keyed
+    ``StateKey.of(k).of_piece(i)``.
     The pieces are views of the same memory, in order: the buffer does not move."""
     out_keys: list[Hashable] = []
     out_shapes: list[torch.Size] = []
@@ -44,7 +47,7 @@ def cut(
             out_shapes.append(shape)
             continue
         for i, start in enumerate(range(0, shape[0], rows)):
-            out_keys.append((key, "piece", i))
+            out_keys.append(StateKey.of(key).of_piece(i))
             out_shapes.append(torch.Size((min(rows, shape[0] - start), *shape[1:])))
     return out_keys, out_shapes
 

@@ -1,47 +1,31 @@
-"""The per-bucket pipeline: (error feedback) -> compress -> communicate -> decompress -> average.
+"""The engine: a bucket's plan, executed. ``Engine.reduce(buffer, keys, shapes)`` averages a bucket
+(the concatenation of several tensors) over a group in place, asynchronously, compressed.
 
-One :class:`Engine` per process group and compressor spec. ``reduce(buffer, keys, shapes)``
-averages a bucket (the concatenation of several tensors) over the group in place, asynchronously,
-on the collectives' ordered executor, so every round of every bucket runs in the same order on
-every rank and nothing communicates from a backend's callback thread (rule "one ordered path",
-``docs/architecture.md``).
+One :class:`Engine` per process group and hook spec. For each bucket it takes the plan
+(:func:`gradcomp.engine.plan.plan_bucket`: which tensors go which way, at which ratio, and why) and
+runs it, send by send, part by part (:mod:`gradcomp.engine.routes`): each part is compressed in the
+caller's thread (DDP's backward) and communicated on the collectives' ordered executor, so that one
+bucket's compression overlaps the previous one's communication, every round of every bucket runs
+in the same order on every rank, and nothing communicates from a backend's callback thread (rule
+"one ordered path", ``docs/architecture.md``). What the plan decides, and why:
 
 - **Each tensor is compressed on its own**, with its own key: its state (error-feedback residual,
   PowerSGD memory, random streams) follows the tensor, not the bucket, so results do not depend on
   how DDP groups tensors into buckets, which changes after DDP's first iteration and again when a
-  run resumes (rule "state per tensor"), and top-k or quantization act per layer. Stateless
-  element-by-element compressors (the casts) compress the whole bucket into one payload.
-- **Communication is per bucket**: ``sum`` payloads of all the bucket's tensors are concatenated by
-  dtype and all-reduced at once (``algo``: native or any gradcomp algorithm; every round of a
-  multi-round compressor); ``gather`` payloads are packed into one byte buffer, with a header of
-  their shapes, and all-gathered (on ``algo=native`` in one of the backend's all-gathers, padded to
-  a capacity learned per bucket: :func:`gradcomp.engine.transport.all_gather_padded`), then
-  ``decompress_sum`` adds every rank's contribution in rank order.
+  run resumes (rule "state per tensor"). Stateless element-wise compressors (the casts) compress
+  runs of the bucket whole.
+- **Communication is per part**: ``sum`` payloads concatenated by dtype and all-reduced at once;
+  ``gather`` payloads packed into one byte buffer and all-gathered, then summed in rank order.
 - The bucket is divided by the world size *before* compression, so that low-precision sums cannot
-  overflow (rule "divide before sum") and the average is taken exactly once
-  (``Compressor.compress_divided``, which error feedback fuses with its add).
-- Compression runs in the caller's thread (DDP's backward), communication on the executor, so one
-  bucket's compression overlaps the previous one's communication. A final round on the backend's
-  all-reduce is issued and left in flight: the executor moves on to the next bucket's collectives,
-  and the decompression runs on the backend's completion thread when the sum lands (it issues
-  nothing, so the order of collectives stays the same on every rank). A single-round one is issued
-  in the caller's thread when nothing is queued, as torch's own hooks issue theirs; an uncompressed
-  bucket then goes straight to the backend's asynchronous all-reduce.
-- A per-tensor policy (``HookSpec.min_numel``, ``HookSpec.vectors``) sends the tensors it picks
-  uncompressed, each rank's share of one all-reduce per bucket (a warm-up step's, bitwise the
-  all-reduce hook's average), beside the others' route; their bytes are counted apart
-  (``BucketRecord.uncompressed_bytes``).
-- With ``HookSpec.local_size`` the route runs across nodes: uncompressed inside each node,
-  compressed between them (:mod:`gradcomp.engine.hierarchical`).
-- With ``HookSpec.pieces`` the step's last bucket travels in parts, each compressed while the one
-  before it is sent, and large tensors are compressed as pieces of their rows in every bucket
-  (:mod:`gradcomp.engine.pieces`).
+  overflow (rule "divide before sum") and the average is taken exactly once.
+- ``HookSpec.min_numel`` and ``HookSpec.vectors`` send the tensors they pick uncompressed, each
+  rank's share of one all-reduce (a warm-up step's, bitwise the all-reduce hook's average), their
+  bytes counted apart (``BucketRecord.uncompressed_bytes``); ``HookSpec.local_size`` runs the route
+  across nodes; ``HookSpec.pieces`` sends the step's last bucket in pieces; ``HookSpec.warmup`` sends
+  the first steps uncompressed, or at a falling keep-ratio.
+- **One step clock**: :attr:`Engine.steps_done` counts the steps a caller ended (:meth:`Engine.end_step`,
+  the same way for every hook), numbers the records and drives the warm-up; it is saved.
 - The first call checks that every rank uses the same spec, and fails with every rank's spec named.
-- A warm-up (``HookSpec.warmup``) sends the first steps uncompressed, as the all-reduce hook does
-  (error feedback's momentum correction and clipping still apply: :meth:`Compressor.dense_share`),
-  or, for ratio-based sparsifiers, compressed at a ratio that falls exponentially to theirs (and
-  uncompressed while that ratio would cost as many bytes: ``Capabilities.dense_from``). Steps
-  are counted where buckets are compressed, and the count is part of :meth:`Engine.state_dict`.
 - The engine communicates on gradcomp's own process group, with the same ranks (one per parent group
   and timeout, shared by every engine), so that DDP's own collectives never interleave with it.
 """
@@ -50,8 +34,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import itertools
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -62,28 +44,24 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradcomp import collectives
+from gradcomp import collectives, host
 from gradcomp.collectives.executor import Handle, executor
 from gradcomp.collectives.groups import as_timeout, private
 from gradcomp.collectives.hierarchical import subgroups
 from gradcomp.collectives.link import Traffic
 from gradcomp.compressors import Compressor, Key, make_compressor
-from gradcomp.engine import hierarchical, pieces
-from gradcomp.engine.routes import BucketWork, DenseRoute, GatherRoute, RouteSteps, SumRoute, TwoPhaseRoute
-from gradcomp.engine.spec import TWO_PHASE_FROM, HookSpec, HookSpecLike, Route
+from gradcomp.compressors.keys import plain
+from gradcomp.engine import handover, hierarchical
+from gradcomp.engine.plan import BucketPlan, Context, Route, Send, needs_tensors, plan_bucket, segments_of
+from gradcomp.engine.routes import DenseRoute, GatherRoute, NodesRoute, RouteSteps, SumRoute, TwoPhaseRoute
+from gradcomp.engine.spec import TWO_PHASE_FROM, HookSpec, HookSpecLike
 from gradcomp.engine.stats import BucketRecord
-from gradcomp.engine.warmup import Warmup, WarmupStep
 from gradcomp.errors import PeerError, SpecMismatchError
-from gradcomp.flat import numel, views
 
 __all__ = ["TWO_PHASE_FROM", "Engine", "check_same_spec"]
 
-_ROUTES: dict[Route, type[SumRoute | GatherRoute | TwoPhaseRoute]] = {
-    Route.SUM: SumRoute,
-    Route.GATHER: GatherRoute,
-    Route.TWO_PHASE: TwoPhaseRoute,
-}
-
+Landed = tuple[Tensor, Traffic | None]
+"""What a bucket's future holds once it landed: the averaged buffer (and no traffic of its own)."""
 
 class Engine:
     """Averages buckets of tensors over a process group through one compressor.
@@ -124,33 +102,62 @@ class Engine:
         # DDP's group they would interleave with the engine's differently on each rank (gloo aborts
         # with "Received data size doesn't match expected size").
         self.group = private(group, timeout)
-        self.route: RouteSteps = self._route()
-        """How the spec's payloads travel (:mod:`gradcomp.engine.routes`; across nodes,
-        :mod:`gradcomp.engine.hierarchical`)."""
-        exact = make_compressor("none")
-        self._dense = DenseRoute(self.compressor, self.group, self.spec.algo, exact)
-        # The per-tensor policy's uncompressed tensors: each rank's share as a warm-up step's (EF21
-        # keeps no state for a tensor it never compresses: a plain share).
-        ef21 = self.spec.compressor.feedback.variant == "ef21"
-        self._uncompressed = DenseRoute(exact if ef21 else self.compressor, self.group, self.spec.algo, exact)
-        self._scratches: dict[tuple[Key, ...], Tensor] = {}
-        self._splits: dict[tuple[Key, ...], list[bool]] = {}  # per bucket: which tensors travel uncompressed
-        self.warmup = Warmup(self.spec, self.compressor)
+        self.local_rank = 0
+        """This rank's index in its node (``local_size``), else 0."""
+        self.routes: dict[Route, RouteSteps] = self._routes()
+        """The routes that execute the plans' parts (:mod:`gradcomp.engine.routes`)."""
         self.records: collections.deque[BucketRecord] = collections.deque(maxlen=history)
         self.steps_done = 0
         """The engine's one step clock: steps ended in the whole run, resumed ones included (saved).
         The step the next bucket belongs to: the warm-up reads it, the records are numbered by it."""
+        self._plans: dict[tuple[Any, ...], BucketPlan] = {}  # past the warm-up, a bucket's plan stays
         self._checked = False
 
-    def _route(self) -> RouteSteps:
-        """The spec's route over the group, or with ``local_size`` across nodes inside a hierarchy."""
+    def _routes(self) -> dict[Route, RouteSteps]:
+        """Every route over the group, and with ``local_size`` across nodes inside a hierarchy."""
+        exact = make_compressor("none")
+        # EF21 keeps no state for a tensor it never compresses: its uncompressed share is a plain one
+        shares = exact if self.spec.compressor and self.spec.compressor.feedback.variant == "ef21" else self.compressor
+        routes: dict[Route, RouteSteps] = {Route.DENSE: DenseRoute(shares, self.group, self.spec.algo, exact)}
+        routes.update(self._compressed(self.group))
         local = self.spec.local_size
-        if local <= 1:
-            return _ROUTES[self.spec.route(self.world)](self.compressor, self.group, self.spec.algo)
-        hierarchical.check_local_size(local, self.world)
-        intra, inter = subgroups(self.group, local)
-        inner = _ROUTES[self.spec.route(self.world // local)](self.compressor, inter, self.spec.algo)
-        return hierarchical.HierarchicalRoute(inner, intra, local, self.compressor.capabilities.elementwise)
+        if local > 1:
+            hierarchical.check_local_size(local, self.world)
+            intra, inter = subgroups(self.group, local)
+            self.local_rank = dist.get_rank(intra)
+            routes[Route.NODES] = NodesRoute(self._compressed(inter), intra, local)
+        return routes
+
+    def _compressed(self, group: dist.ProcessGroup) -> dict[Route, RouteSteps]:
+        algo = self.spec.algo
+        return {
+            Route.SUM: SumRoute(self.compressor, group, algo),
+            Route.GATHER: GatherRoute(self.compressor, group, algo),
+            Route.TWO_PHASE: TwoPhaseRoute(self.compressor, group, algo),
+        }
+
+    def plan(
+        self,
+        numel: int,
+        keys: Sequence[Key] | None,
+        shapes: Sequence[torch.Size] | None,
+        bucket: int = 0,
+        last: bool = False,
+        accelerator: bool = False,
+    ) -> BucketPlan:
+        """The plan of a bucket at the engine's current step (:func:`gradcomp.engine.plan.plan_bucket`),
+        kept per bucket once the warm-up is over (it no longer changes)."""
+        settled = self.steps_done >= self.spec.warmup
+        memo = (None if keys is None else tuple(keys), numel, bucket, last, accelerator)
+        held = self._plans.get(memo) if settled else None
+        if held is not None:
+            return held
+        segments = segments_of(self.spec, numel, keys, shapes)
+        context = Context(self.world, self.local_rank, accelerator)
+        made = plan_bucket(self.spec, context, self.steps_done, segments, bucket, last)
+        if settled:
+            self._plans[memo] = made
+        return made
 
     def reduce(
         self,
@@ -158,147 +165,59 @@ class Engine:
         keys: Sequence[Key] | None,
         shapes: Sequence[torch.Size] | None,
         bucket: int = 0,
-        last: bool = True,
+        last: bool = False,
     ) -> Handle[Tensor]:
         """Replace ``buffer`` by its average over the group, compressed; returns at once.
 
         ``buffer`` is flat and contiguous and concatenates tensors of ``shapes``; ``keys`` identify
         them across steps (their state is kept per key). Both may be None when :attr:`per_tensor`
         is False. ``bucket`` numbers the buffer within the step; ``last`` says it is the step's last
-        bucket (it may travel in pieces) and ends the step (:meth:`end_step`) once handed over: a
-        caller that learns where a step ends only later passes False and calls :meth:`end_step`.
+        bucket (it may travel in pieces). The step goes on until the caller ends it (:meth:`end_step`).
         """
-        work = self._work(buffer, keys, shapes, bucket)
-        plan = self.warmup.at(self.steps_done)
-        parts = self._parts(work) if last and self.spec.pieces > 1 and not plan.dense else [work]
-        # each part compressed here, in the caller's thread, while the one before it travels
-        landings = [self._send(part, plan) for part in parts]
-        if last:
-            self.end_step()
-        if len(landings) == 1:
-            return Handle(landings[0])
-        done: Future[tuple[Tensor, Traffic | None]] = Future()
-        _when_all(landings, lambda error: done.set_exception(error) if error else done.set_result((buffer, None)))
-        return Handle(done)
-
-    def end_step(self) -> None:
-        """End the step: the clock (:attr:`steps_done`) moves on. ``reduce(..., last=True)`` calls
-        it; a caller that learns where a step ends only once its buckets are handed over (HSDP's
-        all-reduce hook, at the end of backward; the ``auto`` hook, for every candidate's engine,
-        whether it averaged anything this step or not) passes ``last=False`` and calls it then."""
-        self.steps_done += 1
-
-    def _send(self, work: BucketWork, plan: WarmupStep) -> Future[tuple[Tensor, Traffic | None]]:
-        """Compress ``work`` here, in the caller's thread (it overlaps the previous bucket's
-        communication), and queue its communication on the ordered executor."""
-        work.ratio, work.settled = plan.ratio, plan.settled
-        sends: list[tuple[RouteSteps, BucketWork]] = [(self._dense, work)] if plan.dense else self._by_policy(work)
-        for route, part in sends:
-            route.prepare(part)
-        done: Future[tuple[Tensor, Traffic | None]] = Future()
-
-        def operation() -> tuple[None, None]:  # on the ordered executor
-            try:
-                work.record.started = time.perf_counter()
-                self._check_spec(work.buffer.device)
-                landings = [route.send(part) for route, part in sends]
-            except BaseException as error:  # reaches whoever waits on the handle
-                done.set_exception(error)
-                return None, None
-            _when_all([f for f in landings if f is not None], lambda error: self._close(work, sends, done, error))
-            return None, None
-
-        issues_only = self._checked and all(route.issues_only for route, _ in sends)
-        executor().submit(operation, issues_only=issues_only)
-        return done
-
-    def _parts(self, work: BucketWork) -> list[BucketWork]:
-        """The step's last bucket in up to ``spec.pieces`` parts of whole tensors or pieces (cut in
-        :meth:`_work`), or of the buffer when it travels whole (:mod:`gradcomp.engine.pieces`), each
-        with its own record (numbered ``part``) handed over when the bucket was."""
-        if not work.shapes:
-            multiple = self.spec.compressor.capabilities.piece_multiple if self.spec.compressor else 1
-            cuts = pieces.spans(work.buffer.numel(), self.spec.pieces, multiple)
-            groups: list[tuple[int, int, list[Key], list[torch.Size]]] = [(start, stop, [], []) for start, stop in cuts]
-        else:
-            sizes = [math.prod(shape) for shape in work.shapes]
-            starts = [0, *itertools.accumulate(sizes)]
-            groups = [
-                (starts[g.start], starts[g.stop], work.keys[g.start : g.stop], work.shapes[g.start : g.stop])
-                for g in pieces.parts(sizes, self.spec.pieces)
-            ]
-        if len(groups) < 2:
-            return [work]
-        record, size = work.record, work.buffer.element_size()
-        return [
-            BucketWork(
-                work.buffer[start:stop],
-                list(keys),
-                list(shapes),
-                BucketRecord(record.step, record.bucket, (stop - start) * size, record.queued, part=index),
-            )
-            for index, (start, stop, keys, shapes) in enumerate(groups)
-        ]
-
-    def _by_policy(self, work: BucketWork) -> list[tuple[RouteSteps, BucketWork]]:
-        """The bucket's tensors by the spec's per-tensor policy: those it sends uncompressed (copied
-        together into a buffer kept per bucket) to their share of an all-reduce, the others through the
-        spec's route, in place."""
-        if not self.spec.keeps_some_dense or not work.shapes:
-            return [(self.route, work)]
-        bucket = tuple(work.keys)
-        dense = self._splits.get(bucket)
-        if dense is None:  # a bucket's tensors stay what they are: decided once per bucket
-            dense = self._splits[bucket] = [self.spec.uncompressed(shape) for shape in work.shapes]
-        if not any(dense):
-            return [(self.route, work)]
-        work.record.uncompressed_bytes = work.buffer.element_size() * numel(
-            [s for s, d in zip(work.shapes, dense, strict=True) if d]
-        )
-        if all(dense):
-            return [(self._uncompressed, work)]
-        parts = views(work.buffer, work.shapes)
-        kept = [i for i, d in enumerate(dense) if not d]
-        left = [i for i, d in enumerate(dense) if d]
-        compressed = BucketWork(work.buffer, [work.keys[i] for i in kept], [work.shapes[i] for i in kept],
-                                work.record, work.ratio, work.settled, parts=[parts[i] for i in kept])  # fmt: skip
-        shapes = [work.shapes[i] for i in left]
-        scratch = self._scratch(bucket, numel(shapes), work.buffer)
-        torch.cat([parts[i].reshape(-1) for i in left], out=scratch)
-        uncompressed = BucketWork(scratch, [work.keys[i] for i in left], shapes, work.record)
-        uncompressed.landing = [parts[i] for i in left]
-        return [(self.route, compressed), (self._uncompressed, uncompressed)]
-
-    def _scratch(self, bucket: tuple[Key, ...], size: int, like: Tensor) -> Tensor:
-        """The buffer of a bucket's uncompressed tensors, kept for the next steps (DDP waits for every
-        bucket before the next backward, so a step's buffer is free when the next one needs it)."""
-        held = self._scratches.get(bucket)
-        if held is None or held.numel() != size or held.dtype != like.dtype or held.device != like.device:
-            held = self._scratches[bucket] = torch.empty(size, dtype=like.dtype, device=like.device)
-        return held
-
-    def _work(
-        self, buffer: Tensor, keys: Sequence[Key] | None, shapes: Sequence[torch.Size] | None, bucket: int
-    ) -> BucketWork:
-        """The bucket as the routes take it, its input checked, its record started."""
         if not buffer.is_floating_point():
             raise TypeError(f"gradients must be floating-point, got {buffer.dtype}")
         if buffer.dim() != 1 or not buffer.is_contiguous():
             raise ValueError("the engine reduces flat, contiguous buffers (a DDP bucket's)")
-        record = BucketRecord(self.steps_done, bucket, buffer.numel() * buffer.element_size(), time.perf_counter())
-        if not self.per_tensor:  # the bucket travels whole: its tensors are not needed
-            return BucketWork(buffer, [], [], record)
-        if keys is None or shapes is None:
-            raise ValueError(f"{self.spec} needs the keys and shapes of the bucket's tensors")
-        if len(keys) != len(shapes) or numel(shapes) != buffer.numel():
-            raise ValueError(
-                f"{len(keys)} keys and shapes holding {numel(shapes)} elements "
-                f"do not describe a buffer of {buffer.numel()}"
-            )
-        if self.spec.pieces > 1 and self.spec.compressor is not None:  # in every bucket: rule "state per tensor"
-            multiple = self.spec.compressor.capabilities.piece_multiple
-            keys, shapes = pieces.cut(keys, shapes, self.spec.pieces, multiple, self.spec.min_numel)
-        return BucketWork(buffer, list(keys), list(shapes), record)
+        plan = self.plan(buffer.numel(), keys, shapes, bucket, last, not host.reads_are_free(buffer.device))
+        queued = time.perf_counter()
+        # each send compressed here, in the caller's thread, while the one before it travels
+        landings = [self._send(buffer, plan, send, queued) for send in plan.sends]
+        if len(landings) == 1:
+            return Handle(landings[0])
+        done: Future[Landed] = Future()
+        _when_all(landings, lambda error: done.set_exception(error) if error else done.set_result((buffer, None)))
+        return Handle(done)
+
+    def end_step(self) -> None:
+        """End the step: the clock (:attr:`steps_done`) moves on. Every caller ends its steps so,
+        once it handed over the step's last bucket (DDP's hook, and HSDP's at the end of backward;
+        the ``auto`` hook for every candidate's engine, whether it averaged anything this step or
+        not; a synchronizer after each synchronization)."""
+        self.steps_done += 1
+
+    def _send(self, buffer: Tensor, plan: BucketPlan, send: Send, queued: float) -> Future[Landed]:
+        """Compress ``send``'s parts here, in the caller's thread (it overlaps the previous bucket's
+        communication), and queue their communication on the ordered executor."""
+        size = buffer.element_size()
+        record = BucketRecord(self.steps_done, plan.bucket, (send.stop - send.start) * size, queued, part=send.piece)
+        record.uncompressed_bytes = send.uncompressed * size
+        routes = [self.routes[part.route] for part in send.parts]
+        prepared = [route.prepare(part, buffer, record) for route, part in zip(routes, send.parts, strict=True)]
+        done: Future[Landed] = Future()
+
+        def operation() -> tuple[None, None]:  # on the ordered executor
+            try:
+                record.started = time.perf_counter()
+                self._check_spec(buffer.device)
+                landings = [route.send(p) for route, p in zip(routes, prepared, strict=True)]
+            except BaseException as error:  # reaches whoever waits on the handle
+                done.set_exception(error)
+                return None, None
+            _when_all([f for f in landings if f is not None], lambda error: self._close(buffer, record, done, error))
+            return None, None
+
+        executor().submit(operation, issues_only=self._checked and all(route.issues_only for route in routes))
+        return done
 
     def _check_spec(self, device: torch.device) -> None:
         """At the first bucket: every rank was given the same spec."""
@@ -308,43 +227,57 @@ class Engine:
 
     def _close(
         self,
-        work: BucketWork,
-        sends: list[tuple[RouteSteps, BucketWork]],
-        done: Future[tuple[Tensor, Traffic | None]],
+        buffer: Tensor,
+        record: BucketRecord,
+        done: Future[Landed],
         error: BaseException | None = None,
     ) -> None:
-        """Hand the bucket back (or its error), its uncompressed tensors copied home, its record closed."""
+        """Hand the bucket back (or its error), its record closed."""
         if error is not None:
             done.set_exception(error)
             return
-        for _, part in sends:
-            if part.landing:
-                for home, averaged in zip(part.landing, views(part.buffer, part.shapes), strict=True):
-                    home.copy_(averaged)
-        work.record.finished = time.perf_counter()
-        self.records.append(work.record)
-        done.set_result((work.buffer, None))
+        record.finished = time.perf_counter()
+        self.records.append(record)
+        done.set_result((buffer, None))
+
+    @property
+    def cuts(self) -> handover.Cuts:
+        """How the engine cuts a tensor before compressing it (pieces, node shards, two-phase shards)."""
+        local = max(self.spec.local_size, 1)
+        multiple = self.spec.compressor.capabilities.piece_multiple if self.spec.compressor else 1
+        return handover.Cuts(self.spec.pieces, multiple, self.spec.min_numel, local, self.world // local)
+
+    def take_residual(self, parameter: Key, shape: torch.Size) -> Tensor | None:
+        """What the engine has not sent yet of tensor ``parameter`` (its key as the caller gave it)
+        of ``shape``, every part of it in its place, and every state of the tensor forgotten: for a
+        caller that averages the tensor another way from now on (:mod:`gradcomp.engine.handover`)."""
+        return handover.take_residual(self.compressor, self.cuts, parameter, shape)
 
     def state_dict(self) -> dict[str, Any]:
         """What the engine learned about its transfers, the padded all-gather's capacity per bucket,
-        and the steps it compressed (the warm-up's clock), as plain values. Saved with the
-        compressor's state, a resumed run sends exactly what the run straight through sends, without
-        re-learning the capacities, and continues a warm-up where it stopped."""
-        held = self.route.capacities if isinstance(self.route, GatherRoute) else {}
-        capacities = [{"keys": list(keys), "bytes": size} for keys, size in held.items()]
+        and its step clock, as plain values. Saved with the compressor's state, a resumed run sends
+        exactly what the run straight through sends, without re-learning the capacities, and
+        continues a warm-up where it stopped."""
+        held = self._gather_route.capacities
+        capacities = [{"keys": [plain(k) for k in keys], "bytes": size} for keys, size in held.items()]
         return {"capacities": capacities, "steps": self.steps_done}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if isinstance(self.route, GatherRoute):
-            self.route.capacities = {tuple(entry["keys"]): int(entry["bytes"]) for entry in state["capacities"]}
+        self._gather_route.capacities = {tuple(entry["keys"]): int(entry["bytes"]) for entry in state["capacities"]}
         self.steps_done = int(state.get("steps", 0))  # states saved before warm-ups counted none
+
+    @property
+    def _gather_route(self) -> GatherRoute:
+        route = self.routes[Route.GATHER]
+        assert isinstance(route, GatherRoute)
+        return route
 
     @property
     def per_tensor(self) -> bool:
         """Whether :meth:`reduce` needs the bucket's keys and shapes: not for an element-wise,
         stateless compressor (``allreduce``, the casts), which compresses the bucket whole, so that
         a hook need not list its parameters, unless a per-tensor policy picks tensors out of it."""
-        return not self.compressor.capabilities.elementwise or self.spec.keeps_some_dense
+        return needs_tensors(self.spec)
 
 
 def check_same_spec(spec: str, group: dist.ProcessGroup, device: torch.device) -> None:

@@ -26,9 +26,10 @@ Only the second hop crosses nodes: N - 1 compressed shards per rank where one ho
 fewer bytes on the slow links), at the price of a second compression error, which error feedback,
 when on, corrects too.
 
-State is keyed per ``(key, destination)`` (``((key, "intra"), k)`` and ``((key, "inter"), m)`` in two
-hops): error feedback follows the data, every destination keeps its residual from step to step. Each
-output shard is computed on its owner only, in a fixed order: the same whatever the timing.
+State is keyed per destination (``StateKey.of_shard(j)``; in two hops ``of_hop("intra").of_shard(k)``
+and ``of_hop("inter").of_shard(m)``): error feedback follows the data, every destination keeps its
+residual from step to step. Each output shard is computed on its owner only, in a fixed order: the
+same whatever the timing.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch
 from torch import Tensor
 
 from gradcomp.compressors import Aggregation, Compressor, Key, Meta, Payload
+from gradcomp.compressors.keys import StateKey
 from gradcomp.engine import transport
 
 Phases = Callable[[str], AbstractContextManager[None]]
@@ -96,8 +98,9 @@ def reduce_scatter_two_hop(
     with phases("compress"):
         by_local = flat.view(nodes, local_size, n).transpose(0, 1).contiguous().view(local_size, nodes * n)
     partial = torch.empty(nodes * n, dtype=_accumulator(flat.dtype), device=flat.device)
-    produced = reduce_scatter(compressor, by_local, divisor, (key, "intra"), intra, partial, phases)
-    return produced + reduce_scatter(compressor, partial.view(nodes, n), 1, (key, "inter"), inter, out, phases)
+    across = partial.view(nodes, n)
+    produced = reduce_scatter(compressor, by_local, divisor, StateKey.of(key).of_hop("intra"), intra, partial, phases)
+    return produced + reduce_scatter(compressor, across, 1, StateKey.of(key).of_hop("inter"), inter, out, phases)
 
 
 def _gathered(
@@ -112,7 +115,8 @@ def _gathered(
     rank, world = exchange.rank, exchange.world
     with phases("compress"):
         outgoing: list[list[Payload] | None] = [
-            None if j == rank else [_compress(compressor, parts[j], divisor, (key, j))[0]] for j in range(world)
+            None if j == rank else [_compress(compressor, parts[j], divisor, StateKey.of(key).of_shard(j))[0]]
+            for j in range(world)
         ]
     with phases("communicate"):
         received = transport.all_to_all_payloads(outgoing, parts.device, exchange)
@@ -164,7 +168,7 @@ def _summable(
     if compressor.capabilities.elementwise:  # stateless, element by element: all shards in one payload, no copy
         payload, _ = _compress(compressor, parts.view(-1), divisor, key)
         return [payload], [t.reshape(-1) for t in payload], Meta(torch.Size([n]), parts.dtype, n)
-    states = [_compress(compressor, parts[j], divisor, (key, j)) for j in range(world)]
+    states = [_compress(compressor, parts[j], divisor, StateKey.of(key).of_shard(j)) for j in range(world)]
     payloads = [payload for payload, _ in states]
     if len({tuple((t.shape, t.dtype) for t in payload) for payload in payloads}) > 1:
         raise ValueError(f"{compressor.name} gave payloads of different shapes for equal shards: cannot sum them")

@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import datetime
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,7 +37,8 @@ from gradcomp.collectives import hierarchical
 from gradcomp.collectives.executor import executor
 from gradcomp.collectives.groups import as_timeout, private
 from gradcomp.compressors import REGISTRY, Compressor, Key, Meta, Spec, make_compressor
-from gradcomp.engine import reduce_scatter, transport
+from gradcomp.engine import reduce_scatter, rules, transport
+from gradcomp.engine.columns import Columns, Span
 from gradcomp.engine.pipeline import check_same_spec
 from gradcomp.engine.spec import NOOP, HookSpec, split_hook_spec
 from gradcomp.engine.stats import BucketRecord, CallSteps
@@ -75,32 +76,7 @@ class ShardSpec:
             raise ValueError(f"param_bits must be 0 (exact) or 2..8, got {self.param_bits!r}")
         if self.param_bits and self.hook.noop:
             raise ValueError("param_bits quantizes the parameter all-gather of a reduce-scatter spec; noop has none")
-        if self.hook.algo not in SHARD_ALGORITHMS:
-            raise ValueError(
-                f"sharded training reduce-scatters with algo {' or '.join(SHARD_ALGORITHMS)}, got {self.hook.algo!r}"
-            )
-        if self.hook.aggregation != "auto":
-            raise ValueError(
-                "aggregation chooses between DDP's all-gather and two-phase; a sharded reduce-scatter has "
-                f"one way to aggregate: leave it out (got {self.hook.aggregation!r})"
-            )
-        if self.hook.warmup:
-            raise ValueError("warmup is built for DDP's hooks, not yet for the sharded reduce-scatter: leave it out")
-        if self.hook.pieces > 1:
-            raise ValueError("pieces is built for DDP's hooks, not yet for the sharded reduce-scatter: leave it out")
-        if self.hook.keeps_some_dense:
-            raise ValueError(
-                "min_numel and vectors are built for DDP's hooks, not yet for the sharded reduce-scatter: "
-                "leave them out"
-            )
-        spec = self.hook.compressor
-        if spec is not None and spec.feedback.variant == "ef21":
-            raise ValueError("ef=ef21 is built for DDP's hooks, not yet for the sharded reduce-scatter: use ef=true")
-        if spec is not None and spec.capabilities.needs_shapes:
-            raise ValueError(
-                f"{spec.name} needs each tensor's shape (it compresses matrices), and a sharded gradient is a "
-                f"flat shard of several tensors; valid for sharded training: {', '.join(valid_names())}"
-            )
+        rules.check(self.hook, rules.Surface.FSDP2)
 
     @classmethod
     def parse(cls, spec: ShardSpecLike, **defaults: Any) -> ShardSpec:
@@ -195,17 +171,22 @@ class ShardedEngine:
         self._native = self.spec.hook.algo == "native"
         self._backends_own = self.spec.compressor.name == UNCOMPRESSED and self._native and self._hops is None
         self._checked = False
+        self._columns: dict[tuple[Any, ...], Columns] = {}  # per module and size, the policy's split
         self.calls = CallSteps()
         self.records: collections.deque[BucketRecord] = collections.deque(maxlen=history)
 
-    def reduce_scatter(self, output: Tensor, input: Tensor, divisor: float, key: Key) -> None:
+    def reduce_scatter(
+        self, output: Tensor, input: Tensor, divisor: float, key: Key, dense: Sequence[Span] = ()
+    ) -> None:
         """``output`` = this rank's shard of the sum over the group of ``input / divisor``, compressed;
         returns when it is there.
 
         ``input`` is flat and contiguous, ``world`` shards of ``output.numel()`` elements, shard j for
         rank j; it is scratch afterwards. ``key`` identifies the tensor across steps (a module): its
         state is kept per key, shard and size (a module whose unused parameters leave the reduction
-        gets state of its own). A key seen again starts a new step of :attr:`records`.
+        gets state of its own). A key seen again starts a new step of :attr:`records`. ``dense``: the
+        columns of every shard that travel uncompressed (the spec's per-tensor policy:
+        :func:`gradcomp.engine.columns.dense_columns`), as the backend's reduce-scatter of them.
         """
         self._check(output, input, divisor)
         # what leaves this rank uncompressed, every shard but its own (payload bytes count the same)
@@ -217,7 +198,10 @@ class ShardedEngine:
             with on_callers_stream():
                 record.started = time.perf_counter()
                 self._check_same_spec(input.device)
-                self._reduce(output, input, divisor, (key, input.numel()), record)
+                if dense and not self._backends_own:
+                    self._reduce_split(output, input, divisor, key, record, dense)
+                else:
+                    self._reduce(output, input, divisor, (key, input.numel()), record)
                 record.finished = time.perf_counter()
                 self.records.append(record)
             return None, None
@@ -277,6 +261,31 @@ class ShardedEngine:
         record.payload_bytes = reduce_scatter.reduce_scatter_two_hop(
             compressor, input, divisor, key, intra, inter, output, record.phase
         )
+
+    def _reduce_split(
+        self, output: Tensor, input: Tensor, divisor: float, key: Key, record: BucketRecord, dense: Sequence[Span]
+    ) -> None:
+        """The policy's columns through an uncompressed reduce-scatter, the others compressed (keyed
+        by the module and their number, as a module's whole input is)."""
+        row = output.numel()
+        memo = (key, row, tuple(dense))
+        columns = self._columns.get(memo)
+        if columns is None:
+            columns = self._columns[memo] = Columns.of(dense, row, output.device)
+        with record.phase("compress"):
+            plain, kept = columns.split(input.view(self.world, row))
+            plain.div_(divisor)
+        kept_out = output.new_empty(kept.shape[1])
+        if kept.shape[1]:
+            self._reduce(kept_out, kept.view(-1), divisor, (key, kept.numel()), record)
+        exchange = transport.GroupTransport(self.group, record.add_traffic, native=self._native)
+        with record.phase("communicate"):
+            summed = exchange.reduce_scatter(plain.view(-1))
+        uncompressed = (self.world - 1) * summed.numel() * summed.element_size()
+        record.payload_bytes += uncompressed
+        record.uncompressed_bytes = uncompressed
+        with record.phase("decompress"):
+            columns.join(output, summed.to(output.dtype), kept_out)
 
     def _backend_reduce_scatter(self, output: Tensor, input: Tensor, divisor: float) -> None:
         op = dist.ReduceOp.SUM

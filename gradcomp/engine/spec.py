@@ -18,14 +18,14 @@ run names, TensorBoard's HParams and the ranks' agreement check at the first ste
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gradcomp.collectives import FLAT_ALGORITHMS
-from gradcomp.compressors import REGISTRY, Aggregation, Spec, parse_spec
+from gradcomp.compressors import REGISTRY, Spec, parse_spec
 from gradcomp.compressors.registry import SpecLike
+from gradcomp.engine import rules
 from gradcomp.options import convert, split_spec
 
 ALGORITHMS = ("native", *FLAT_ALGORITHMS)
@@ -44,28 +44,20 @@ TWO_PHASE_FROM = 8
 compression error; from 8 ranks on, bytes dominate."""
 
 
-OTHER_KINDS = {
-    "auto": "auto is no compressor: it chooses among hooks itself; attach it with "
-    "gradcomp.hooks.register(ddp_model, 'auto') (a training run's --hook auto)",
-    "torch": "torch's hooks (torch:fp16, torch:powersgd, ...) are DDP's own, not gradcomp's engine's: attach one "
-    "with gradcomp.hooks.register(ddp_model, 'torch:fp16'); here take gradcomp's (fp16, powersgd, ...)",
-    "localsgd": "localsgd is a sync spec, not a hook spec: gradcomp.sync.LocalSGD, or a run's --sync",
-    "diloco": "diloco is a sync spec, not a hook spec: gradcomp.sync.DiLoCo, or a run's --sync",
-}
-"""Spec names of other kinds that a hook spec is not, with where they go (a user's likely mix-up)."""
+OTHER_KINDS: dict[str, str] = {}
+"""Spec names of other kinds that a hook spec is not, each with where it goes (a user's likely mix-up):
+added by the modules that own them when imported (:func:`add_other_kind`), the engine naming none.
+With only the engine imported, such a name is refused as any unknown compressor is."""
 
 
-class Route(str, enum.Enum):
-    """How a spec's payloads travel (:meth:`HookSpec.route`): the engine runs it, the cost model prices it."""
-
-    NONE = "none"
-    """Nothing travels (``noop``)."""
-    SUM = "sum"
-    """Payloads all-reduced (``sum`` compressors, ``allreduce``), with the spec's ``algo``."""
-    GATHER = "gather"
-    """Every rank's payloads all-gathered, each rank summing them in rank order."""
-    TWO_PHASE = "two_phase"
-    """A compressed reduce-scatter, then an all-gather of the compressed shards."""
+def add_other_kind(name: str, message: str) -> None:
+    """Refuse ``name`` (a spec's name before any ``:``) as a hook spec with ``message``, which says where
+    such a spec goes, before its options are read as the engine's. For the modules that own a kind of
+    spec beside the engine's (:mod:`gradcomp.sync` its ``localsgd`` and ``diloco``, the layers above
+    the core theirs), which call it for themselves when imported."""
+    if name in REGISTRY or name in (ALLREDUCE, NOOP):
+        raise ValueError(f"{name!r} is a hook spec's name already; another kind of spec needs another name")
+    OTHER_KINDS[name] = message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,35 +109,11 @@ class HookSpec:
                 raise ValueError(f"{option} must be an integer >= 0, got {value!r}")
         if isinstance(self.local_size, bool) or not isinstance(self.local_size, int) or self.local_size < 0:
             raise ValueError(f"local_size must be a whole number of ranks per node (0: flat), got {self.local_size!r}")
-        if self.local_size > 1 and self.compressor is None:
-            raise ValueError("noop sends nothing: local_size has no nodes to reduce across")
-        if self.local_size > 1 and self.pieces > 1:
-            raise ValueError("pieces and local_size do not combine yet: a node's shard travels whole")
-        if self.local_size > 1 and self.keeps_some_dense:
-            raise ValueError("min_numel and vectors do not combine with local_size yet: a node shards every tensor")
         if isinstance(self.pieces, bool) or not isinstance(self.pieces, int) or self.pieces < 1:
             raise ValueError(f"pieces must be an integer >= 1, got {self.pieces!r}")
         if self.vectors not in VECTORS:
             raise ValueError(f"vectors must be one of {', '.join(VECTORS)}, got {self.vectors!r}")
-        if self.compressor is None and self.keeps_some_dense:
-            raise ValueError("noop sends nothing: min_numel and vectors choose what travels uncompressed")
-        name = self.compressor.name if self.compressor else NOOP
-        if self.pieces > 1 and self.compressor is None:
-            raise ValueError("noop sends nothing: pieces has nothing to cut")
-        if self.pieces > 1 and self.compressor is not None and not self.compressor.capabilities.local:
-            raise ValueError(
-                f"pieces: {name} compresses each tensor as a whole, so its pieces would compress otherwise; "
-                "pieces takes compressors local to elements or chunks: the casts, quantize, qsgd, terngrad, "
-                "sign, fp8 (error feedback's clip takes a tensor's norm: not with it)"
-            )
-        summed = self.compressor is not None and self.compressor.capabilities.aggregation is Aggregation.SUM
-        if self.aggregation == "two_phase" and summed:
-            raise ValueError(f"two_phase is for gather compressors; {name} sums its payloads (all-reduce)")
-        if self.compressor is not None and self.compressor.feedback.variant == "ef21":
-            if self.aggregation == "two_phase":
-                raise ValueError("ef=ef21 adds every aggregate to its estimate; two_phase aggregates twice: use gather")
-            if self.warmup:
-                raise ValueError("ef=ef21 keeps estimates that uncompressed warm-up steps would bypass: no warmup")
+        rules.check(self)  # how the options combine: the one table (gradcomp.engine.rules)
 
     @classmethod
     def parse(cls, spec: HookSpecLike, **defaults: Any) -> HookSpec:
@@ -157,8 +125,8 @@ class HookSpec:
         unknown = sorted(set(defaults) - set(ENGINE_OPTIONS))
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; valid: {', '.join(ENGINE_OPTIONS)}")
-        if isinstance(spec, str) and spec.strip().partition(":")[0] in OTHER_KINDS:
-            raise ValueError(OTHER_KINDS[spec.strip().partition(":")[0]])  # before its options are read as ours
+        if isinstance(spec, str):
+            _check_name(spec.partition(":")[0].strip())  # before its options are read as ours
         name, options = split_hook_spec(spec)
         engine = {**defaults, **{key: options.pop(key) for key in ENGINE_OPTIONS if key in options}}
         for key in ("seed", "warmup", "min_numel", "pieces", "local_size"):
@@ -171,9 +139,7 @@ class HookSpec:
             if options:
                 raise ValueError(f"noop takes no options, got {sorted(options)}")
             return cls(None, **engine)
-        if name not in REGISTRY and name != ALLREDUCE:
-            valid = ", ".join([ALLREDUCE, NOOP, *sorted(REGISTRY)])
-            raise ValueError(OTHER_KINDS.get(name) or f"unknown compressor {name!r}; valid hook names: {valid}")
+        _check_name(name)
         return cls(parse_spec(("none" if name == ALLREDUCE else name, options)), **engine)
 
     @property
@@ -188,19 +154,6 @@ class HookSpec:
     def uncompressed(self, shape: Sequence[int]) -> bool:
         """Whether a tensor of ``shape`` travels uncompressed under the spec's per-tensor policy."""
         return math.prod(shape) < self.min_numel or (self.vectors == "dense" and len(shape) <= 1)
-
-    def route(self, world: int) -> Route:
-        """How the payloads travel among ``world`` ranks: the one rule the engine and the cost model
-        share. ``gather`` compressors go two-phase when asked, or with ``aggregation=auto`` from
-        :data:`TWO_PHASE_FROM` ranks on, except under EF21 (its estimates take each aggregate once)."""
-        if self.compressor is None:
-            return Route.NONE
-        if self.compressor.capabilities.aggregation is Aggregation.SUM:
-            return Route.SUM
-        ef21 = self.compressor.feedback.variant == "ef21"
-        if self.aggregation == "two_phase" or (self.aggregation == "auto" and world >= TWO_PHASE_FROM and not ef21):
-            return Route.TWO_PHASE
-        return Route.GATHER
 
     def __str__(self) -> str:
         """The canonical text: the compressor spec with every option of its config (``allreduce`` for
@@ -224,6 +177,14 @@ class HookSpec:
 
 HookSpecLike = str | tuple[str, Mapping[str, Any]] | Spec | HookSpec
 """Anything :meth:`HookSpec.parse` takes."""
+
+
+def _check_name(name: str) -> None:
+    """Refuse a name that is no hook's: with where it goes for a spec of another kind
+    (:data:`OTHER_KINDS`), else with the valid names."""
+    if name not in REGISTRY and name not in (ALLREDUCE, NOOP):
+        valid = ", ".join([ALLREDUCE, NOOP, *sorted(REGISTRY)])
+        raise ValueError(OTHER_KINDS.get(name) or f"unknown compressor {name!r}; valid hook names: {valid}")
 
 
 def split_hook_spec(spec: str | tuple[str, Mapping[str, Any]] | SpecLike) -> tuple[str, dict[str, Any]]:

@@ -9,10 +9,10 @@ For each tensor, cut into p shards (shard j belongs to rank j):
 3. every rank decompresses every reduced shard into place.
 
 A rank sends about 2 (p - 1) / p of the compressed tensor, against (p - 1) times for all-gathering
-whole payloads, at the price of a second compression error. State is keyed per (tensor key, shard)
-and (tensor key, "reduced", shard), so error feedback, when on, corrects both compressions, and
-DDP's bucket changes leave it in place. Results are bitwise identical on every rank: each reduced
-shard is decompressed from the same bytes everywhere.
+whole payloads, at the price of a second compression error. State is keyed per shard
+(``StateKey.of_shard(j)``) and reduced shard (``StateKey.of_reduced(rank)``), so error feedback, when
+on, corrects both compressions, and DDP's bucket changes leave it in place. Results are bitwise
+identical on every rank: each reduced shard is decompressed from the same bytes everywhere.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch import Tensor
 from gradcomp.collectives.ring import chunk_bounds
 from gradcomp.compressors import Compressor, Key, Meta, Payload
 from gradcomp.compressors.capabilities import ratio_option
+from gradcomp.compressors.keys import StateKey
 from gradcomp.engine import transport
 
 
@@ -49,7 +50,7 @@ def reduce(
     # Phase 1: shard j of every tensor, compressed for rank j.
     outgoing: list[list[Payload]] = [
         [
-            compressor.compress(flat[b[j][0] : b[j][1]], (key, j), **options)[0]
+            compressor.compress(flat[b[j][0] : b[j][1]], StateKey.of(key).of_shard(j), **options)[0]
             for flat, b, key in zip(flats, bounds, keys, strict=True)
         ]
         for j in range(world)
@@ -61,7 +62,7 @@ def reduce(
         start, stop = b[rank]
         mine = torch.empty(stop - start, dtype=flat.dtype, device=device)
         base.decompress_sum([received[s][i] for s in range(world)], Meta.of(mine), out=mine)
-        reduced.append(compressor.compress(mine, (keys[i], "reduced", rank), **options)[0])
+        reduced.append(compressor.compress(mine, StateKey.of(keys[i]).of_reduced(rank), **options)[0])
 
     produced = sum(compressor.wire_bytes(p) for payloads in outgoing for p in payloads)
     produced += sum(compressor.wire_bytes(p) for p in reduced)

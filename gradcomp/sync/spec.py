@@ -20,7 +20,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from gradcomp.engine.spec import split_hook_spec
+from gradcomp.engine.spec import add_other_kind, split_hook_spec
 from gradcomp.options import convert, format_value
 
 KINDS = ("localsgd", "diloco")
@@ -35,6 +35,9 @@ OUTER_OPTIONS = ("outer_lr", "momentum", "nesterov")
 """DiLoCo's outer optimizer; local SGD averages, so it takes none of them."""
 DELAYED_MIX = 0.5
 """The mixing factor of a delayed synchronization unless ``mix`` is given (Streaming DiLoCo's)."""
+
+add_other_kind("localsgd", "localsgd is a sync spec, not a hook spec: gradcomp.sync.LocalSGD, or a run's --sync")
+add_other_kind("diloco", "diloco is a sync spec, not a hook spec: gradcomp.sync.DiLoCo, or a run's --sync")
 
 
 @dataclasses.dataclass(frozen=True)

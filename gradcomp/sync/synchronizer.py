@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from gradcomp import collectives
 from gradcomp.collectives.executor import Handle
 from gradcomp.collectives.groups import as_timeout
-from gradcomp.engine import Engine, HookSpec, HookSpecLike
+from gradcomp.engine import Engine, HookSpec, HookSpecLike, rules
 from gradcomp.engine.pipeline import check_same_spec
 from gradcomp.engine.stats import BucketRecord, StepStats, newest, per_step, write_trace
 from gradcomp.flat import views
@@ -128,20 +128,8 @@ class Synchronizer(TrainingHookState):
         timeout = as_timeout(timeout)  # a number of seconds, or refused here
         self.sync = SyncSpec.parse(sync)
         self.spec = HookSpec.parse(spec)  # both checked before any collective
-        if self.spec.noop:
-            raise ValueError("noop sends nothing, so the replicas would never synchronize: give a hook spec")
-        if self.sync.local_size > 1 and group is None:
-            raise ValueError(
-                "local_size: a replica per node synchronizes across nodes; give the group of the local rank j of "
-                "every node (gradcomp.collectives.hierarchical.subgroups, docs/local-sgd.md)"
-            )
-        if self.sync.state and optimizer is None:
-            raise ValueError("state=true averages the inner optimizer's state: pass the optimizer")
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            raise TypeError(
-                "the model is wrapped in DistributedDataParallel, which averages every step's gradients: with a "
-                "synchronizer the run would communicate twice; give it the plain module (model.module), unwrapped"
-            )
+        rules.check(self.spec, rules.Surface.SYNC)
+        self._refuse(model, optimizer, group)
         self.optimizer = optimizer
         self.model = model
         self.parameters = [p for p in model.parameters() if p.requires_grad]
@@ -159,25 +147,12 @@ class Synchronizer(TrainingHookState):
         self.error: BaseException | None = None
         """The error that failed a synchronization (a :class:`gradcomp.errors.PeerError` names the peer)."""
 
-        device = self.tensors[0].device
-        check_same_spec(f"{self.sync} over {self.spec}", self.engine.group, device)
-        with torch.no_grad():
-            for tensor in [*model.parameters(), *model.buffers()]:  # one start on every rank, as DDP's
-                collectives.broadcast(local(tensor.detach()), 0, group=self.engine.group)
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.parameters) else torch.float32
-        self.globals = [t.detach().to(dtype, copy=True) for t in self.tensors]
+        self.globals = self._first_globals(model, dtype)
         """The last synchronized parameters, bitwise the same on every rank (float32, or float64)."""
-        self.outer = [
-            torch.optim.SGD(
-                [self.globals[i] for i in members],
-                lr=self.sync.outer_lr,
-                momentum=self.sync.momentum,
-                nesterov=self.sync.nesterov,
-            )
-            for members in self.fragments
-        ]
+        self.outer = [self._outer([self.globals[i] for i in members]) for members in self.fragments]
         self._buffers = [
-            torch.empty(sum(self.tensors[i].numel() for i in members), dtype=dtype, device=device)
+            torch.empty(sum(self.tensors[i].numel() for i in members), dtype=dtype, device=self.tensors[0].device)
             for members in self.fragments
         ]
         self.steps_done = 0
@@ -187,6 +162,37 @@ class Synchronizer(TrainingHookState):
         self._steps_here = 0  # step() calls in this process (statistics count from 0, also on resume)
         _made[:] = [made for made in _made if made() is not None]
         _made.append(weakref.ref(self))  # flushed at interpreter exit if still in flight then (_flush_at_exit)
+
+    def _refuse(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup | None
+    ) -> None:
+        """What no synchronizer can do with these arguments, refused before any collective."""
+        if self.sync.local_size > 1 and group is None:
+            raise ValueError(
+                "local_size: a replica per node synchronizes across nodes; give the group of the local rank j of "
+                "every node (gradcomp.collectives.hierarchical.subgroups, docs/local-sgd.md)"
+            )
+        if self.sync.state and optimizer is None:
+            raise ValueError("state=true averages the inner optimizer's state: pass the optimizer")
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            raise TypeError(
+                "the model is wrapped in DistributedDataParallel, which averages every step's gradients: with a "
+                "synchronizer the run would communicate twice; give it the plain module (model.module), unwrapped"
+            )
+
+    def _outer(self, globals_: list[Tensor]) -> torch.optim.SGD:
+        """A fragment's outer optimizer: SGD on its global parameters, with the spec's momentum."""
+        sync = self.sync
+        return torch.optim.SGD(globals_, lr=sync.outer_lr, momentum=sync.momentum, nesterov=sync.nesterov)
+
+    def _first_globals(self, model: nn.Module, dtype: torch.dtype) -> list[Tensor]:
+        """Every rank checked to run the same specs, given rank 0's parameters and buffers (one start
+        on every rank, as DDP's), and the global parameters made from them."""
+        check_same_spec(f"{self.sync} over {self.spec}", self.engine.group, self.tensors[0].device)
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                collectives.broadcast(local(tensor.detach()), 0, group=self.engine.group)
+        return [t.detach().to(dtype, copy=True) for t in self.tensors]
 
     # -- the training loop's calls ---------------------------------------------------------------
 
@@ -242,7 +248,8 @@ class Synchronizer(TrainingHookState):
                 torch.sub(self.globals[i], self.tensors[i].detach(), out=view)
         shapes = [self.tensors[i].shape for i in members]
         number = self.engine.steps_done  # every call is a step of the engine's clock: its record's number
-        handle = self.engine.reduce(buffer, members, shapes, bucket=fragment)
+        handle = self.engine.reduce(buffer, members, shapes, bucket=fragment, last=True)
+        self.engine.end_step()
         lands = self.steps_done + self.sync.delay
         self._in_flight.append(_InFlight(fragment, lands, handle, number=number))
 
@@ -325,7 +332,8 @@ class Synchronizer(TrainingHookState):
         if not tensors:
             return
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        self._state_engine.reduce(flat, None, None).wait()
+        self._state_engine.reduce(flat, None, None, last=True).wait()
+        self._state_engine.end_step()
         records.append(self._state_engine.records[-1])
         for t, average in zip(tensors, views(flat, [t.shape for t in tensors]), strict=True):
             t.copy_(average)

@@ -32,7 +32,8 @@ def averaged(rank: int, world: int, spec: str, plugin: type[Compressor] | None) 
     for step in range(STEPS):
         bucket = gradient(rank, step).clone()
         # as numpy: a tensor would travel back as shared memory the exiting rank takes with it
-        results.append(engine.reduce(bucket, ["w"], [torch.Size(SHAPE)]).wait().numpy().copy())
+        results.append(engine.reduce(bucket, ["w"], [torch.Size(SHAPE)], last=True).wait().numpy().copy())
+        engine.end_step()
     return {"results": results, "failures": []}
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from gradcomp.compressors.base import Compressor, Key, Payload
+from gradcomp.compressors.keys import plain
 from gradcomp.workspace import Workspace
 
 
@@ -86,9 +87,9 @@ def buffer_for(buffers: dict[Key, Tensor], key: Key, like: Tensor) -> Tensor:
 
 
 def entries(states: dict[Key, Tensor], name: str) -> list[dict[str, Any]]:
-    """``states`` as a checkpoint lists them: ``[{"key": key, name: tensor}, ...]`` (plain values
-    and tensors: loadable with ``weights_only=True``)."""
-    return [{"key": key, name: tensor} for key, tensor in states.items()]
+    """``states`` as a checkpoint lists them: ``[{"key": key, name: tensor}, ...]`` (keys in their
+    plain form, and tensors: loadable with ``weights_only=True``)."""
+    return [{"key": plain(key), name: tensor} for key, tensor in states.items()]
 
 
 def keyed(listed: Iterable[Mapping[str, Any]], name: str) -> dict[Key, Tensor]:

@@ -249,6 +249,10 @@ class ErrorFeedback(Compressor):
         if self.momentum is not None:
             self.momentum.commit(key, None, ok)
 
+    def state_keys(self) -> list[Key]:
+        states = (self.residuals, self.shares, self.velocities, self.estimates)
+        return list(dict.fromkeys(key for held in states for key in held))
+
     def take_residual(self, key: Key) -> Tensor | None:
         """What ``key`` has not sent yet, handed over; every state of ``key`` forgotten (a tensor that
         comes back starts afresh, as on its first step): the memory's (classic: the residual, exactly;
