@@ -269,6 +269,8 @@ def test_statistics_and_trace(spec: str, ratio: float | None, tmp_path: Path) ->
         names = {e["name"] for e in events}
         assert {"queued", "compress", "communicate", "decompress"} <= names
         assert sum(e["name"].startswith("ready") for e in events) == sum(s.buckets for s in steps)
+        routes = {e["args"]["routes"] for e in events if "args" in e}  # the plan's, as gradcomp explain names them
+        assert routes == {"sum" if spec != "sign" else "gather (alike)"}, routes  # algo=ring: gradcomp's all-gather
 
 
 LOSSY_BOUNDS = {  # worst error of the averaged gradient, relative to each parameter's largest |g|

@@ -201,6 +201,7 @@ class Engine:
         size = buffer.element_size()
         record = BucketRecord(self.steps_done, plan.bucket, (send.stop - send.start) * size, queued, part=send.piece)
         record.uncompressed_bytes = send.uncompressed * size
+        record.routes = " + ".join(part.label for part in send.parts)
         routes = [self.routes[part.route] for part in send.parts]
         prepared = [route.prepare(part, buffer, record) for route, part in zip(routes, send.parts, strict=True)]
         done: Future[Landed] = Future()

@@ -135,6 +135,11 @@ class Part:
     def keys(self) -> tuple[Hashable, ...]:
         return tuple(s.key for s in self.segments)
 
+    @property
+    def label(self) -> str:
+        """The route and, for a gather part, its transfer: ``gather (in_flight)``."""
+        return self.route.value + (f" ({self.transfer.value})" if self.transfer else "")
+
 
 @dataclasses.dataclass(frozen=True)
 class Send:
@@ -177,7 +182,7 @@ class BucketPlan:
 
 
 def _lines(part: Part) -> list[str]:
-    how = part.route.value + (f" ({part.transfer.value})" if part.transfer else "")
+    how = part.label
     how += f" at ratio {part.ratio:.3g}" if part.ratio is not None else ""
     count = len(part.segments)
     how += f" [{count} segment{'' if count == 1 else 's'}, {part.numel:,} elements]"

@@ -53,6 +53,9 @@ class BucketRecord:
     part: int = 0
     """Which part of the bucket this is, when the bucket travels in parts (``HookSpec.pieces``):
     each part has its own record, and the step counts the bucket once."""
+    routes: str = ""
+    """The routes its plan sent it by, as ``gradcomp explain`` names them (``gather (in_flight) +
+    dense``); empty where no plan names them (the sharded reduce-scatter)."""
     spans: list[tuple[str, float, float]] = dataclasses.field(default_factory=list)
 
     @contextlib.contextmanager
@@ -257,8 +260,8 @@ def write_trace(records: Iterable[BucketRecord], path: str | os.PathLike[str], r
 
     for r in records:
         label = f"step {r.step} bucket {r.bucket}" + (f" part {r.part}" if r.part else "")
-        args = {"step": r.step, "bucket": r.bucket, "input_bytes": r.input_bytes, "payload_bytes": r.payload_bytes,
-                "host_reads": r.host_reads}
+        args = {"step": r.step, "bucket": r.bucket, "routes": r.routes, "input_bytes": r.input_bytes,
+                "payload_bytes": r.payload_bytes, "host_reads": r.host_reads}
         events.append({"name": f"ready {label}", "ph": "i", "s": "t", "ts": us(r.queued), "pid": rank, "tid": "ddp"})
         events.append({"name": "queued", "ph": "X", "ts": us(r.queued), "dur": us(r.started - r.queued),
                        "pid": rank, "tid": "gradcomp", "args": args})  # fmt: skip
