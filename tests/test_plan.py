@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from gradcomp.compressors.keys import StateKey
 from gradcomp.engine.hierarchical import NodeShards
 from gradcomp.engine.plan import BucketPlan, Context, Route, Transfer, plan_bucket, segments_of
 from gradcomp.engine.spec import HookSpec
+from tests.distributed import Failures, identical_on_all_ranks, run_checks
 
 SHAPES = [torch.Size((300, 200)), torch.Size((200,)), torch.Size((10,)), torch.Size((400, 300))]
 KEYS = [0, 1, 2, 3]
@@ -143,3 +145,38 @@ def test_explain_prints_every_buckets_plan_by_parameter_name(capsys: pytest.Capt
     with pytest.raises(SystemExit):
         main(["explain", "topk:ratio=0.01,local_size=3", "--ranks", "8"])
     assert "a multiple of local_size" in capsys.readouterr().err
+
+
+def _whole_parts(rank: int, world: int) -> Failures:
+    """The engine hands a compressor all the tensors of a part in one call (compress_part and the
+    methods beside it), and the default, one by one, gives what per-tensor calls give."""
+    from gradcomp.engine import Engine
+
+    failures = Failures()
+    shapes = [torch.Size((40, 30)), torch.Size((30,)), torch.Size((7, 3)), torch.Size((5,))]
+    numel = sum(math.prod(s) for s in shapes)
+    calls: dict[str, int] = {}
+    for spec in ("sign:ef=true,vectors=dense", "topk:ratio=0.1,ef=true", "randomk:ratio=0.2,scale=false,ef=true"):
+        engine = Engine(spec)
+        for name in ("compress_part", "decompress_part", "decompress_sum_part"):
+            method = getattr(engine.compressor, name)
+
+            def counted(*args: object, _method: Any = method, _name: str = name, **kwargs: object) -> object:
+                calls[_name] = calls.get(_name, 0) + 1
+                return _method(*args, **kwargs)
+
+            setattr(engine.compressor, name, counted)
+        calls.clear()
+        bucket = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+        averaged = engine.reduce(bucket.clone(), [0, 1, 2, 3], shapes, last=True).wait()
+        engine.end_step()
+        decompressions = calls.get("decompress_part", 0) + calls.get("decompress_sum_part", 0)
+        failures.expect(calls.get("compress_part") == 1 and decompressions == 1, f"{spec}: calls {calls}")
+        reference = Engine(spec)
+        again = reference.reduce(bucket.clone(), [0, 1, 2, 3], shapes, last=True).wait()
+        failures.expect(torch.equal(averaged, again) and identical_on_all_ranks(averaged), f"{spec}: results differ")
+    return failures
+
+
+def test_a_compressor_takes_a_whole_part_in_one_call() -> None:
+    run_checks(2, _whole_parts, timeout=120)

@@ -13,6 +13,7 @@ from gradcomp.compressors.base import Aggregation, Compressor, CompressorConfig,
 from gradcomp.compressors.capabilities import Capabilities
 from gradcomp.compressors.plugins import load_entry_points
 from gradcomp.compressors.registry import REGISTRY, Spec, make_compressor, parse_spec, register
+from gradcomp.compressors.segments import Segments
 from gradcomp.compressors.simulate import roundtrip, simulate
 
 load_entry_points()  # last: a plugin imports what it subclasses from here
@@ -27,6 +28,7 @@ __all__ = [
     "Measured",
     "Meta",
     "Payload",
+    "Segments",
     "Spec",
     "cast",
     "fp8",

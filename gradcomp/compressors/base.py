@@ -58,6 +58,7 @@ from torch import Tensor
 
 from gradcomp.compressors.capabilities import Aggregation as Aggregation  # re-exported: the interface's name
 from gradcomp.compressors.capabilities import Capabilities, ratio_option
+from gradcomp.compressors.segments import Segments
 from gradcomp.options import format_value
 from gradcomp.workspace import Workspace
 
@@ -194,6 +195,39 @@ class Compressor(ABC):
         handed to ``compress`` as ``ratio=`` (ratio-based compressors only, ``Capabilities.ratio``);
         None, the default, hands nothing."""
         return self.compress(tensor.div_(divisor), key, shapes, **ratio_option(ratio))
+
+    # -- a part of a bucket at once --------------------------------------------------------------------
+
+    def compress_part(
+        self, buffer: Tensor, segments: Segments, divisor: float, *, ratio: float | None = None
+    ) -> list[tuple[Payload, Any]]:
+        """Every tensor of a part of ``buffer`` (``segments``) compressed divided by ``divisor``: what
+        :meth:`compress_divided` gives each, in order (the engine's one call per part). The default
+        compresses them one by one; a compressor that compresses a part in a number of kernels that
+        does not grow with its tensors overrides this and the three methods below, each tensor's
+        result kept (its chunks, scales, k, state) or its difference bounded and documented."""
+        views, options = segments.views(buffer), ratio_option(ratio)
+        return [self.compress_divided(t, divisor, k, **options) for t, k in zip(views, segments.keys, strict=True)]
+
+    def measure_part(
+        self, buffer: Tensor, segments: Segments, divisor: float, *, ratio: float | None = None
+    ) -> list[Measured]:
+        """:meth:`measure_divided` of every tensor of a part (:meth:`compress_part`'s counterpart)."""
+        views, options = segments.views(buffer), ratio_option(ratio)
+        return [self.measure_divided(t, divisor, k, **options) for t, k in zip(views, segments.keys, strict=True)]
+
+    def decompress_part(self, payloads: Sequence[Payload], contexts: Sequence[Any], buffer: Tensor,
+                        segments: Segments) -> None:  # fmt: skip
+        """Every tensor of a part decompressed into its place in ``buffer`` (:meth:`decompress`)."""
+        for payload, ctx, view in zip(payloads, contexts, segments.views(buffer), strict=True):
+            self.decompress(payload, ctx, out=view)
+
+    def decompress_sum_part(self, gathered: Sequence[Sequence[Payload]], contexts: Sequence[Any], buffer: Tensor,
+                            segments: Segments) -> None:  # fmt: skip
+        """Every tensor of a part summed from every rank's payloads (``gathered[i]``: tensor i's, in
+        rank order) into its place in ``buffer`` (:meth:`decompress_sum`)."""
+        for everyone, ctx, view in zip(gathered, contexts, segments.views(buffer), strict=True):
+            self.decompress_sum(everyone, ctx, out=view)
 
     def dense_share(self, tensor: Tensor, divisor: float, key: Key = None) -> None:
         """What this rank adds to an uncompressed sum (a warm-up step: ``HookSpec.warmup``), in

@@ -35,7 +35,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from gradcomp.collectives.ring import chunk_bounds
-from gradcomp.compressors import Aggregation, Capabilities, Spec
+from gradcomp.compressors import Aggregation, Capabilities, Segments, Spec
 from gradcomp.compressors.keys import StateKey
 from gradcomp.engine import pieces
 from gradcomp.engine.hierarchical import NodeShards
@@ -134,6 +134,12 @@ class Part:
     @property
     def keys(self) -> tuple[Hashable, ...]:
         return tuple(s.key for s in self.segments)
+
+    @functools.cached_property
+    def layout(self) -> Segments:
+        """The segments as a compressor takes them (``Compressor.compress_part``), made once."""
+        segments = self.segments
+        return Segments(tuple(s.offset for s in segments), tuple(s.shape for s in segments), self.keys)
 
     @property
     def label(self) -> str:

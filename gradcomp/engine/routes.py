@@ -44,7 +44,6 @@ from gradcomp.collectives.link import Link
 from gradcomp.collectives.ops import ReduceOp
 from gradcomp.collectives.ring import chunk_bounds
 from gradcomp.compressors import Aggregation, Compressor, Key, Measured, Payload
-from gradcomp.compressors.capabilities import ratio_option
 from gradcomp.engine import transport, two_phase
 from gradcomp.engine.hierarchical import NodeShards, Pairs, gather, scatter
 from gradcomp.engine.plan import Part, Route, Segment, Transfer
@@ -59,15 +58,15 @@ class Prepared:
 
     part: Part
     record: BucketRecord
-    tensors: list[Tensor]
-    """The part's segments, as views of the buffer that compression read and decompression writes."""
+    buffer: Tensor
+    """The flat buffer the part's segments lie in: compression reads it, decompression writes it."""
     states: list[tuple[Payload, Any]] = dataclasses.field(default_factory=list)
     """Per segment, round one's payload and the local context (empty where ``send`` compresses)."""
     measured: list[Measured] = dataclasses.field(default_factory=list)
     """Per segment, what measuring it on the device found (:attr:`Transfer.MEASURED`): its payload's
     size, and what to compress once every size is known, handed back to the compressor then."""
     homes: list[Tensor] = dataclasses.field(default_factory=list)
-    """Where the segments land when :attr:`tensors` is a copy of them (empty: they are their home)."""
+    """Where the segments land when :attr:`buffer` holds a copy of them (empty: it is their home)."""
 
 
 class RouteSteps(Protocol):
@@ -84,11 +83,6 @@ class RouteSteps(Protocol):
         """On the executor: communicate and decompress; a future when the part lands later."""
 
 
-def segment_views(part: Part, buffer: Tensor) -> list[Tensor]:
-    """The part's segments as views of ``buffer``."""
-    return [buffer[s.offset : s.stop].view(s.shape) for s in part.segments]
-
-
 class _Compressed:
     """What the routes of a compressor share: the group, the algorithm, and the rounds' all-reduces."""
 
@@ -101,13 +95,9 @@ class _Compressed:
     def prepare(self, part: Part, buffer: Tensor, record: BucketRecord) -> Prepared:
         """Each segment compressed divided by the world size (round one; compressors that can fold
         the division into their first pass do)."""
-        tensors = segment_views(part, buffer)
-        options = ratio_option(part.ratio)  # a warm-up's keep-ratio, for a ratio-based compressor
-        with record.phase("compress"):
-            keys = part.keys
-            compress = self.compressor.compress_divided
-            states = [compress(t, self.world, k, **options) for t, k in zip(tensors, keys, strict=True)]
-        return Prepared(part, record, tensors, states)
+        with record.phase("compress"):  # a warm-up's keep-ratio comes with the part
+            states = self.compressor.compress_part(buffer, part.layout, self.world, ratio=part.ratio)
+        return Prepared(part, record, buffer, states)
 
     def _later_rounds(self, prepared: Prepared) -> tuple[list[Payload], list[Any]]:
         """All-reduce and advance every round but the last; the final payloads (counted) and contexts."""
@@ -176,8 +166,7 @@ class SumRoute(_Compressed):
 
     def _decompress(self, summed: list[Payload], contexts: list[Any], prepared: Prepared) -> None:
         with prepared.record.phase("decompress"):
-            for payload, ctx, tensor in zip(summed, contexts, prepared.tensors, strict=True):
-                self.compressor.decompress(payload, ctx, out=tensor)
+            self.compressor.decompress_part(summed, contexts, prepared.buffer, prepared.part.layout)
 
     def _in_flight(self, finals: list[Payload], contexts: list[Any], prepared: Prepared) -> Future[None]:
         """Issue the backend's all-reduces of ``finals``; the future completes once the part is
@@ -211,13 +200,9 @@ class GatherRoute(_Compressed):
         the device, nothing read yet (:meth:`_send_measured` reads every rank's counts at once)."""
         if part.transfer is not Transfer.MEASURED:
             return super().prepare(part, buffer, record)
-        tensors = segment_views(part, buffer)
-        options = ratio_option(part.ratio)
         with record.phase("compress"):
-            keys = part.keys
-            measure = self.compressor.measure_divided
-            measured = [measure(t, self.world, k, **options) for t, k in zip(tensors, keys, strict=True)]
-        return Prepared(part, record, tensors, measured=measured)
+            measured = self.compressor.measure_part(buffer, part.layout, self.world, ratio=part.ratio)
+        return Prepared(part, record, buffer, measured=measured)
 
     def send(self, prepared: Prepared) -> Future[None] | None:
         transfer = prepared.part.transfer
@@ -281,13 +266,12 @@ class GatherRoute(_Compressed):
         measured = prepared.measured
         lengths = [[compressor.payload_length(c, m) for c, m in zip(row, measured, strict=True)] for row in everyone]
         with record.phase("communicate"):
-            per_rank = transport.all_gather_sized(finals, lengths, prepared.tensors[0].device, exchange)
+            per_rank = transport.all_gather_sized(finals, lengths, prepared.buffer.device, exchange)
         self._decompress_sum([list(parts) for parts in zip(*per_rank, strict=True)], contexts, prepared)
 
     def _decompress_sum(self, gathered: list[list[Payload]], contexts: list[Any], prepared: Prepared) -> None:
         with prepared.record.phase("decompress"):
-            for everyone, ctx, tensor in zip(gathered, contexts, prepared.tensors, strict=True):
-                self.compressor.decompress_sum(everyone, ctx, out=tensor)
+            self.compressor.decompress_sum_part(gathered, contexts, prepared.buffer, prepared.part.layout)
 
 
 class TwoPhaseRoute(_Compressed):
@@ -296,16 +280,16 @@ class TwoPhaseRoute(_Compressed):
     everything runs on the executor."""
 
     def prepare(self, part: Part, buffer: Tensor, record: BucketRecord) -> Prepared:
-        return Prepared(part, record, segment_views(part, buffer))  # compressed on the executor
+        return Prepared(part, record, buffer)  # compressed on the executor
 
     def send(self, prepared: Prepared) -> None:
-        record = prepared.record
-        for tensor in prepared.tensors:
+        record, part = prepared.record, prepared.part
+        tensors = part.layout.views(prepared.buffer)
+        for tensor in tensors:
             tensor.div_(self.world)
         with record.phase("communicate"):
             exchange = transport.GroupTransport(self.group, record.add_traffic)
-            part = prepared.part
-            record.payload_bytes += two_phase.reduce(self.compressor, prepared.tensors, part.keys, exchange, part.ratio)
+            record.payload_bytes += two_phase.reduce(self.compressor, tensors, part.keys, exchange, part.ratio)
 
 
 class DenseRoute(SumRoute):
@@ -320,13 +304,13 @@ class DenseRoute(SumRoute):
         self._scratches: dict[tuple[Key, ...], Tensor] = {}
 
     def prepare(self, part: Part, buffer: Tensor, record: BucketRecord) -> Prepared:
-        homes = segment_views(part, buffer)
+        homes = part.layout.views(buffer)
         flat = self._flat(part, buffer, homes)
         with record.phase("compress"):
             for tensor, key in zip(views(flat, [s.shape for s in part.segments]), part.keys, strict=True):
                 self.shares.dense_share(tensor, self.world, key)
             state = self.compressor.compress(flat)
-        return Prepared(part, record, [flat], [state], homes=[] if part.contiguous else homes)
+        return Prepared(part, record, flat, [state], homes=[] if part.contiguous else homes)
 
     def _flat(self, part: Part, buffer: Tensor, home: list[Tensor]) -> Tensor:
         """The part's elements as one flat tensor: its span of the buffer, or a copy kept per part."""
@@ -339,8 +323,11 @@ class DenseRoute(SumRoute):
         return held
 
     def _decompress(self, summed: list[Payload], contexts: list[Any], prepared: Prepared) -> None:
-        super()._decompress(summed, contexts, prepared)
-        averaged = views(prepared.tensors[0], [home.shape for home in prepared.homes])
+        """The sum of the part's one flat payload into its buffer, and a copy's tensors home."""
+        ((payload,), (ctx,)) = (summed, contexts)
+        with prepared.record.phase("decompress"):
+            self.compressor.decompress(payload, ctx, out=prepared.buffer)
+        averaged = views(prepared.buffer, [home.shape for home in prepared.homes])
         for home, tensor in zip(prepared.homes, averaged, strict=True):  # a copy's tensors go home
             home.copy_(tensor)
 
@@ -374,10 +361,10 @@ class NodesRoute:
         held = self._layout(part, buffer)
         with record.phase("compress"):
             scatter(held.pairs, self.local)
-        return Prepared(part, record, [held.buffer])
+        return Prepared(part, record, held.buffer)
 
     def send(self, prepared: Prepared) -> Future[None] | None:
-        part, record, (layout,) = prepared.part, prepared.record, prepared.tensors
+        part, record, layout = prepared.part, prepared.record, prepared.buffer
         assert part.inner is not None, "a part across nodes names the part of its shard"
         held = self._layouts[part.segments]
         link = Link(self.intra)
@@ -411,7 +398,7 @@ class NodesRoute:
         return held
 
     def _pairs(self, part: Part, buffer: Tensor, layout: Tensor) -> Pairs:
-        tensors = segment_views(part, buffer)
+        tensors = part.layout.views(buffer)
         if part.keys[0] is not None:
             return NodeShards(tuple(s.shape for s in part.segments), self.local).pairs(tensors, layout)
         return list(zip(tensors, views(layout, [(s.numel,) for s in part.segments]), strict=True))
