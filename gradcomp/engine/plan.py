@@ -205,9 +205,9 @@ def _segment(segment: Segment) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def traits(spec: Spec) -> Capabilities:
-    """What the planner needs to know of a compressor spec: its record, error feedback's changes
-    included (``Spec.capabilities``; cached per spec)."""
+def declared(spec: Spec) -> Capabilities:
+    """What a compressor spec declares, error feedback's changes included (``Spec.capabilities``):
+    all the planner knows of a compressor. Cached per spec: the planner asks at every decision."""
     return spec.capabilities
 
 
@@ -226,7 +226,7 @@ def segments_of(
             f"do not describe a buffer of {numel}"
         )
     if spec.pieces > 1 and spec.compressor is not None:  # in every bucket: rule "state per tensor"
-        keys, shapes = pieces.cut(keys, shapes, spec.pieces, traits(spec.compressor).piece_multiple, spec.min_numel)
+        keys, shapes = pieces.cut(keys, shapes, spec.pieces, declared(spec.compressor).piece_multiple, spec.min_numel)
     offsets = itertools.accumulate((math.prod(s) for s in shapes), initial=0)
     return tuple(Segment(k, torch.Size(s), o) for k, s, o in zip(keys, shapes, offsets, strict=False))
 
@@ -235,7 +235,7 @@ def needs_tensors(spec: HookSpec) -> bool:
     """Whether planning needs the bucket's keys and shapes: not for an element-wise, stateless
     compressor (``allreduce``, the casts), which compresses the bucket whole, so that a hook need not
     list its parameters, unless a per-tensor policy picks tensors out of it."""
-    return spec.compressor is not None and (not traits(spec.compressor).elementwise or spec.keeps_some_dense)
+    return spec.compressor is not None and (not declared(spec.compressor).elementwise or spec.keeps_some_dense)
 
 
 def plan_bucket(
@@ -277,7 +277,7 @@ class _Warmup:
         if settled:
             return cls(False, None, True)
         where = f"warm-up step {step + 1} of {spec.warmup}"
-        found = traits(spec.compressor)
+        found = declared(spec.compressor)
         if found.ratio is None:
             return cls(True, None, False, f"{where}: uncompressed")
         ratio = warmup_ratio(found.ratio, spec.warmup, step)
@@ -291,7 +291,7 @@ def _spans(spec: HookSpec, segments: tuple[Segment, ...], numel: int) -> list[tu
     when it travels whole (:mod:`gradcomp.engine.pieces`)."""
     assert spec.compressor is not None
     if len(segments) == 1 and segments[0].key is None and not spec.keeps_some_dense:
-        cuts = pieces.spans(numel, spec.pieces, traits(spec.compressor).piece_multiple)
+        cuts = pieces.spans(numel, spec.pieces, declared(spec.compressor).piece_multiple)
         return [(start, stop, (Segment(None, torch.Size((stop - start,)), start),)) for start, stop in cuts]
     groups = pieces.parts([s.numel for s in segments], spec.pieces)
     return [(segments[g.start].offset, segments[g.stop - 1].stop, segments[g.start : g.stop]) for g in groups]
@@ -329,7 +329,7 @@ def _route(spec: HookSpec, world: int, context: Context, warm: _Warmup, segments
     with ``aggregation=auto`` from :data:`TWO_PHASE_FROM` ranks on, except under EF21 (its estimates
     take each aggregate once)."""
     assert spec.compressor is not None
-    found = traits(spec.compressor)
+    found = declared(spec.compressor)
     ef21 = spec.compressor.feedback.variant == "ef21"
     if found.aggregation is Aggregation.SUM:
         name = ALLREDUCE if spec.compressor.name == "none" else spec.compressor.name
@@ -376,7 +376,7 @@ def _runs(spec: HookSpec, segments: tuple[Segment, ...]) -> tuple[Segment, ...]:
     """``segments``, or for an element-wise, stateless compressor its maximal runs of consecutive
     elements, keyless: it compresses a run as the tensors in it one by one."""
     assert spec.compressor is not None
-    if not traits(spec.compressor).elementwise or all(s.key is None for s in segments):
+    if not declared(spec.compressor).elementwise or all(s.key is None for s in segments):
         return segments
     runs: list[Segment] = []
     for s in segments:
