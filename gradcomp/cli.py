@@ -154,7 +154,9 @@ def _type_name(hint: object) -> str:
 
 def _bench_compressors(args: argparse.Namespace) -> int:
     from gradcomp.bench import compressors as bench
+    from gradcomp.bench import launches
     from gradcomp.bench.report import machine, write_report
+    from gradcomp.bench.units import format_elements
 
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -168,9 +170,18 @@ def _bench_compressors(args: argparse.Namespace) -> int:
         f"median of {args.repeats}\n\n"
     )
     sys.stdout.write(bench.format_table(references, rows) + "\n")
+    counted = launches.rows(specs, seed=args.seed)
+    sys.stdout.write(
+        f"### Operators per bucket of {format_elements(counted[0][1].numel)} elements, compress + decompress\n\n"
+        "On an accelerator's paths, each a kernel launch (4-10 us on a GPU): a bucket of one tensor, and one "
+        f"of {counted[0][2].tensors} GPT-shaped tensors holding as many elements (gradcomp.bench.launches).\n\n"
+        + launches.format_table(counted) + "\n"
+    )  # fmt: skip
     if args.json:
         kernels = [r.as_dict() for r in rows]
-        write_report(args.json, host, references=[dataclasses.asdict(r) for r in references], rows=kernels)
+        operators = [{"spec": s, "one": dataclasses.asdict(a), "many": dataclasses.asdict(b)} for s, a, b in counted]
+        write_report(args.json, host, references=[dataclasses.asdict(r) for r in references], rows=kernels,
+                     launches=operators)  # fmt: skip
     return 0
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gradcomp.bench.launches import gpt_shapes
 from gradcomp.cli import main
 from gradcomp.experiments.bench.command import split_hooks
 from gradcomp.experiments.bench.modes import FSDP, NOOP, TORCH_ALLREDUCE
@@ -16,7 +17,8 @@ from gradcomp.experiments.bench.results import Row, combine
 from gradcomp.experiments.bench.runner import failure, run
 from gradcomp.experiments.bench.settings import BenchSettings
 from gradcomp.experiments.bench.table import format_phases, format_table
-from gradcomp.experiments.bench.workloads import user_model
+from gradcomp.experiments.bench.workloads import PRESETS, user_model
+from gradcomp.experiments.tasks import build_task
 from gradcomp.launch import RankError
 
 TORCH_FP16 = "torch:fp16"
@@ -97,7 +99,8 @@ def test_cuda_is_refused_where_there_is_none(capsys: pytest.CaptureFixture[str])
 def test_the_command_refuses_an_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "ddp", "--model", "vgg"])
-    assert "--model takes a preset (mlp, cnn, transformer) or pkg.module:factory, got 'vgg'" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "--model takes a preset (mlp, cnn, transformer, gpt) or pkg.module:factory, got 'vgg'" in error
 
 
 @pytest.mark.parametrize(
@@ -192,11 +195,17 @@ def test_a_real_run_measures_every_variant_and_counts_bytes_exactly() -> None:
     assert alone["topk:ratio=0.01,ef=true"] > alone["fp16"]  # a selection costs more than a cast
 
 
-@pytest.mark.parametrize("preset", ["transformer", "cnn"])
+@pytest.mark.parametrize("preset", ["transformer", "cnn", "gpt"])
 def test_every_preset_trains_on_inputs_made_for_its_model(preset: str) -> None:
     """Token ids for the transformer, images for ResNet-18: the task makes them when the model is built."""
     rows = run(BenchSettings(preset, 2, "loopback", ("fp16",), (), steps=2, rounds=1, warmup=2, timeout=300))
     assert all(r.status == "ok" and r.ms_per_step for r in rows)
+
+
+def test_the_gpt_preset_has_the_many_small_tensors_of_the_models_people_train() -> None:
+    model = build_task("synthetic").build_model(PRESETS["gpt"].model)
+    tensors = [p for p in model.parameters() if p.requires_grad]
+    assert len(tensors) == len(gpt_shapes()) == 150 and sum(p.dim() == 1 for p in tensors) == 99  # biases, norms
 
 
 def test_failures_are_reported_as_hung_or_aborted() -> None:

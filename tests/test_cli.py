@@ -41,6 +41,11 @@ def test_bench_compressors_writes_a_table_and_json(tmp_path: Path, capsys: pytes
     assert fp16["wire_bytes"] == 2 * 4096 and fp16["ratio"] == 2.0
     powersgd = next(r for r in rows if r["spec"].startswith("powersgd") and r["numel"] == 4096)
     assert powersgd["wire_bytes"] == 4 * 2 * (64 + 64)  # 4096 elements are a 64 x 64 matrix
+    # operators per bucket: each spec, and with error feedback; a cast takes any bucket as one run
+    counted = {entry["spec"]: entry for entry in data["launches"]}
+    assert set(counted) >= {"fp16", "fp16:ef=true", "topk:ratio=0.1,method=exact,tolerance=0.2,ef=true"}
+    assert counted["fp16"]["one"]["compress"] == counted["fp16"]["many"]["compress"] > 0
+    assert counted["fp16"]["many"]["tensors"] == 150 and "| `fp16` " in out.split("Operators per bucket")[1]
 
 
 def test_default_specs_all_parse_and_run_on_a_small_tensor() -> None:

@@ -31,6 +31,7 @@ PRESETS = {
     "transformer": Preset(
         "transformer", "chartransformer", 8, "character transformer, 4 layers of width 256, 3.2M parameters"
     ),
+    "gpt": Preset("gpt", "gpt", 8, "GPT-shaped transformer, 12 layers of width 128: 150 tensors, 2.45M parameters"),
 }
 
 

@@ -311,7 +311,7 @@ def add_command(commands: argparse._SubParsersAction) -> None:
     """``gradcomp plan`` (an entry point of the ``gradcomp.commands`` group)."""
     parser = commands.add_parser("plan", help="predict every compressor and algorithm on a cluster; recommend one")
     parser.add_argument("--params", help="the model as N parameters (25M), with --compute-ms")
-    parser.add_argument("--model", help="a preset (mlp, cnn, transformer) or pkg.module:factory")
+    parser.add_argument("--model", help="a preset (mlp, cnn, transformer, gpt) or pkg.module:factory")
     parser.add_argument(
         "--compute-ms", type=float, help="forward + backward + optimizer per step, without communication"
     )

@@ -75,7 +75,7 @@ def add_command(commands: argparse._SubParsersAction) -> None:
     """``gradcomp explain`` (an entry point of the ``gradcomp.commands`` group)."""
     parser = commands.add_parser("explain", help="print what a hook spec does with each bucket of a model, and why")
     parser.add_argument("spec", nargs="?", help="a hook spec, e.g. 'topk:ratio=0.01,ef=true,min_numel=1024'")
-    parser.add_argument("--model", default="mlp", help="a preset (mlp, cnn, transformer) or pkg.module:factory")
+    parser.add_argument("--model", default="mlp", help="a preset (mlp, cnn, transformer, gpt) or pkg.module:factory")
     parser.add_argument("--ranks", type=int, default=2, help="data-parallel ranks (default 2)")
     parser.add_argument("--local-rank", type=int, default=0, help="with local_size: the rank's index in its node")
     parser.add_argument(

@@ -3,7 +3,8 @@
 ``mlp`` is the benchmark MLP 1024-2048-2048-10 (6.32M parameters) on 1024-feature inputs;
 ``resnet18`` the CIFAR-style ResNet-18 (11.2M) on 3x32x32 images; ``chartransformer`` a character
 transformer (4 layers of width 256, 3.2M) on windows of 128 random tokens, predicting the next
-token. A small pool of random samples (generated once, seeded) is cycled through, so no time goes
+token; ``gpt`` the same kind of model GPT-shaped (12 layers of width 128, 150 parameter tensors,
+2.45M) on windows of 64. A small pool of random samples (generated once, seeded) is cycled through, so no time goes
 into making data. There is no evaluation; the headline metric is training steps per second. The
 DDP benchmark (``gradcomp bench ddp``) trains these models.
 """
@@ -22,6 +23,8 @@ from gradcomp.experiments.tasks.base import Batch, ClassificationTask, TaskSpec
 
 VOCABULARY, CONTEXT = 128, 128
 """The character transformer's alphabet and window."""
+GPT_VOCABULARY, GPT_CONTEXT = 256, 64
+"""The GPT-shaped model's vocabulary and window."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +55,8 @@ class SyntheticTask(ClassificationTask):
             "mlp": partial(MLP, 1024, [2048, 2048], 10),
             "resnet18": partial(ResNet18, 10, 3),
             "chartransformer": partial(CharTransformer, VOCABULARY, context=CONTEXT, d_model=256, heads=4, layers=4),
+            # many small tensors, as the models people train have (GPT-2 small: 148): 150 of them
+            "gpt": partial(CharTransformer, GPT_VOCABULARY, context=GPT_CONTEXT, d_model=128, heads=4, layers=12),
         }
         super().__init__("synthetic", (features, labels), (features[:0], labels[:0]), models, {"random": True})
 
@@ -61,8 +66,9 @@ class SyntheticTask(ClassificationTask):
         if (name or self.default_model) == "resnet18":
             side = self.options.image
             self.train_x = torch.randn(self.options.samples, 3, side, side, generator=generator)
-        elif name == "chartransformer":
-            tokens = torch.randint(0, VOCABULARY, (self.options.samples, CONTEXT + 1), generator=generator)
+        elif name in ("chartransformer", "gpt"):
+            vocabulary, context = (VOCABULARY, CONTEXT) if name == "chartransformer" else (GPT_VOCABULARY, GPT_CONTEXT)
+            tokens = torch.randint(0, vocabulary, (self.options.samples, context + 1), generator=generator)
             self.train_x, self.train_y = tokens[:, :-1], tokens[:, 1:]
         return super().build_model(name)
 
@@ -78,5 +84,6 @@ def build(options: Options, data: str | None) -> SyntheticTask:
 
 
 SPEC = TaskSpec(
-    "synthetic", Options, ("mlp", "resnet18", "chartransformer"), build, summary="random data, for steps per second"
+    "synthetic", Options, ("mlp", "resnet18", "chartransformer", "gpt"), build,
+    summary="random data, for steps per second",
 )
