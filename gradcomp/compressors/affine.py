@@ -136,10 +136,12 @@ def encode(flat: Tensor, affine: Affine, chunk: int, generator: torch.Generator 
     y.add_(_magic(y.dtype) + 256 + affine.zero)
     codes = workspace.take("affine.codes", n, torch.uint8, flat.device)
     codes.copy_(_low_bytes(y))  # one strided read; everything after works on contiguous bytes
-    if generator is not None and affine.levels < 255:
-        # Below 255 an overshoot to levels + 1 still fits in the byte; y >= -0.5 never rounds
-        # below 0 (the tie goes to the even 256), so only the top needs clamping. Nearest rounding
-        # needs neither: y is in [0, levels (1 + 2**-22)].
+    if affine.levels < 255:
+        # Below 255 an overshoot to levels + 1 (stochastic rounding) still fits in the byte; y >=
+        # -0.5 never rounds below 0 (the tie goes to the even 256), so only the top needs clamping.
+        # A finite y rounded to the nearest is in [0, levels (1 + 2**-22)], but a NaN's low byte is
+        # anything: a code past the levels would spill into its neighbours' bits when packed, and
+        # a NaN chunk would corrupt another chunk's codes (its own decodes to NaN by its scale).
         codes.clamp_max_(affine.levels)
     return codes
 
