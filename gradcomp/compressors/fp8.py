@@ -25,6 +25,7 @@ from gradcomp.compressors.base import (
     flat_out,
 )
 from gradcomp.compressors.registry import register
+from gradcomp.compressors.rows import ByRows, ChunkRows
 from gradcomp.workspace import Workspace
 
 Format = Literal["e4m3", "e5m2"]
@@ -45,7 +46,7 @@ class Fp8Config(ChunkedConfig):
 
 
 @register
-class Fp8(Compressor):
+class Fp8(ByRows, Compressor):
     """Each chunk is scaled so that its max |x| maps to the format's largest value, then cast.
 
     Wire: 1 byte per element + 4 bytes (the float32 max |x|) per chunk. Error: relative 2**-4 (e4m3)
@@ -106,6 +107,21 @@ class Fp8(Compressor):
         if exact is None:
             result.copy_(values)
         return result.view(ctx.shape)
+
+    @property
+    def chunk(self) -> int:
+        return self.config.chunk
+
+    def encode_rows(self, rows: Tensor, layout: ChunkRows, key: object) -> tuple[Tensor, ...]:
+        (codes, peaks), _ = self.compress(rows.view(-1))  # every row a whole chunk
+        return layout.compact(codes.view(layout.rows, layout.chunk)), peaks  # the pads' codes never travel
+
+    def decode_rows(self, payload: tuple[Tensor, ...], layout: ChunkRows, out: Tensor) -> None:
+        codes, peaks = payload
+        spread = self.workspace.take("codes.rows", layout.rows * layout.chunk, torch.uint8, codes.device)
+        layout.expand(codes, spread.view(layout.rows, layout.chunk))
+        flat = out.view(-1)
+        self.decompress((spread, peaks), Meta(flat.shape, flat.dtype, flat.numel()), out=flat)
 
     def state_dict(self) -> dict[str, Any]:
         return {}

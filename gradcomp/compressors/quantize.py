@@ -32,11 +32,12 @@ from gradcomp.compressors.base import (
 )
 from gradcomp.compressors.randomness import Generators, rank_seed
 from gradcomp.compressors.registry import register
+from gradcomp.compressors.rows import ByRows, ChunkRows
 
 Rounding = Literal["stochastic", "nearest"]
 
 
-class AffineQuantizer(Compressor):
+class AffineQuantizer(ByRows, Compressor):
     """Base of the quantizers: codes = round((x - offset) / step) per chunk, bit-packed.
 
     Payload: ``(packed codes: uint8[ceil(n * bits / 8)], scales: float32[k, chunks])``.
@@ -106,6 +107,30 @@ class AffineQuantizer(Compressor):
         affine.decode(codes, self.affine(scales), self.chunk, result, self.workspace)
         return result.view(ctx.shape)
 
+    @property
+    def by_rows(self) -> bool:
+        return not self.stochastic  # the module ``rows``'s notes: stochastic noise per tensor, for now
+
+    def row_scales(self, rows: Tensor, layout: ChunkRows) -> Tensor:
+        """:meth:`scales` of a part's layout (``ByRows``): every row a chunk, pads as ``pad`` says."""
+        return self.scales(rows.view(-1))
+
+    def encode_rows(self, rows: Tensor, layout: ChunkRows, key: object) -> tuple[Tensor, ...]:
+        scales = self.row_scales(rows, layout)
+        codes = self.encode(rows.view(-1), self.affine(scales), key)
+        kept = layout.compact(codes.view(layout.rows, layout.chunk))  # the pads' codes never travel
+        scratch = self.workspace.take("pack", kept.numel(), torch.uint8, kept.device)
+        return bitpack.pack(kept, self.bits, scratch), scales
+
+    def decode_rows(self, payload: tuple[Tensor, ...], layout: ChunkRows, out: Tensor) -> None:
+        packed, scales = payload
+        codes = self.workspace.take("codes", layout.numel, torch.uint8, packed.device)
+        scratch = self.workspace.take("unpack", layout.numel, torch.uint8, packed.device)
+        bitpack.unpack(packed, self.bits, layout.numel, out=codes, scratch=scratch)
+        spread = self.workspace.take("codes.rows", layout.rows * layout.chunk, torch.uint8, packed.device)
+        layout.expand(codes, spread.view(layout.rows, layout.chunk))
+        affine.decode(spread, self.affine(scales), self.chunk, out.view(-1), self.workspace)
+
     def state_dict(self) -> dict[str, Any]:
         return {"noise": self.noise.state_dict()}
 
@@ -151,6 +176,7 @@ class Quantize(AffineQuantizer):
     name = "quantize"
     Config = QuantizeConfig
     config: QuantizeConfig
+    pad = "first"  # a part's tail rows padded with a value of the chunk: its min and max stay
 
     @classmethod
     def declare(cls, config: CompressorConfig) -> Capabilities:

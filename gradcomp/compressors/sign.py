@@ -13,6 +13,7 @@ from gradcomp.compressors.affine import Affine
 from gradcomp.compressors.base import Capabilities, ChunkedConfig, CompressorConfig, Key
 from gradcomp.compressors.quantize import AffineQuantizer, finite_float32
 from gradcomp.compressors.registry import register
+from gradcomp.compressors.rows import ChunkRows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,18 @@ class Sign(AffineQuantizer):
         # on the CPU, above) tells that from a real Inf. The float64 pass costs more (docs/benchmarks.md).
         means = finite_float32(chunks.reduce(magnitudes, self.chunk, lambda v: v.mean(dim=1, dtype=torch.float64)))
         return means.view(1, -1)
+
+    def row_scales(self, rows: Tensor, layout: ChunkRows) -> Tensor:
+        """Each row's mean |x| over its tensor's elements: a tail row's pads are zeros, its sum
+        divided by its own length."""
+        magnitudes = self.workspace.take("abs", rows.numel(), rows.dtype, rows.device).view(rows.shape)
+        torch.abs(rows, out=magnitudes)
+        lengths = layout.lengths(rows.device)
+        if host.reads_are_free(rows.device):
+            means = magnitudes.sum(dim=1, dtype=torch.float32) / lengths.float()
+            if host.flag(torch.isfinite(means).all()):
+                return means.view(1, -1)
+        return finite_float32(magnitudes.sum(dim=1, dtype=torch.float64) / lengths).view(1, -1)
 
     def affine(self, scales: Tensor) -> Affine:
         # code 0 -> +scale, code 1 -> -scale

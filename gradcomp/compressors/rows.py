@@ -1,0 +1,224 @@
+"""A part of a bucket as rows of chunks: what lets a chunked compressor take every tensor at once.
+
+The chunked compressors (the quantizers, sign, fp8) send a scale per chunk of ``chunk`` consecutive
+elements of a tensor, and a chunk never crosses a tensor's end: each tensor's last chunk may be
+short. :class:`ChunkRows` lays a part's tensors out as one matrix of ``chunk`` columns: first every
+tensor's full chunks, one row each, then every tensor's tail chunk, padded to a whole row. Every
+per-chunk statistic and map is then a row operation on one matrix, the same kernels whatever the
+number of tensors, and the tensors' own chunks and scales are kept (a pad never changes a row's
+statistic: padding is zeros, or the row's first element where a minimum or maximum is taken).
+
+Moving a part in and out of the layout is a few operators for the whole part: the full chunks in one
+``torch.cat``, the tails in one ``torch._foreach_copy_`` (one launch on a GPU), and back the same
+way; codes leave the layout compacted (:meth:`ChunkRows.compact`: the pads never travel) and come
+back expanded. Cost: one extra pass each way over the part (the copy into the layout and back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from gradcomp.compressors.keys import plain
+from gradcomp.compressors.segments import Segments
+
+Pad = Literal["zero", "first"]
+"""What fills a tail row past its tensor's end: zeros (for sums, norms and maxima of |x|), or the
+row's first element (for minima and maxima)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRows:
+    """The rows of ``chunk`` elements a part's tensors make (the module's notes)."""
+
+    chunk: int
+    full: tuple[tuple[int, int], ...]
+    """Per tensor with full chunks: its offset in the part's buffer and how many."""
+    tails: tuple[tuple[int, int], ...]
+    """Per tensor with a short last chunk: that chunk's offset and length."""
+
+    @classmethod
+    @functools.lru_cache(maxsize=256)
+    def of(cls, segments: Segments, chunk: int) -> ChunkRows:
+        """The layout of ``segments`` (kept per layout: parts repeat at every step)."""
+        full, tails = [], []
+        for offset, shape in zip(segments.offsets, segments.shapes, strict=True):
+            count, rest = divmod(math.prod(shape), chunk)
+            if count:
+                full.append((offset, count))
+            if rest:
+                tails.append((offset + count * chunk, rest))
+        return cls(chunk, tuple(full), tuple(tails))
+
+    @functools.cached_property
+    def full_rows(self) -> int:
+        return sum(count for _, count in self.full)
+
+    @property
+    def rows(self) -> int:
+        """Rows of the layout: every chunk of every tensor."""
+        return self.full_rows + len(self.tails)
+
+    @functools.cached_property
+    def numel(self) -> int:
+        """Elements of the tensors (the pads left out)."""
+        return self.full_rows * self.chunk + sum(length for _, length in self.tails)
+
+    def lengths(self, device: torch.device) -> Tensor:
+        """Each row's number of elements (float64): ``chunk``, or its tail's length."""
+        return self._lengths(torch.device(device))
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 - a few devices per layout, kept with it
+    def _lengths(self, device: torch.device) -> Tensor:
+        tails = [length for _, length in self.tails]
+        return torch.tensor([float(self.chunk)] * self.full_rows + tails, dtype=torch.float64, device=device)
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019
+    def _firsts(self, device: torch.device) -> Tensor:
+        """For every element of the tail rows, the offset of its row's first element in the buffer."""
+        offsets = torch.tensor([offset for offset, _ in self.tails], dtype=torch.int64, device=device)
+        return offsets.repeat_interleave(self.chunk)
+
+    def gather(self, buffer: Tensor, out: Tensor, pad: Pad = "zero") -> Tensor:
+        """The part's tensors (in the flat ``buffer``) into the layout ``out`` ((rows, chunk),
+        contiguous): the tail rows filled as ``pad`` says, then every tensor's chunks copied in one
+        foreach copy (one launch on a GPU)."""
+        tails = out[self.full_rows :]
+        if self.tails and pad == "zero":
+            tails.zero_()
+        elif self.tails:
+            torch.index_select(buffer, 0, self._firsts(out.device), out=tails.view(-1))
+        torch._foreach_copy_(*self._pairs(out, buffer))
+        return out
+
+    def scatter(self, rows: Tensor, buffer: Tensor) -> None:
+        """The layout ``rows`` back into the tensors' places in the flat ``buffer`` (cast to its dtype)."""
+        places, homes = self._pairs(rows, buffer)
+        torch._foreach_copy_(homes, places)
+
+    def _pairs(self, rows: Tensor, buffer: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """(each tensor's chunks in the layout, the same in the buffer), full chunks then tails."""
+        chunk, starts = self.chunk, _starts([n for _, n in self.full])
+        places = [rows[s : s + n].view(-1) for s, (_, n) in zip(starts, self.full, strict=True)]
+        places += [rows[self.full_rows + i, :n] for i, (_, n) in enumerate(self.tails)]
+        homes = [buffer[o : o + n * chunk] for o, n in self.full] + [buffer[o : o + n] for o, n in self.tails]
+        return places, homes
+
+    def compact(self, rows: Tensor) -> Tensor:
+        """The layout's elements without the pads, in layout order (what travels), as a new tensor."""
+        pieces = [rows[: self.full_rows].view(-1)]
+        pieces += [rows[self.full_rows + i, :n] for i, (_, n) in enumerate(self.tails)]
+        return torch.cat(pieces)
+
+    def expand(self, flat: Tensor, out: Tensor) -> Tensor:
+        """:meth:`compact`'s inverse into the layout ``out`` in one foreach copy; the pads are left as
+        they were."""
+        body = self.full_rows * self.chunk
+        places = [out[: self.full_rows].view(-1)] + [out[self.full_rows + i, :n] for i, (_, n) in enumerate(self.tails)]
+        starts = _starts([n for _, n in self.tails], body)
+        sources = [flat[:body]] + [flat[s : s + n] for s, (_, n) in zip(starts, self.tails, strict=True)]
+        torch._foreach_copy_(places, sources)
+        return out
+
+
+def _starts(sizes: list[int], first: int = 0) -> list[int]:
+    starts, at = [], first
+    for size in sizes:
+        starts.append(at)
+        at += size
+    return starts
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsMeta:
+    """The context of a part compressed by rows: its layout and the gradients' dtype."""
+
+    layout: ChunkRows
+    dtype: torch.dtype
+
+
+class ByRows:
+    """Part-level compression for a chunked compressor (``Compressor.compress_part`` and the methods
+    beside it): the part's tensors in one :class:`ChunkRows` layout, compressed as one tensor of
+    whole chunks (the same kernels whatever the number of tensors), one payload for the part.
+
+    A compressor mixes it in before :class:`~gradcomp.compressors.base.Compressor` and provides
+    ``chunk``, ``workspace``, :meth:`encode_rows` and :meth:`decode_rows`; ``pad`` says what fills
+    the tail rows. Error feedback, which keeps state per tensor, compresses tensor by tensor.
+
+    Deterministic codes only (:attr:`by_rows`): a part's codes are then the tensors' own. Stochastic
+    rounding draws its noise from each tensor's own random stream, so that what a tensor sends does
+    not depend on which part of which bucket DDP puts it in (rule "state per tensor"): compressed by
+    rows, it would draw from one stream for the part; until its noise comes from a counter (seed,
+    tensor, step, position), it compresses tensor by tensor."""
+
+    pad: Pad = "zero"
+
+    @property
+    def by_rows(self) -> bool:
+        """Whether a part is compressed by rows (else tensor by tensor, as ``Compressor`` does)."""
+        return True
+
+    def encode_rows(self, rows: Tensor, layout: ChunkRows, key: object) -> tuple[Tensor, ...]:
+        """The payload of the layout ``rows`` ((rows, chunk), divided already); ``key`` names the
+        part."""
+        raise NotImplementedError
+
+    def decode_rows(self, payload: tuple[Tensor, ...], layout: ChunkRows, out: Tensor) -> None:
+        """Decode ``payload`` into the layout ``out`` ((rows, chunk); the pads' values are anything)."""
+        raise NotImplementedError
+
+    def compress_part(
+        self, buffer: Tensor, segments: Segments, divisor: float, *, ratio: float | None = None
+    ) -> list[tuple[tuple[Tensor, ...], Any]]:
+        if not self.by_rows:
+            return super().compress_part(buffer, segments, divisor, ratio=ratio)  # type: ignore[misc]
+        layout = ChunkRows.of(segments, self.chunk)  # type: ignore[attr-defined]
+        rows = self._take("rows", layout, buffer.dtype, buffer.device)
+        layout.gather(buffer, rows, self.pad).div_(divisor)
+        key = ("part", tuple(plain(k) for k in segments.keys))
+        return [(self.encode_rows(rows, layout, key), RowsMeta(layout, buffer.dtype))]
+
+    def decompress_part(self, payloads: Sequence[tuple[Tensor, ...]], contexts: Sequence[Any], buffer: Tensor,
+                        segments: Segments) -> None:  # fmt: skip
+        if not isinstance(contexts[0], RowsMeta):  # compressed tensor by tensor
+            super().decompress_part(payloads, contexts, buffer, segments)  # type: ignore[misc]
+            return
+        ((payload,), (meta,)) = (payloads, contexts)
+        decoded = self._take("rows.decoded", meta.layout, buffer.dtype, buffer.device)
+        self.decode_rows(payload, meta.layout, decoded)
+        meta.layout.scatter(decoded, buffer)
+
+    def decompress_sum_part(self, gathered: Sequence[Sequence[tuple[Tensor, ...]]], contexts: Sequence[Any],
+                            buffer: Tensor, segments: Segments) -> None:  # fmt: skip
+        """Every rank's payload decoded and summed in rank order, as ``decompress_sum`` sums a
+        tensor's: in the gradients' dtype, or for half precision each decoded into it and summed
+        in float32, rounded once."""
+        if not isinstance(contexts[0], RowsMeta):  # compressed tensor by tensor
+            super().decompress_sum_part(gathered, contexts, buffer, segments)  # type: ignore[misc]
+            return
+        ((everyone,), (meta,)) = (gathered, contexts)
+        layout, dtype = meta.layout, buffer.dtype
+        half = dtype in (torch.float16, torch.bfloat16)
+        total = self._take("rows.total", layout, torch.float32 if half else dtype, buffer.device)
+        decoded = self._take("rows.decoded", layout, dtype, buffer.device)
+        for rank, payload in enumerate(everyone):
+            if rank == 0 and not half:
+                self.decode_rows(payload, layout, total)
+                continue
+            self.decode_rows(payload, layout, decoded)
+            if rank == 0:
+                total.copy_(decoded)
+            else:
+                total.add_(decoded)
+        layout.scatter(total, buffer)
+
+    def _take(self, name: str, layout: ChunkRows, dtype: torch.dtype, device: torch.device) -> Tensor:
+        workspace = self.workspace  # type: ignore[attr-defined]
+        return workspace.take(name, layout.rows * layout.chunk, dtype, device).view(layout.rows, layout.chunk)

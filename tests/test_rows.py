@@ -1,0 +1,117 @@
+"""A part of a bucket as rows of chunks: the layout moves every element once, and the chunked
+compressors that compress a part by rows send what they send tensor by tensor, in a number of
+operators that does not grow with the tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradcomp.bench.launches import compare
+from gradcomp.compressors import Segments, make_compressor
+from gradcomp.compressors.bitpack import packed_size
+from gradcomp.compressors.rows import ChunkRows, RowsMeta
+
+SHAPES = [torch.Size(s) for s in [(40, 30), (30,), (0,), (7,), (64, 16), (1025,), (3, 1, 2)]]
+CHUNK = 16
+
+
+def segments(shapes: list[torch.Size], start: int = 0) -> Segments:
+    sizes = [math.prod(s) for s in shapes]
+    offsets = tuple(start + sum(sizes[:i]) for i in range(len(sizes)))
+    return Segments(offsets, tuple(shapes), tuple(range(len(shapes))))
+
+
+def bucket(numel: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(numel, generator=generator) * torch.rand(numel, generator=generator) * 5).to(dtype)
+
+
+def test_the_layout_holds_every_chunk_of_every_tensor_once_and_puts_it_back() -> None:
+    part = segments(SHAPES, start=3)  # the part starts inside the buffer
+    layout = ChunkRows.of(part, CHUNK)
+    numel = sum(math.prod(s) for s in SHAPES)
+    assert layout.numel == numel and layout.rows == sum(-(-math.prod(s) // CHUNK) for s in SHAPES)
+    buffer = torch.arange(3 + numel, dtype=torch.float32)
+    rows = layout.gather(buffer, torch.full((layout.rows, CHUNK), -1.0), "zero")
+    assert sorted(layout.compact(rows).tolist()) == list(range(3, 3 + numel))  # each element once, no pad
+    back = torch.zeros_like(buffer)
+    layout.scatter(rows, back)
+    assert torch.equal(back[3:], buffer[3:]) and back[:3].eq(0).all()
+    tails = rows[layout.full_rows :]
+    lengths = layout.lengths(buffer.device)[layout.full_rows :].long()
+    assert all(tails[i, n:].eq(0).all() for i, n in enumerate(lengths.tolist()))  # zero pads
+    first = layout.gather(buffer, torch.empty_like(rows), "first")[layout.full_rows :]
+    assert all(first[i, n:].eq(first[i, 0]).all() for i, n in enumerate(lengths.tolist()))  # min and max kept
+
+
+def test_compact_and_expand_are_inverse_on_the_tensors_elements() -> None:
+    layout = ChunkRows.of(segments(SHAPES), CHUNK)
+    rows = torch.randn(layout.rows, CHUNK)
+    spread = layout.expand(layout.compact(rows), torch.zeros_like(rows))
+    assert torch.equal(layout.compact(spread), layout.compact(rows))
+
+
+DETERMINISTIC = ["sign", "quantize:bits=4,rounding=nearest", "quantize:bits=2,rounding=nearest,chunk=16",
+                 "fp8:format=e4m3", "fp8:format=e5m2,chunk=64"]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("spec", DETERMINISTIC)
+def test_a_part_by_rows_decodes_bitwise_as_its_tensors_one_by_one(spec: str, dtype: torch.dtype) -> None:
+    """Two ranks' payloads summed: the same values as tensor by tensor, in fewer bytes (the part's
+    codes packed together: each tensor's own no longer rounds up to a byte). Bitwise, but for
+    sign's short chunks: a tail row's mean |x| sums its zero pads too, in another order, which may
+    move the scale by one rounding (full chunks are bitwise)."""
+    part = segments(SHAPES)
+    numel = sum(math.prod(s) for s in SHAPES)
+    x, y = bucket(numel, 1, dtype), bucket(numel, 2, dtype)
+    x[5] = float("nan")  # a non-finite value stays in its own chunk
+    compressor = make_compressor(spec)
+    states = [compressor.compress_part(t.clone(), part, 2.0) for t in (x, y)]
+    assert len(states[0]) == 1 and isinstance(states[0][0][1], RowsMeta)  # one payload for the part
+    out = torch.empty_like(x)
+    compressor.decompress_sum_part([[states[0][0][0], states[1][0][0]]], [states[0][0][1]], out, part)
+    reference = torch.empty_like(x)
+    one = make_compressor(spec)
+    for offset, shape, tensors in zip(part.offsets, part.shapes, ((x, y),) * len(SHAPES), strict=True):
+        n = math.prod(shape)
+        pair = [one.compress_divided(t[offset : offset + n].clone().view(shape), 2.0) for t in tensors]
+        reference[offset : offset + n] = one.decompress_sum([p for p, _ in pair], pair[0][1]).view(-1)
+        assert pair[0][1].numel == n
+    assert torch.equal(out.isnan(), reference.isnan()) and out.isnan()[:1200].any()
+    # sign's tails: each rank's scale within a rounding (its sum's order), so the sum of two within
+    # two roundings of the largest scale
+    rounding = 4 * torch.finfo(torch.float32).eps * float(torch.nan_to_num(reference).abs().max())
+    torch.testing.assert_close(torch.nan_to_num(out), torch.nan_to_num(reference), rtol=0,
+                               atol=rounding if spec == "sign" else 0.0)  # fmt: skip
+    full = ChunkRows.of(part, compressor.capabilities.piece_multiple).full
+    for offset, count in full:  # full chunks: bitwise for every compressor
+        span = slice(offset, offset + count * compressor.capabilities.piece_multiple)
+        assert torch.equal(torch.nan_to_num(out[span]), torch.nan_to_num(reference[span]))
+    per_tensor = sum(one.wire_bytes(one.compress(x[o : o + math.prod(s)].view(s))[0])
+                     for o, s in zip(part.offsets, part.shapes, strict=True))  # fmt: skip
+    assert compressor.wire_bytes(states[0][0][0]) <= per_tensor
+
+
+def test_the_part_payload_is_every_code_once_and_a_scale_per_chunk() -> None:
+    compressor = make_compressor("quantize:bits=3,rounding=nearest,chunk=16")
+    part = segments(SHAPES)
+    ((payload, meta),) = compressor.compress_part(bucket(sum(math.prod(s) for s in SHAPES)), part, 1.0)
+    packed, scales = payload
+    assert packed.numel() == packed_size(meta.layout.numel, 3) and scales.shape == (2, meta.layout.rows)
+
+
+def test_stochastic_rounding_compresses_tensor_by_tensor() -> None:
+    """Its noise comes from each tensor's own stream (rule "state per tensor")."""
+    part = segments([torch.Size((1000,))] * 2)
+    states = make_compressor("quantize:bits=4").compress_part(bucket(2 * 1000), part, 2.0)
+    assert len(states) == 2 and not isinstance(states[0][1], RowsMeta)
+
+
+@pytest.mark.parametrize("spec", ["sign", "quantize:bits=4,rounding=nearest", "fp8:format=e4m3"])
+def test_operators_per_bucket_do_not_grow_with_its_tensors(spec: str) -> None:
+    one, many = compare(spec)
+    assert many.tensors == 150 and abs(many.total - one.total) <= 4, (one, many)
