@@ -108,7 +108,9 @@ def train(rank: int, hook: str | None, habit: str, *, summed: bool = False) -> d
         "first": net.body[0].weight.detach().clone(),
         "frozen": frozen,
         "steps": len(state.steps()) if state is not None else STEPS,
-        "choice": sorted(getattr(state, "choice", {}).items()),  # auto's, which it makes from timings
+        # auto's choice and the steps it took it at, which it makes from timings (a loaded machine's
+        # probe may not fit: it measures again at the next step, with the same choice a step later)
+        "choice": (sorted(getattr(state, "choice", {}).items()), [d["step"] for d in getattr(state, "decisions", [])]),
     }
 
 

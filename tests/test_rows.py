@@ -115,3 +115,69 @@ def test_stochastic_rounding_compresses_tensor_by_tensor() -> None:
 def test_operators_per_bucket_do_not_grow_with_its_tensors(spec: str) -> None:
     one, many = compare(spec)
     assert many.tensors == 150 and abs(many.total - one.total) <= 4, (one, many)
+
+
+def _steps(compressor: object, part: Segments, inputs: list[torch.Tensor], per_tensor: bool) -> list[torch.Tensor]:
+    """Each input through compress_part and decompress_sum_part (one rank), by rows or the
+    base class's tensor by tensor."""
+    from gradcomp.compressors import Compressor
+
+    outputs = []
+    for x in inputs:
+        owner = Compressor if per_tensor else type(compressor)
+        states = owner.compress_part(compressor, x.clone(), part, 2.0)  # type: ignore[attr-defined]
+        out = torch.empty_like(x)
+        gathered = [[p] for p, _ in states] if per_tensor else [[p for p, _ in states]]
+        owner.decompress_sum_part(compressor, gathered, [c for _, c in states], out, part)  # type: ignore[attr-defined]
+        outputs.append(out)
+    return outputs
+
+
+@pytest.mark.parametrize("spec", ["quantize:bits=4,rounding=nearest,ef=true", "fp8:format=e4m3,ef=true",
+                                  "sign:ef=true"])  # fmt: skip
+def test_error_feedback_by_rows_keeps_each_tensors_residual_as_tensor_by_tensor(spec: str) -> None:
+    """Four steps, the third with a NaN in one tensor (its residual stays, the others move on):
+    outputs and residuals bitwise those of error feedback tensor by tensor (sign: within a rounding
+    of its scales), the residual read back per key and resumed from a checkpoint."""
+    part = segments(SHAPES)
+    numel = sum(math.prod(s) for s in SHAPES)
+    inputs = [bucket(numel, step) for step in range(4)]
+    inputs[2][1240] = float("nan")  # the (64, 16) tensor at 1237
+    by_rows, per_tensor = make_compressor(spec), make_compressor(spec)
+    ours, theirs = _steps(by_rows, part, inputs[:3], False), _steps(per_tensor, part, inputs[:3], True)
+    bound = 0.0 if not spec.startswith("sign") else 1e-5
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(torch.nan_to_num(a), torch.nan_to_num(b), rtol=0, atol=bound)
+    assert not torch.isfinite(ours[2][1237:2261]).all() and torch.isfinite(ours[2][:1237]).all()
+    saved = by_rows.state_dict()  # every key's residual, out of the rows
+    assert sorted(k for k in saved_keys(saved)) == sorted(per_tensor.residuals)
+    for key, residual in per_tensor.residuals.items():
+        torch.testing.assert_close(by_rows.residuals[key], residual, rtol=0, atol=bound)
+    resumed = make_compressor(spec)
+    resumed.load_state_dict(saved)
+    again, straight = _steps(resumed, part, inputs[3:], False), _steps(by_rows, part, inputs[3:], False)
+    assert torch.equal(again[0], straight[0])
+    taken = by_rows.take_residual(4)  # held by the rows: brought out, and forgotten there
+    assert taken is not None and taken.shape == SHAPES[4] and 4 not in by_rows.residuals
+
+
+def saved_keys(state: dict[str, object]) -> list[object]:
+    return [entry["key"] for entry in state["residuals"]]  # type: ignore[attr-defined]
+
+
+def test_a_regrouped_bucket_takes_its_tensors_residuals_along() -> None:
+    """DDP regroups its buckets after its first step: the residuals move from one part's rows to
+    another's, as they move between buckets tensor by tensor."""
+    spec = "quantize:bits=4,rounding=nearest,ef=true"
+    whole, first, second = segments(SHAPES), segments(SHAPES[:4]), segments(SHAPES[4:])
+    numel = sum(math.prod(s) for s in SHAPES)
+    split = sum(math.prod(s) for s in SHAPES[:4])
+    regrouped = Segments(second.offsets, second.shapes, tuple(range(4, len(SHAPES))))
+    by_rows, per_tensor = make_compressor(spec), make_compressor(spec)
+    x, y = bucket(numel, 1), bucket(numel, 2)
+    for compressor, flag in ((by_rows, False), (per_tensor, True)):
+        _steps(compressor, whole, [x], flag)
+        _steps(compressor, first, [y[:split]], flag)
+        _steps(compressor, regrouped, [y[split:].clone()], flag)
+    for key, residual in per_tensor.residuals.items():
+        assert torch.equal(by_rows.residuals[key], residual), key

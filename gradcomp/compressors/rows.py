@@ -42,19 +42,23 @@ class ChunkRows:
     """Per tensor with full chunks: its offset in the part's buffer and how many."""
     tails: tuple[tuple[int, int], ...]
     """Per tensor with a short last chunk: that chunk's offset and length."""
+    owners: tuple[int, ...] = ()
+    """Per row, the index of its tensor in the segments."""
 
     @classmethod
     @functools.lru_cache(maxsize=256)
     def of(cls, segments: Segments, chunk: int) -> ChunkRows:
         """The layout of ``segments`` (kept per layout: parts repeat at every step)."""
-        full, tails = [], []
-        for offset, shape in zip(segments.offsets, segments.shapes, strict=True):
+        full, tails, full_owners, tail_owners = [], [], [], []
+        for index, (offset, shape) in enumerate(zip(segments.offsets, segments.shapes, strict=True)):
             count, rest = divmod(math.prod(shape), chunk)
             if count:
                 full.append((offset, count))
+                full_owners += [index] * count
             if rest:
                 tails.append((offset + count * chunk, rest))
-        return cls(chunk, tuple(full), tuple(tails))
+                tail_owners.append(index)
+        return cls(chunk, tuple(full), tuple(tails), tuple(full_owners + tail_owners))
 
     @functools.cached_property
     def full_rows(self) -> int:
@@ -78,6 +82,25 @@ class ChunkRows:
     def _lengths(self, device: torch.device) -> Tensor:
         tails = [length for _, length in self.tails]
         return torch.tensor([float(self.chunk)] * self.full_rows + tails, dtype=torch.float64, device=device)
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019
+    def pads(self, device: torch.device) -> Tensor:
+        """(rows, chunk) bools: True at the pads (past a tail's end)."""
+        lengths = self.lengths(device).long()
+        return torch.arange(self.chunk, device=device) >= lengths[:, None]
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019
+    def row_owners(self, device: torch.device) -> Tensor:
+        """Per row, the index of its tensor (int64): what per-tensor decisions are spread by."""
+        return torch.tensor(self.owners, dtype=torch.int64, device=device)
+
+    def repad_first(self, rows: Tensor) -> None:
+        """The tail rows' pads set to each row's first element again (after an element-wise change
+        of the layout: a minimum or maximum taken over the row must not see the old pads)."""
+        if self.tails:
+            tails = rows[self.full_rows :]
+            first = tails[:, :1].clone()  # the where writes over its own row
+            torch.where(self.pads(rows.device)[self.full_rows :], first, tails, out=tails)
 
     @functools.lru_cache(maxsize=8)  # noqa: B019
     def _firsts(self, device: torch.device) -> Tensor:

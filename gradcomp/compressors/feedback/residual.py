@@ -21,6 +21,7 @@ from torch import Tensor
 from gradcomp import host
 from gradcomp.compressors.base import Compressor, Key, Payload
 from gradcomp.compressors.feedback.memory import FeedbackContext, entries, keyed, state_for
+from gradcomp.compressors.feedback.rows import ResidualRows
 from gradcomp.compressors.finite import finite, keep_if, payload_finite
 from gradcomp.workspace import Workspace
 
@@ -30,9 +31,19 @@ class Residuals:
 
     def __init__(self) -> None:
         self.residuals: dict[Key, Tensor] = {}
-        """The residual e per key: what compression left behind, sent with the key's next step."""
+        """The residual e per key: what compression left behind, sent with the key's next step (a
+        key of a part compressed by rows is held in :attr:`by_rows` meanwhile: :meth:`released`)."""
+        self.by_rows = ResidualRows()
+        """The residuals of the parts compressed by rows (:mod:`gradcomp.compressors.feedback.rows`)."""
+
+    def released(self) -> dict[Key, Tensor]:
+        """:attr:`residuals`, every key in it (those held by rows brought back out)."""
+        self.by_rows.release_all(self.residuals)
+        return self.residuals
 
     def carried(self, key: Key, like: Tensor) -> Tensor:
+        if key in self.by_rows.holder:
+            self.by_rows.release(self.residuals, self.by_rows.holder[key])
         return state_for(self.residuals, key, like, "residual")
 
     def fold(self, share: Tensor, carried: Tensor) -> None:
@@ -79,13 +90,16 @@ class Residuals:
     def take(self, key: Key) -> Tensor | None:
         """The residual, exactly: what compression left behind, sent later by whoever takes it, as
         the next steps here would have sent it."""
+        if key in self.by_rows.holder:
+            self.by_rows.release(self.residuals, self.by_rows.holder[key])
         return self.residuals.pop(key, None)
 
     def tensors(self) -> list[Tensor]:
-        return list(self.residuals.values())
+        return [*self.residuals.values(), *self.by_rows.tensors()]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"residuals": entries(self.residuals, "residual")}
+        return {"residuals": entries(self.released(), "residual")}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.residuals = keyed(state["residuals"], "residual")
+        self.by_rows = ResidualRows()

@@ -20,6 +20,7 @@ from gradcomp.compressors.base import (
     check_gradient,
 )
 from gradcomp.compressors.capabilities import ratio_option
+from gradcomp.compressors.feedback import rows as by_rows
 from gradcomp.compressors.feedback.clipping import Clipping
 from gradcomp.compressors.feedback.ef21 import Estimates
 from gradcomp.compressors.feedback.memory import FeedbackContext, Memory, buffer_for
@@ -27,6 +28,8 @@ from gradcomp.compressors.feedback.momentum import MomentumCorrection
 from gradcomp.compressors.feedback.options import Feedback
 from gradcomp.compressors.feedback.residual import Residuals
 from gradcomp.compressors.finite import finite
+from gradcomp.compressors.rows import RowsMeta
+from gradcomp.compressors.segments import Segments
 
 
 class ErrorFeedback(Compressor):
@@ -98,7 +101,7 @@ class ErrorFeedback(Compressor):
     @property
     def residuals(self) -> Mapping[Key, Tensor]:
         """Classic error feedback's residual e per key (empty under EF21)."""
-        return self.memory.residuals if isinstance(self.memory, Residuals) else {}
+        return self.memory.released() if isinstance(self.memory, Residuals) else {}
 
     @property
     def shares(self) -> Mapping[Key, Tensor]:
@@ -218,6 +221,35 @@ class ErrorFeedback(Compressor):
             self._compensated[ctx.key] = free
         if self.momentum is not None:
             self.momentum.commit(ctx.key, sent, ok)
+
+    # -- a part of a bucket at once ----------------------------------------------------------------------
+
+    @functools.cached_property
+    def _by_rows(self) -> bool:
+        """Whether a part is compressed by rows (:mod:`gradcomp.compressors.feedback.rows`): classic
+        error feedback alone, around a single-round compressor that compresses by rows."""
+        return self._fused and getattr(self.inner, "by_rows", False) and self.capabilities.rounds == 1
+
+    def compress_part(
+        self, buffer: Tensor, segments: Segments, divisor: float, *, ratio: float | None = None
+    ) -> list[tuple[Payload, Any]]:
+        if not self._by_rows:
+            return super().compress_part(buffer, segments, divisor, ratio=ratio)
+        return by_rows.compress_part(self, buffer, segments, divisor)
+
+    def decompress_part(self, payloads: Sequence[Payload], contexts: Sequence[Any], buffer: Tensor,
+                        segments: Segments) -> None:  # fmt: skip
+        if contexts and isinstance(contexts[0], RowsMeta):  # classic error feedback hands the aggregate on
+            self.inner.decompress_part(payloads, contexts, buffer, segments)
+        else:
+            super().decompress_part(payloads, contexts, buffer, segments)
+
+    def decompress_sum_part(self, gathered: Sequence[Sequence[Payload]], contexts: Sequence[Any], buffer: Tensor,
+                            segments: Segments) -> None:  # fmt: skip
+        if contexts and isinstance(contexts[0], RowsMeta):
+            self.inner.decompress_sum_part(gathered, contexts, buffer, segments)
+        else:
+            super().decompress_sum_part(gathered, contexts, buffer, segments)
 
     # -- decompressing --------------------------------------------------------------------------------
 

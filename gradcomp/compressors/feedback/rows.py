@@ -1,0 +1,128 @@
+"""Classic error feedback on a part of a bucket at once, for a compressor that compresses by rows.
+
+When the wrapped compressor compresses a part of a bucket as one (:class:`~gradcomp.compressors.rows.ByRows`:
+sign, quantize with nearest rounding, fp8), error feedback follows it: the part's residuals live in
+the same layout (:class:`ResidualRows`: one buffer of rows for the part, each tensor's residual in
+its rows), the compensated gradient is formed for the whole part in one fused add, and the residual
+is settled for the whole part, each tensor kept as it was where its own step was not finite (rule
+"one bad step", decided per tensor on the device). The operators per bucket then do not grow with
+its tensors. The residuals stay per tensor: read by key (a checkpoint, ``take_residual``, a warm-up
+step) they come back out of the rows into per-key tensors, and go back in at the next step.
+
+Classic error feedback alone (``ef=true`` without ``momentum``, ``clip``, or ``ef=ef21``), single-
+round compressors: the other variants compress tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from gradcomp import host
+from gradcomp.compressors.base import Key
+from gradcomp.compressors.keys import plain
+from gradcomp.compressors.rows import ChunkRows, RowsMeta
+from gradcomp.compressors.segments import Segments
+
+if TYPE_CHECKING:
+    from gradcomp.compressors.feedback.wrapper import ErrorFeedback
+
+
+class ResidualRows:
+    """The residuals of the parts compressed by rows: per part, its layout's buffer of rows (pads
+    zero); per key, which part holds it. The per-key residuals are the truth between such steps."""
+
+    def __init__(self) -> None:
+        self.parts: dict[tuple[Key, ...], tuple[Segments, ChunkRows, Tensor]] = {}
+        self.holder: dict[Key, tuple[Key, ...]] = {}
+        """Per key, the part whose rows hold its residual (absent: the per-key residual holds it)."""
+
+    def rows(self, residuals: dict[Key, Tensor], segments: Segments, layout: ChunkRows, like: Tensor) -> Tensor:
+        """The part's residual rows: made from the per-key residuals the first time (which then
+        leave ``residuals``), zeros for a key that has none."""
+        held = self.parts.get(segments.keys)
+        if held is not None:
+            return held[2]
+        for key in segments.keys:
+            if key in self.holder:  # another part holds it: DDP regrouped its buckets
+                self.release(residuals, self.holder[key])
+        flat = like.new_zeros(_end(segments))
+        for offset, shape, key in zip(segments.offsets, segments.shapes, segments.keys, strict=True):
+            residual = residuals.pop(key, None)
+            if residual is not None:
+                _check(key, residual, shape, like)
+                flat[offset : offset + math.prod(shape)] = residual.reshape(-1)
+        rows = layout.gather(flat, like.new_empty(layout.rows, layout.chunk), "zero")
+        self.parts[segments.keys] = (segments, layout, rows)
+        self.holder.update(dict.fromkeys(segments.keys, segments.keys))
+        return rows
+
+    def release(self, residuals: dict[Key, Tensor], part: tuple[Key, ...]) -> None:
+        """The part's residuals back into per-key tensors, and its rows forgotten."""
+        segments, layout, rows = self.parts.pop(part)
+        flat = rows.new_zeros(_end(segments))
+        layout.scatter(rows, flat)
+        for offset, shape, key in zip(segments.offsets, segments.shapes, segments.keys, strict=True):
+            residuals[key] = flat[offset : offset + math.prod(shape)].view(shape).clone()
+            del self.holder[key]
+
+    def release_all(self, residuals: dict[Key, Tensor]) -> None:
+        for part in list(self.parts):
+            self.release(residuals, part)
+
+    def tensors(self) -> list[Tensor]:
+        return [rows for _, _, rows in self.parts.values()]
+
+
+def compress_part(ef: ErrorFeedback, buffer: Tensor, segments: Segments, divisor: float) -> list[tuple[Any, Any]]:
+    """:meth:`ErrorFeedback.compress_part` by rows: residual + g / p for the whole part, compressed
+    as one, the residual settled per tensor (the module's notes). Bitwise the per-tensor steps'
+    compensated gradients and residuals, for a wrapped compressor whose rows decode bitwise."""
+    inner, memory = ef.inner, ef.memory
+    layout = ChunkRows.of(segments, inner.chunk)  # type: ignore[attr-defined]
+    residual = memory.by_rows.rows(memory.residuals, segments, layout, buffer)  # type: ignore[attr-defined]
+    shape = (layout.rows, layout.chunk)
+    compensated = ef.workspace.take("ef.rows", residual.numel(), buffer.dtype, buffer.device).view(shape)
+    layout.gather(buffer, compensated, "zero")
+    torch.addcdiv(residual, compensated, ef._divisor(divisor, buffer), out=compensated)  # as the per-tensor add
+    if inner.pad == "first":  # type: ignore[attr-defined]
+        layout.repad_first(compensated)
+    payload = inner.encode_rows(compensated, layout, ("part", tuple(plain(k) for k in segments.keys)))  # type: ignore[attr-defined]
+    contribution = ef.workspace.take("ef.contribution", residual.numel(), buffer.dtype, buffer.device).view(shape)
+    inner.decode_rows(payload, layout, contribution)  # type: ignore[attr-defined]
+    pads = layout.pads(buffer.device)
+    contribution.masked_fill_(pads, 0)  # a pad's code never travelled: what it decodes to is nothing
+    torch.sub(compensated, contribution, out=compensated)
+    compensated.masked_fill_(pads, 0)  # the residual's pads stay zero
+    ok = _finite_per_tensor(contribution, layout, len(segments))
+    if host.reads_are_free(buffer.device) and host.flag(ok.all()):
+        residual.copy_(compensated)
+    else:  # a tensor whose step was not finite keeps its residual (rule "one bad step")
+        torch.where(ok[:, None], compensated, residual, out=residual)
+    return [(payload, RowsMeta(layout, buffer.dtype))]
+
+
+def _finite_per_tensor(contribution: Tensor, layout: ChunkRows, tensors: int) -> Tensor:
+    """Per row, whether every element of its tensor's contribution is finite (a NaN or Inf input
+    makes its own contribution non-finite, by the input policy), decided on the device."""
+    owners = layout.row_owners(contribution.device)
+    bad_rows = (~torch.isfinite(contribution).all(dim=1)).to(torch.int32)
+    bad = torch.zeros(tensors, dtype=torch.int32, device=contribution.device).index_add_(0, owners, bad_rows)
+    return (bad == 0)[owners]
+
+
+def _end(segments: Segments) -> int:
+    """Where the part ends in its buffer (its first element's offset and more before it)."""
+    return max((o + math.prod(s) for o, s in zip(segments.offsets, segments.shapes, strict=True)), default=0)
+
+
+def _check(key: Key, residual: Tensor, shape: torch.Size, like: Tensor) -> None:
+    if residual.shape != shape or residual.dtype != like.dtype or residual.device != like.device:
+        raise ValueError(
+            f"error feedback key {key!r} held a {residual.dtype} residual of shape {tuple(residual.shape)} on "
+            f"{residual.device}, now gets {like.dtype} of shape {tuple(shape)} on {like.device}: "
+            "give every tensor its own key"
+        )
