@@ -188,3 +188,24 @@ def test_compute_is_measured_with_when_each_gradient_is_ready() -> None:
     assert {workload.shapes[0], workload.shapes[1]} == {(4,), (4, 32)}  # the last layer's gradients come first
     assert min(workload.forward_s, workload.backward_s, workload.optimizer_s) > 0
     assert math.isclose(workload.compute_s, workload.forward_s + workload.backward_s + workload.optimizer_s)
+
+
+def test_a_compressor_that_takes_a_whole_part_pays_its_fixed_costs_once() -> None:
+    """Kernels with a fixed cost per call (100 us, then 1 ns per element): priced per tensor for a
+    compressor that runs tensor by tensor, once for the part for one that compresses it whole."""
+    from gradcomp.bench.launches import gpt_shapes
+    from gradcomp.cost.cluster import Cluster
+    from gradcomp.cost.kernels import KernelCost
+    from gradcomp.cost.step import bucket_cost, method_of
+
+    fixed = KernelCost((1, 10**6), (1e-4, 1e-4 + 1e-3), (0.0, 0.0), (1e-4, 1e-4 + 1e-3), (0.0, 0.0))
+    shapes = [tuple(s) for s in gpt_shapes()]
+    numel = sum(math.prod(s) for s in shapes)
+    link = Cluster(2, LinkCosts(1e-4, 1e-8))
+
+    def compress_s(spec: str, layout: list[tuple[int, ...]]) -> float:
+        return bucket_cost(layout, method_of(spec), link, lambda _: fixed).compress
+
+    one = [(numel,)]
+    assert compress_s("sign:ef=true", shapes) == pytest.approx(compress_s("sign:ef=true", one))
+    assert compress_s("quantize:bits=4", shapes) > compress_s("quantize:bits=4", one) + 100 * 1e-4

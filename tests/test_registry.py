@@ -112,9 +112,11 @@ def test_a_spec_declares_what_its_compressor_does(spec: str, feedback: str) -> N
     if feedback:
         inner, outer = built.codec.capabilities, built.capabilities
         changed = {f.name for f in dataclasses.fields(Capabilities) if getattr(inner, f.name) != getattr(outer, f.name)}
-        assert changed <= {"elementwise", "local", "unbiased", "feedback_problem"}
+        assert changed <= {"elementwise", "local", "unbiased", "feedback_problem", "whole_part"}
         assert not outer.elementwise and not outer.unbiased
         assert outer.local == (inner.local and "clip" not in feedback)
+        classic = feedback == "ef=true"  # a whole part at once: classic error feedback alone
+        assert outer.whole_part == (inner.whole_part and classic and inner.rounds == 1)
 
 
 def test_a_record_refuses_what_cannot_hold() -> None:

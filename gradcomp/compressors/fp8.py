@@ -67,7 +67,9 @@ class Fp8(ByRows, Compressor):
     def declare(cls, config: CompressorConfig) -> Capabilities:
         assert isinstance(config, Fp8Config)
         # codes and peaks: sized by the tensor alone; each chunk scaled and cast on its own
-        return Capabilities(Aggregation.GATHER, local=True, piece_multiple=config.chunk, same_shapes=True)
+        # deterministic codes: a whole part at once (gradcomp.compressors.rows)
+        return Capabilities(Aggregation.GATHER, local=True, piece_multiple=config.chunk, same_shapes=True,
+                            whole_part=True)  # fmt: skip
 
     def compress(
         self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None

@@ -107,10 +107,6 @@ class AffineQuantizer(ByRows, Compressor):
         affine.decode(codes, self.affine(scales), self.chunk, result, self.workspace)
         return result.view(ctx.shape)
 
-    @property
-    def by_rows(self) -> bool:
-        return not self.stochastic  # the module ``rows``'s notes: stochastic noise per tensor, for now
-
     def row_scales(self, rows: Tensor, layout: ChunkRows) -> Tensor:
         """:meth:`scales` of a part's layout (``ByRows``): every row a chunk, pads as ``pad`` says."""
         return self.scales(rows.view(-1))
@@ -189,7 +185,10 @@ class Quantize(AffineQuantizer):
                 "so error feedback's residual grows without bound; at 1 bit take sign:ef=true, or bits=2"
             )
         unbiased = config.rounding == "stochastic"
-        return dataclasses.replace(super().declare(config), unbiased=unbiased, feedback_problem=problem)
+        # a whole part at once: deterministic codes only (stochastic noise is per tensor, for now:
+        # gradcomp.compressors.rows)
+        return dataclasses.replace(super().declare(config), unbiased=unbiased, feedback_problem=problem,
+                                   whole_part=not unbiased)  # fmt: skip
 
     @property
     def bits(self) -> int:

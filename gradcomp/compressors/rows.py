@@ -185,8 +185,9 @@ class ByRows:
 
     @property
     def by_rows(self) -> bool:
-        """Whether a part is compressed by rows (else tensor by tensor, as ``Compressor`` does)."""
-        return True
+        """Whether a part is compressed by rows (else tensor by tensor, as ``Compressor`` does): what
+        the compressor declares (``Capabilities.whole_part``)."""
+        return bool(self.capabilities.whole_part)  # type: ignore[attr-defined]
 
     def encode_rows(self, rows: Tensor, layout: ChunkRows, key: object) -> tuple[Tensor, ...]:
         """The payload of the layout ``rows`` ((rows, chunk), divided already); ``key`` names the

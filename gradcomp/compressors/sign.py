@@ -37,7 +37,8 @@ class Sign(AffineQuantizer):
 
     @classmethod
     def declare(cls, config: CompressorConfig) -> Capabilities:
-        return dataclasses.replace(super().declare(config), unbiased=False)  # deterministic: the sign
+        # deterministic (the sign): biased, and a whole part at once (gradcomp.compressors.rows)
+        return dataclasses.replace(super().declare(config), unbiased=False, whole_part=True)
 
     @property
     def bits(self) -> int:

@@ -223,8 +223,10 @@ def part_cost(part: Part, method: Method, cluster: Cluster, kernels: Callable[[s
     spec = parse_spec("none") if part.route is Route.DENSE else method.compressor
     assert spec is not None
     kernel, rounds = kernels(str(spec)), _payload_rounds(spec, part)
-    # an uncompressed part travels as one flat buffer: priced whole, as the all-reduce hook's bucket
-    sizes = [part.numel] if part.route is Route.DENSE else [s.numel for s in part.segments]
+    # an uncompressed part travels as one flat buffer, and a compressor that takes a whole part at
+    # once runs its kernels once for it: priced as one tensor of the part's elements
+    whole = part.route is Route.DENSE or spec.capabilities.whole_part
+    sizes = [part.numel] if whole else [s.numel for s in part.segments]
     p = cluster.ranks
     gather = part.route in (Route.GATHER, Route.TWO_PHASE)
     compress_s = sum(kernel.compress(n) for n in sizes)

@@ -84,13 +84,16 @@ class Feedback:
     def applied_to(self, inner: Capabilities) -> Capabilities:
         """The record of a compressor declaring ``inner`` inside this error feedback: the same
         payloads, rounds and aggregation; keyed state, so nothing element-wise; biased; local as
-        ``inner`` except with clipping, which takes the norm of the whole tensor."""
+        ``inner`` except with clipping, which takes the norm of the whole tensor; a whole part at once
+        as ``inner``, in classic error feedback alone (:mod:`gradcomp.compressors.feedback.rows`)."""
         if self.variant is None:
             return inner
+        classic = self.variant == "classic" and not self.momentum and not self.clip and inner.rounds == 1
         return dataclasses.replace(
             inner,
             elementwise=False,
             local=inner.local and not self.clip,
             unbiased=False,
+            whole_part=inner.whole_part and classic,
             feedback_problem="it has error feedback already",
         )

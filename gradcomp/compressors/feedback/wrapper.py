@@ -28,7 +28,7 @@ from gradcomp.compressors.feedback.momentum import MomentumCorrection
 from gradcomp.compressors.feedback.options import Feedback
 from gradcomp.compressors.feedback.residual import Residuals
 from gradcomp.compressors.finite import finite
-from gradcomp.compressors.rows import RowsMeta
+from gradcomp.compressors.rows import ByRows, RowsMeta
 from gradcomp.compressors.segments import Segments
 
 
@@ -224,11 +224,11 @@ class ErrorFeedback(Compressor):
 
     # -- a part of a bucket at once ----------------------------------------------------------------------
 
-    @functools.cached_property
+    @property
     def _by_rows(self) -> bool:
-        """Whether a part is compressed by rows (:mod:`gradcomp.compressors.feedback.rows`): classic
-        error feedback alone, around a single-round compressor that compresses by rows."""
-        return self._fused and getattr(self.inner, "by_rows", False) and self.capabilities.rounds == 1
+        """Whether a part is compressed by rows (:mod:`gradcomp.compressors.feedback.rows`): what
+        the record says (classic error feedback alone, around a compressor that compresses by rows)."""
+        return self.capabilities.whole_part and isinstance(self.inner, ByRows)
 
     def compress_part(
         self, buffer: Tensor, segments: Segments, divisor: float, *, ratio: float | None = None
