@@ -104,11 +104,37 @@ def test_the_part_payload_is_every_code_once_and_a_scale_per_chunk() -> None:
     assert packed.numel() == packed_size(meta.layout.numel, 3) and scales.shape == (2, meta.layout.rows)
 
 
-def test_stochastic_rounding_compresses_tensor_by_tensor() -> None:
-    """Its noise comes from each tensor's own stream (rule "state per tensor")."""
-    part = segments([torch.Size((1000,))] * 2)
-    states = make_compressor("quantize:bits=4").compress_part(bucket(2 * 1000), part, 2.0)
-    assert len(states) == 2 and not isinstance(states[0][1], RowsMeta)
+@pytest.mark.parametrize("spec", ["quantize:bits=4", "quantize:bits=2,chunk=16", "terngrad", "quantize:bits=2,ef=true"])
+def test_stochastic_rounding_by_rows_draws_each_tensors_noise_from_its_own_stream(spec: str) -> None:
+    """Bitwise the tensors' own codes over three steps (rule "state per tensor": what a tensor
+    sends does not depend on the part that holds it), in one payload for the part."""
+    part = segments(SHAPES)
+    numel = sum(math.prod(s) for s in SHAPES)
+    inputs = [bucket(numel, step) for step in range(3)]
+    by_rows, per_tensor = make_compressor(spec, seed=3, rank=1), make_compressor(spec, seed=3, rank=1)
+    assert by_rows.capabilities.whole_part
+    for ours, theirs in zip(_steps(by_rows, part, inputs, False), _steps(per_tensor, part, inputs, True), strict=True):
+        assert torch.equal(ours, theirs)
+    ((_, meta),) = by_rows.compress_part(inputs[0].clone(), part, 2.0)
+    assert isinstance(meta, RowsMeta)
+
+
+def test_qsgd_by_rows_moves_a_short_chunks_norm_by_a_rounding_at_most() -> None:
+    """QSGD's norm of a short chunk sums its zero pads too, in another order: its levels may move by
+    a rounding, and a value near a level's edge round the other way; full chunks are bitwise."""
+    part = segments(SHAPES)
+    numel = sum(math.prod(s) for s in SHAPES)
+    x = bucket(numel, 4)
+    by_rows, per_tensor = make_compressor("qsgd:bits=4,chunk=16"), make_compressor("qsgd:bits=4,chunk=16")
+    ((ours,), (theirs,)) = (_steps(by_rows, part, [x], False), _steps(per_tensor, part, [x], True))
+    for offset, count in ChunkRows.of(part, 16).full:
+        assert torch.equal(ours[offset : offset + 16 * count], theirs[offset : offset + 16 * count])
+    levels = 2 ** (4 - 1) - 1
+    tails = ChunkRows.of(part, 16).tails
+    norms = [float(x[o : o + n].div(2).norm()) for o, n in tails]
+    for (offset, length), norm in zip(tails, norms, strict=True):  # one level of the chunk at most
+        moved = float((ours[offset : offset + length] - theirs[offset : offset + length]).abs().max())
+        assert moved <= norm / levels * 1.001
 
 
 @pytest.mark.parametrize("spec", ["sign", "quantize:bits=4,rounding=nearest", "fp8:format=e4m3"])

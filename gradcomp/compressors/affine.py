@@ -92,8 +92,40 @@ def inverse_or_zero(scales: Tensor) -> Tensor:
     return torch.where(positive, 1.0 / torch.where(positive, scales, 1.0), 0.0)
 
 
-def encode(flat: Tensor, affine: Affine, chunk: int, generator: torch.Generator | None, workspace: Workspace) -> Tensor:
-    """Codes in ``0..levels``, stochastic when ``generator`` is given.
+@dataclasses.dataclass(frozen=True)
+class Noise:
+    """Stochastic rounding's randomness for a tensor (:func:`draw`): one continuous offset per chunk
+    and 8 random bits per element (the module's notes)."""
+
+    offsets: Tensor
+    """Per chunk, uniform in [0, 1) (float64)."""
+    bytes: Tensor
+    """Per element, uniform in 0..255 (uint8)."""
+
+
+def draw(
+    chunks: int,
+    numel: int,
+    generator: torch.Generator,
+    device: torch.device,
+    words: Tensor | None = None,
+    offsets: Tensor | None = None,
+) -> Noise:
+    """A tensor's noise from ``generator``: the chunks' offsets (into ``offsets`` when given, float64
+    of at least ``chunks``), then ``ceil(numel / 8)`` random 64-bit words (into ``words`` when given,
+    int64 of at least that many), always in this order, so that a tensor's stream gives the same
+    noise however its draws are batched."""
+    if offsets is None:
+        offsets = torch.empty(chunks, dtype=torch.float64, device=device)
+    offsets = torch.rand(chunks, generator=generator, device=device, dtype=torch.float64, out=offsets[:chunks])
+    count = -(-numel // 8)
+    words = torch.empty(count, dtype=torch.int64, device=device) if words is None else words[:count]
+    words.random_(-(2**63), None, generator=generator)  # all 64 bits; the default leaves the top one 0
+    return Noise(offsets, words.view(torch.uint8)[:numel])
+
+
+def encode(flat: Tensor, affine: Affine, chunk: int, noise: Noise | None, workspace: Workspace) -> Tensor:
+    """Codes in ``0..levels``, stochastic when ``noise`` is given (:func:`draw`).
 
     Returns a contiguous uint8 workspace buffer: valid until the next call.
     """
@@ -105,13 +137,12 @@ def encode(flat: Tensor, affine: Affine, chunk: int, generator: torch.Generator 
     positive = step > 0
     inverse = inverse_or_zero(step).to(dtype)
     base = None if affine.base is None else affine.base.double() * pre
-    if generator is not None:
+    if noise is not None:
         # Stochastic rounding is floor(y + u), u uniform in [0, 1), computed as round(y + u - 0.5).
         # u = (r + v) / 256: r, 8 random bits per element, and v, uniform in [0, 1) per chunk.
         # Their sum is exactly uniform, so each code is exactly unbiased, at a quarter of the random
         # bits that 32-bit noise would cost; (v / 256 - 0.5) steps are folded into the chunk's base.
-        v = torch.rand(step.numel(), generator=generator, device=flat.device, dtype=torch.float64)
-        shift = (v / 256 - 0.5) * torch.where(positive, step, 0.0)
+        shift = (noise.offsets / 256 - 0.5) * torch.where(positive, step, 0.0)
         base = -shift if base is None else base - shift
     scaled = host.unless((pre == 1).all())  # on the CPU, read to skip the prescale where none is needed
     pre, base = pre.to(dtype), None if base is None else base.to(dtype)
@@ -122,12 +153,10 @@ def encode(flat: Tensor, affine: Affine, chunk: int, generator: torch.Generator 
         else:
             torch.sub(source, base[rows, None], out=y_view)
             y_view.mul_(inverse[rows, None])
-    if generator is not None:
-        words = workspace.take("affine.random", -(-n // 8), torch.int64, flat.device)
-        words.random_(-(2**63), None, generator=generator)  # all 64 bits; the default leaves the top one 0
-        noise = workspace.take("affine.noise", n, y.dtype, flat.device)
-        noise.copy_(words.view(torch.uint8)[:n])
-        y.add_(noise, alpha=1 / 256)
+    if noise is not None:
+        bits = workspace.take("affine.noise", n, y.dtype, flat.device)
+        bits.copy_(noise.bytes)
+        y.add_(bits, alpha=1 / 256)
         if affine.levels >= 255:
             # y's rounding error can lift y + u - 0.5 to levels + 0.5, i.e. code 256, whose low byte is 0
             y.clamp_(max=affine.levels - affine.zero)

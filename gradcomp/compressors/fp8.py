@@ -26,6 +26,7 @@ from gradcomp.compressors.base import (
 )
 from gradcomp.compressors.registry import register
 from gradcomp.compressors.rows import ByRows, ChunkRows
+from gradcomp.compressors.segments import Segments
 from gradcomp.workspace import Workspace
 
 Format = Literal["e4m3", "e5m2"]
@@ -114,7 +115,7 @@ class Fp8(ByRows, Compressor):
     def chunk(self) -> int:
         return self.config.chunk
 
-    def encode_rows(self, rows: Tensor, layout: ChunkRows, key: object) -> tuple[Tensor, ...]:
+    def encode_rows(self, rows: Tensor, layout: ChunkRows, segments: Segments) -> tuple[Tensor, ...]:
         (codes, peaks), _ = self.compress(rows.view(-1))  # every row a whole chunk
         return layout.compact(codes.view(layout.rows, layout.chunk)), peaks  # the pads' codes never travel
 

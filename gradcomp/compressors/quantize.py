@@ -8,6 +8,8 @@ Their payloads are not summable (each rank has its own scales), so they aggregat
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -17,7 +19,7 @@ from torch import Tensor
 
 from gradcomp import host
 from gradcomp.compressors import affine, bitpack, chunks
-from gradcomp.compressors.affine import Affine
+from gradcomp.compressors.affine import Affine, Noise
 from gradcomp.compressors.base import (
     Aggregation,
     Capabilities,
@@ -33,6 +35,7 @@ from gradcomp.compressors.base import (
 from gradcomp.compressors.randomness import Generators, rank_seed
 from gradcomp.compressors.registry import register
 from gradcomp.compressors.rows import ByRows, ChunkRows
+from gradcomp.compressors.segments import Segments
 
 Rounding = Literal["stochastic", "nearest"]
 
@@ -53,8 +56,10 @@ class AffineQuantizer(ByRows, Compressor):
         assert isinstance(config, ChunkedConfig)
         # codes and scales: sized by the tensor alone; each chunk coded on its own; stochastic
         # rounding (the subclasses' default) is unbiased
+        # a whole part at once, by rows (gradcomp.compressors.rows)
         return Capabilities(
-            Aggregation.GATHER, local=True, piece_multiple=config.chunk, same_shapes=True, unbiased=True
+            Aggregation.GATHER, local=True, piece_multiple=config.chunk, same_shapes=True, unbiased=True,
+            whole_part=True,
         )
 
     def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
@@ -84,10 +89,15 @@ class AffineQuantizer(ByRows, Compressor):
     def affine(self, scales: Tensor) -> Affine:
         """The per-chunk map between codes and values, from the scales that travel."""
 
-    def encode(self, flat: Tensor, mapping: Affine, key: Key = None) -> Tensor:
-        """uint8 codes of ``flat``; the default is affine rounding (noise from ``key``'s stream)."""
-        generator = self.noise.on(flat.device, key) if self.stochastic else None
-        return affine.encode(flat, mapping, self.chunk, generator, self.workspace)
+    def encode(self, flat: Tensor, mapping: Affine, key: Key = None, noise: Noise | None = None) -> Tensor:
+        """uint8 codes of ``flat``; the default is affine rounding, stochastic with ``noise`` (drawn
+        from ``key``'s stream when not given)."""
+        if self.stochastic and noise is None:
+            n = flat.numel()
+            words = self.workspace.take("affine.random", -(-n // 8), torch.int64, flat.device)
+            stream = self.noise.on(flat.device, key)
+            noise = affine.draw(chunks.num_chunks(n, self.chunk), n, stream, flat.device, words)
+        return affine.encode(flat, mapping, self.chunk, noise, self.workspace)
 
     def compress(
         self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
@@ -111,12 +121,32 @@ class AffineQuantizer(ByRows, Compressor):
         """:meth:`scales` of a part's layout (``ByRows``): every row a chunk, pads as ``pad`` says."""
         return self.scales(rows.view(-1))
 
-    def encode_rows(self, rows: Tensor, layout: ChunkRows, key: object) -> tuple[Tensor, ...]:
+    def encode_rows(self, rows: Tensor, layout: ChunkRows, segments: Segments) -> tuple[Tensor, ...]:
         scales = self.row_scales(rows, layout)
-        codes = self.encode(rows.view(-1), self.affine(scales), key)
+        noise = self._rows_noise(layout, segments, rows.device) if self.stochastic else None
+        codes = self.encode(rows.view(-1), self.affine(scales), None, noise)
         kept = layout.compact(codes.view(layout.rows, layout.chunk))  # the pads' codes never travel
         scratch = self.workspace.take("pack", kept.numel(), torch.uint8, kept.device)
         return bitpack.pack(kept, self.bits, scratch), scales
+
+    def _rows_noise(self, layout: ChunkRows, segments: Segments, device: torch.device) -> Noise:
+        """Stochastic rounding's noise for a part's rows, each tensor's drawn from its own stream as
+        :meth:`encode` draws it (two operators per tensor): the codes are then bitwise the tensors'
+        own, whatever part of whichever bucket holds them (rule "state per tensor")."""
+        chunk = self.chunk
+        sizes = [math.prod(s) for s in segments.shapes]
+        counts = [chunks.num_chunks(n, chunk) for n in sizes]
+        words = [-(-n // 8) for n in sizes]
+        offsets = self.workspace.take("rows.offsets", sum(counts), torch.float64, device)
+        staged = self.workspace.take("rows.words", sum(words), torch.int64, device)
+        for key, n, count, start, first in zip(segments.keys, sizes, counts, _starts(counts), _starts(words),
+                                               strict=True):  # fmt: skip
+            affine.draw(count, n, self.noise.on(device, key), device, staged[first:], offsets[start:])
+        staging = Segments(tuple(8 * w for w in _starts(words)), segments.shapes, segments.keys)
+        bytes_layout = ChunkRows.of(staging, chunk)  # the tensors' bytes, each from its first word
+        noise = self.workspace.take("rows.noise", layout.rows * chunk, torch.uint8, device).view(layout.rows, chunk)
+        bytes_layout.gather(staged.view(torch.uint8), noise, "zero")
+        return Noise(offsets.index_select(0, _row_order(layout, tuple(counts), device)), noise.view(-1))
 
     def decode_rows(self, payload: tuple[Tensor, ...], layout: ChunkRows, out: Tensor) -> None:
         packed, scales = payload
@@ -132,6 +162,30 @@ class AffineQuantizer(ByRows, Compressor):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.noise.load_state_dict(state["noise"])
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    return [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+@functools.lru_cache(maxsize=256)
+def _row_order(layout: ChunkRows, counts: tuple[int, ...], device: torch.device) -> Tensor:
+    """Per row of ``layout``, the index of its chunk among the tensors' chunks in tensor order (each
+    tensor's chunks one after another, as its noise is drawn)."""
+    first = _starts(list(counts))
+    full = [first[owner] + j for owner, j in _full_rows(layout)]
+    tails = [first[owner] + counts[owner] - 1 for owner in layout.owners[layout.full_rows :]]
+    return torch.tensor(full + tails, dtype=torch.int64, device=device)
+
+
+def _full_rows(layout: ChunkRows) -> list[tuple[int, int]]:
+    """(tensor, chunk of the tensor) of each full row."""
+    rows: list[tuple[int, int]] = []
+    seen = -1
+    for owner in layout.owners[: layout.full_rows]:
+        seen = seen + 1 if rows and rows[-1][0] == owner else 0
+        rows.append((owner, seen))
+    return rows
 
 
 def finite_float32(values: Tensor) -> Tensor:
@@ -185,10 +239,7 @@ class Quantize(AffineQuantizer):
                 "so error feedback's residual grows without bound; at 1 bit take sign:ef=true, or bits=2"
             )
         unbiased = config.rounding == "stochastic"
-        # a whole part at once: deterministic codes only (stochastic noise is per tensor, for now:
-        # gradcomp.compressors.rows)
-        return dataclasses.replace(super().declare(config), unbiased=unbiased, feedback_problem=problem,
-                                   whole_part=not unbiased)  # fmt: skip
+        return dataclasses.replace(super().declare(config), unbiased=unbiased, feedback_problem=problem)
 
     @property
     def bits(self) -> int:

@@ -25,7 +25,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from gradcomp.compressors.keys import plain
 from gradcomp.compressors.segments import Segments
 
 Pad = Literal["zero", "first"]
@@ -189,9 +188,8 @@ class ByRows:
         the compressor declares (``Capabilities.whole_part``)."""
         return bool(self.capabilities.whole_part)  # type: ignore[attr-defined]
 
-    def encode_rows(self, rows: Tensor, layout: ChunkRows, key: object) -> tuple[Tensor, ...]:
-        """The payload of the layout ``rows`` ((rows, chunk), divided already); ``key`` names the
-        part."""
+    def encode_rows(self, rows: Tensor, layout: ChunkRows, segments: Segments) -> tuple[Tensor, ...]:
+        """The payload of the layout ``rows`` ((rows, chunk), divided already) of ``segments``."""
         raise NotImplementedError
 
     def decode_rows(self, payload: tuple[Tensor, ...], layout: ChunkRows, out: Tensor) -> None:
@@ -206,8 +204,7 @@ class ByRows:
         layout = ChunkRows.of(segments, self.chunk)  # type: ignore[attr-defined]
         rows = self._take("rows", layout, buffer.dtype, buffer.device)
         layout.gather(buffer, rows, self.pad).div_(divisor)
-        key = ("part", tuple(plain(k) for k in segments.keys))
-        return [(self.encode_rows(rows, layout, key), RowsMeta(layout, buffer.dtype))]
+        return [(self.encode_rows(rows, layout, segments), RowsMeta(layout, buffer.dtype))]
 
     def decompress_part(self, payloads: Sequence[tuple[Tensor, ...]], contexts: Sequence[Any], buffer: Tensor,
                         segments: Segments) -> None:  # fmt: skip

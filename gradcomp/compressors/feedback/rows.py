@@ -23,7 +23,6 @@ from torch import Tensor
 
 from gradcomp import host
 from gradcomp.compressors.base import Key
-from gradcomp.compressors.keys import plain
 from gradcomp.compressors.rows import ChunkRows, RowsMeta
 from gradcomp.compressors.segments import Segments
 
@@ -90,7 +89,7 @@ def compress_part(ef: ErrorFeedback, buffer: Tensor, segments: Segments, divisor
     torch.addcdiv(residual, compensated, ef._divisor(divisor, buffer), out=compensated)  # as the per-tensor add
     if inner.pad == "first":  # type: ignore[attr-defined]
         layout.repad_first(compensated)
-    payload = inner.encode_rows(compensated, layout, ("part", tuple(plain(k) for k in segments.keys)))  # type: ignore[attr-defined]
+    payload = inner.encode_rows(compensated, layout, segments)  # type: ignore[attr-defined]
     contribution = ef.workspace.take("ef.contribution", residual.numel(), buffer.dtype, buffer.device).view(shape)
     inner.decode_rows(payload, layout, contribution)  # type: ignore[attr-defined]
     pads = layout.pads(buffer.device)
