@@ -20,8 +20,12 @@ FIXED = [
     "randomk:ratio=0.01,scale=false,ef=true", "powersgd:rank=4,ef=true", "powersgd:rank=1",
 ]  # fmt: skip
 """Every fixed-size payload, with and without error feedback and momentum correction."""
-DETERMINISTIC = ["fp16", "bf16", "fp8", "quantize:bits=4,rounding=nearest", "sign:ef=true", "topk:ratio=0.01"]
-"""Specs whose result is a function of the input alone (no random draw that differs by device)."""
+DETERMINISTIC = [
+    "fp16", "bf16", "fp8", "quantize:bits=4,rounding=nearest", "sign:ef=true", "topk:ratio=0.01",
+    "quantize:bits=4", "quantize:bits=2,ef=true", "qsgd", "terngrad",
+]  # fmt: skip
+"""Specs whose result is the same on every device: the input's function, or stochastic rounding's
+noise from counters (integer arithmetic); no torch.Generator draw, whose streams differ by device."""
 
 
 def gradients(device: str, steps: int = 4) -> list[list[torch.Tensor]]:
@@ -69,6 +73,17 @@ def test_results_match_the_cpu(spec: str) -> None:
     on_gpu = simulate([make_compressor(spec, rank=r) for r in range(2)], gradients("cuda", 1)[0], "w", SHAPES)
     for cpu, gpu in zip(on_cpu, on_gpu, strict=True):
         assert torch.allclose(gpu.cpu(), cpu, rtol=1e-5, atol=1e-6), spec
+
+
+def test_counter_noise_is_the_cpus_bitwise() -> None:
+    """Stochastic rounding's bytes and offsets from the same counters, on the GPU and on the CPU."""
+    from gradcomp.compressors import counter
+    from gradcomp.compressors.affine import noise
+    from gradcomp.workspace import Workspace
+
+    firsts = torch.arange(500, dtype=torch.int64).mul_(counter.signed(counter.GOLDEN * 129)).add_(12345)
+    cpu, gpu = noise(firsts, 1000, Workspace()), noise(firsts.cuda(), 1000, Workspace())
+    assert torch.equal(gpu.bytes.cpu(), cpu.bytes) and torch.equal(gpu.offsets.cpu(), cpu.offsets)
 
 
 @pytest.mark.parametrize("spec", ["sign:ef=true", "powersgd:rank=4,ef=true", "quantize:bits=4"])

@@ -137,8 +137,13 @@ def test_qsgd_by_rows_moves_a_short_chunks_norm_by_a_rounding_at_most() -> None:
         assert moved <= norm / levels * 1.001
 
 
-@pytest.mark.parametrize("spec", ["sign", "quantize:bits=4,rounding=nearest", "fp8:format=e4m3"])
+@pytest.mark.parametrize(
+    "spec",
+    ["sign", "sign:ef=true", "quantize:bits=4,rounding=nearest", "fp8:format=e4m3,ef=true", "quantize:bits=4",
+     "quantize:bits=2,ef=true", "qsgd", "terngrad"],
+)  # fmt: skip
 def test_operators_per_bucket_do_not_grow_with_its_tensors(spec: str) -> None:
+    """Within 4: the many tensors' short last chunks pad their rows, which one matrix does not."""
     one, many = compare(spec)
     assert many.tensors == 150 and abs(many.total - one.total) <= 4, (one, many)
 

@@ -5,13 +5,16 @@ alone, outside the step."""
 
 from __future__ import annotations
 
+import itertools
 import statistics
+import time
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from gradcomp import hooks
-from gradcomp.compressors import Aggregation, make_compressor
-from gradcomp.cost.kernels import time_tensor
+from gradcomp.bench.timing import synchronize
+from gradcomp.compressors import Aggregation, Compressor, Segments, make_compressor
 from gradcomp.engine.spec import HookSpec
 from gradcomp.hooks.auto_spec import is_auto_spec
 from gradcomp.hooks.torch_hooks import is_torch_spec
@@ -52,22 +55,47 @@ def _timed(seconds: float | None) -> float:
     return seconds
 
 
-def kernels_alone(variant: str, model: nn.Module, rank: int, world: int, seed: int) -> float | None:
+def kernels_alone(variant: str, model: nn.Module, rank: int, world: int, seed: int, repeats: int = 3) -> float | None:
     """gradcomp's fixed hooks: ms of the hook's compressor kernels alone on this rank's last
-    gradients, outside the step (compress, its later rounds, and decompressing as the step does:
-    every rank's payloads for ``gather`` compressors, the sum for ``sum`` ones), each tensor on its
-    own (the engine compresses element-wise casts a bucket at once); None for the others."""
+    gradients, outside the step, handed to it as the engine hands a bucket's part (one call:
+    ``compress_part``, a keyless run for an element-wise, stateless compressor, else one segment
+    per tensor): compress divided by the world size, the later rounds, and decompressing as the step
+    does (every rank's payloads for ``gather`` compressors, the sum for ``sum`` ones). The gradients
+    form one part, where DDP's buckets would make a few: a compressor whose kernels do not grow with
+    a part's tensors pays its fixed costs once here, once per bucket in the step. The median of
+    ``repeats`` runs after one untimed; None for the others."""
     if is_torch_spec(variant) or is_auto_spec(variant) or variant == "noop":
         return None
     spec = hooks.parse(variant)
     if not isinstance(spec, HookSpec) or spec.compressor is None:
         return None
     compressor = make_compressor(spec.compressor, seed=seed, rank=rank)
-    payloads = world if compressor.capabilities.aggregation is Aggregation.GATHER else 1
-    total = 0.0
-    gradients = [p.grad for p in model.parameters() if p.grad is not None]
-    for index, gradient in enumerate(g.detach().clone() for g in gradients):
-        for sample in time_tensor(compressor, gradient, ("alone", index), peers=(payloads,)):
-            if sample.phase != "decompress" or sample.payloads == payloads:
-                total += sample.seconds
-    return total * 1e3
+    gradients = [p.grad.detach() for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in gradients])
+    if compressor.capabilities.elementwise:
+        segments = Segments((0,), (flat.shape,), (None,))
+    else:
+        offsets = tuple(itertools.accumulate((g.numel() for g in gradients[:-1]), initial=0))
+        segments = Segments(
+            offsets, tuple(g.shape for g in gradients), tuple(("alone", i) for i in range(len(gradients)))
+        )
+    runs = [_part_seconds(compressor, flat, segments, world) for _ in range(repeats + 1)]
+    return statistics.median(runs[1:]) * 1e3
+
+
+def _part_seconds(compressor: Compressor, flat: Tensor, segments: Segments, world: int) -> float:
+    """One timed run of the part ``flat`` (``segments``) through ``compressor``, as a step of ``world``
+    ranks runs it; the copy the compression may overwrite is made outside the clock."""
+    scratch, out = flat.clone(), torch.empty_like(flat)
+    synchronize(flat.device)
+    start = time.perf_counter()
+    sent = compressor.compress_part(scratch, segments, float(world))
+    for _ in range(1, compressor.capabilities.rounds):
+        sent = [compressor.next_round(payload, ctx) for payload, ctx in sent]
+    payloads, contexts = [p for p, _ in sent], [c for _, c in sent]
+    if compressor.capabilities.aggregation is Aggregation.SUM:
+        compressor.decompress_part(payloads, contexts, out, segments)
+    else:
+        compressor.decompress_sum_part([[p] * world for p in payloads], contexts, out, segments)
+    synchronize(flat.device)
+    return time.perf_counter() - start

@@ -10,7 +10,8 @@ Stochastic rounding rounds up with probability equal to the fractional part, so 
 real code and the quantizer is unbiased. The uniform noise is 8 random bits per element plus one
 continuous offset per chunk: exactly uniform for every element, and only 1 byte of random data per
 element (random bits cost more than all the arithmetic here). Rounding decisions within a chunk
-share the offset, which correlates them by at most 1/256.
+share the offset, which correlates them by at most 1/256. The bits come from a counter (seed, key,
+draw, position: :mod:`gradcomp.compressors.counter`), so a part's chunks draw theirs in one pass.
 
 Rounding uses the float32 "magic number": adding 2**23 + 256 to y in [-256, 2**23) leaves round(y)
 (to nearest, ties to even) plus 256 in the mantissa, so the uint8 code is the low byte of each float,
@@ -40,7 +41,7 @@ import torch
 from torch import Tensor
 
 from gradcomp import host
-from gradcomp.compressors import chunks
+from gradcomp.compressors import chunks, counter
 from gradcomp.workspace import Workspace
 
 
@@ -94,38 +95,35 @@ def inverse_or_zero(scales: Tensor) -> Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class Noise:
-    """Stochastic rounding's randomness for a tensor (:func:`draw`): one continuous offset per chunk
-    and 8 random bits per element (the module's notes)."""
+    """Stochastic rounding's randomness for the chunks of a tensor or a part's rows (:func:`noise`):
+    one continuous offset per chunk and 8 random bits per element (the module's notes)."""
 
     offsets: Tensor
     """Per chunk, uniform in [0, 1) (float64)."""
     bytes: Tensor
-    """Per element, uniform in 0..255 (uint8)."""
+    """(chunks, chunk): per element, uniform in 0..255 (uint8; a short last chunk's tail unused)."""
 
 
-def draw(
-    chunks: int,
-    numel: int,
-    generator: torch.Generator,
-    device: torch.device,
-    words: Tensor | None = None,
-    offsets: Tensor | None = None,
-) -> Noise:
-    """A tensor's noise from ``generator``: the chunks' offsets (into ``offsets`` when given, float64
-    of at least ``chunks``), then ``ceil(numel / 8)`` random 64-bit words (into ``words`` when given,
-    int64 of at least that many), always in this order, so that a tensor's stream gives the same
-    noise however its draws are batched."""
-    if offsets is None:
-        offsets = torch.empty(chunks, dtype=torch.float64, device=device)
-    offsets = torch.rand(chunks, generator=generator, device=device, dtype=torch.float64, out=offsets[:chunks])
-    count = -(-numel // 8)
-    words = torch.empty(count, dtype=torch.int64, device=device) if words is None else words[:count]
-    words.random_(-(2**63), None, generator=generator)  # all 64 bits; the default leaves the top one 0
-    return Noise(offsets, words.view(torch.uint8)[:numel])
+def noise(firsts: Tensor, chunk: int, workspace: Workspace) -> Noise:
+    """The noise of chunks whose counters start at ``firsts`` (int64, one per chunk:
+    :mod:`gradcomp.compressors.counter`). A chunk reads ``words(chunk) + 1`` consecutive counters:
+    its bytes, 8 per word, then its offset; so every chunk's noise comes from one hash pass however
+    many tensors the chunks belong to, each chunk's the same whichever rows hold it."""
+    rows, width = firsts.numel(), words(chunk)
+    hashed = workspace.take("noise.words", rows * (width + 1), torch.int64, firsts.device).view(rows, width + 1)
+    scratch = workspace.take("noise.scratch", rows * (width + 1), torch.int64, firsts.device).view(rows, width + 1)
+    counter.fill(firsts, hashed, scratch)
+    offsets = counter.uniform(hashed[:, width], workspace.take("noise.offsets", rows, torch.float64, firsts.device))
+    return Noise(offsets, hashed[:, :width].view(torch.uint8)[:, :chunk])
 
 
-def encode(flat: Tensor, affine: Affine, chunk: int, noise: Noise | None, workspace: Workspace) -> Tensor:
-    """Codes in ``0..levels``, stochastic when ``noise`` is given (:func:`draw`).
+def words(chunk: int) -> int:
+    """64-bit words of random bytes per chunk of ``chunk`` elements (one byte each)."""
+    return -(-chunk // 8)
+
+
+def encode(flat: Tensor, affine: Affine, chunk: int, randomness: Noise | None, workspace: Workspace) -> Tensor:
+    """Codes in ``0..levels``, stochastic with ``noise`` (:func:`noise`, one row per chunk of ``flat``).
 
     Returns a contiguous uint8 workspace buffer: valid until the next call.
     """
@@ -137,12 +135,12 @@ def encode(flat: Tensor, affine: Affine, chunk: int, noise: Noise | None, worksp
     positive = step > 0
     inverse = inverse_or_zero(step).to(dtype)
     base = None if affine.base is None else affine.base.double() * pre
-    if noise is not None:
+    if randomness is not None:
         # Stochastic rounding is floor(y + u), u uniform in [0, 1), computed as round(y + u - 0.5).
         # u = (r + v) / 256: r, 8 random bits per element, and v, uniform in [0, 1) per chunk.
         # Their sum is exactly uniform, so each code is exactly unbiased, at a quarter of the random
         # bits that 32-bit noise would cost; (v / 256 - 0.5) steps are folded into the chunk's base.
-        shift = (noise.offsets / 256 - 0.5) * torch.where(positive, step, 0.0)
+        shift = (randomness.offsets / 256 - 0.5) * torch.where(positive, step, 0.0)
         base = -shift if base is None else base - shift
     scaled = host.unless((pre == 1).all())  # on the CPU, read to skip the prescale where none is needed
     pre, base = pre.to(dtype), None if base is None else base.to(dtype)
@@ -153,10 +151,11 @@ def encode(flat: Tensor, affine: Affine, chunk: int, noise: Noise | None, worksp
         else:
             torch.sub(source, base[rows, None], out=y_view)
             y_view.mul_(inverse[rows, None])
-    if noise is not None:
-        bits = workspace.take("affine.noise", n, y.dtype, flat.device)
-        bits.copy_(noise.bytes)
-        y.add_(bits, alpha=1 / 256)
+    if randomness is not None:
+        drawn = randomness.bytes.shape[0]  # chunks
+        bits = workspace.take("affine.noise", drawn * chunk, y.dtype, flat.device)
+        bits.view(drawn, chunk).copy_(randomness.bytes)  # the one strided read of the bytes
+        y.add_(bits[:n], alpha=1 / 256)
         if affine.levels >= 255:
             # y's rounding error can lift y + u - 0.5 to levels + 0.5, i.e. code 256, whose low byte is 0
             y.clamp_(max=affine.levels - affine.zero)

@@ -83,9 +83,10 @@ class Capabilities:
     measures the mean instead of checking for a contraction. Error feedback is biased by design."""
     whole_part: bool = False
     """It compresses every tensor of a part of a bucket at once (``Compressor.compress_part``), in
-    operators that do not grow with the tensors, each tensor's result kept (the chunked compressors
-    with deterministic codes: :mod:`gradcomp.compressors.rows`): the cost model prices a part as one
-    tensor of its elements. Error feedback keeps it in its classic form alone."""
+    operators that do not grow with the tensors (but for stochastic rounding's two noise draws per
+    tensor), each tensor's result kept (the chunked compressors: :mod:`gradcomp.compressors.rows`):
+    the cost model prices a part as one tensor of its elements. Error feedback keeps it in its
+    classic form alone."""
     feedback_problem: str | None = None
     """Why error feedback cannot wrap this compressor (None: it can): it needs a contraction,
     ``|C(x) - x| < |x|``, and a compressor that scales what it keeps up is none, its residual growing

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -18,7 +17,7 @@ import torch
 from torch import Tensor
 
 from gradcomp import host
-from gradcomp.compressors import affine, bitpack, chunks
+from gradcomp.compressors import affine, bitpack, chunks, counter
 from gradcomp.compressors.affine import Affine, Noise
 from gradcomp.compressors.base import (
     Aggregation,
@@ -32,7 +31,8 @@ from gradcomp.compressors.base import (
     check_gradient,
     flat_out,
 )
-from gradcomp.compressors.randomness import Generators, rank_seed
+from gradcomp.compressors.counter import Counters
+from gradcomp.compressors.randomness import rank_seed
 from gradcomp.compressors.registry import register
 from gradcomp.compressors.rows import ByRows, ChunkRows
 from gradcomp.compressors.segments import Segments
@@ -57,15 +57,13 @@ class AffineQuantizer(ByRows, Compressor):
         # codes and scales: sized by the tensor alone; each chunk coded on its own; stochastic
         # rounding (the subclasses' default) is unbiased
         # a whole part at once, by rows (gradcomp.compressors.rows)
-        return Capabilities(
-            Aggregation.GATHER, local=True, piece_multiple=config.chunk, same_shapes=True, unbiased=True,
-            whole_part=True,
-        )
+        return Capabilities(Aggregation.GATHER, local=True, piece_multiple=config.chunk, same_shapes=True,
+                            unbiased=True, whole_part=True)  # fmt: skip
 
     def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
         super().__init__(config, seed=seed, rank=rank)
         # Rounding noise should be independent between ranks, so that it averages out.
-        self.noise = Generators(rank_seed(seed, rank))
+        self.counters = Counters(rank_seed(seed, rank))
 
     @property
     @abstractmethod
@@ -89,15 +87,20 @@ class AffineQuantizer(ByRows, Compressor):
     def affine(self, scales: Tensor) -> Affine:
         """The per-chunk map between codes and values, from the scales that travel."""
 
-    def encode(self, flat: Tensor, mapping: Affine, key: Key = None, noise: Noise | None = None) -> Tensor:
-        """uint8 codes of ``flat``; the default is affine rounding, stochastic with ``noise`` (drawn
-        from ``key``'s stream when not given)."""
-        if self.stochastic and noise is None:
-            n = flat.numel()
-            words = self.workspace.take("affine.random", -(-n // 8), torch.int64, flat.device)
-            stream = self.noise.on(flat.device, key)
-            noise = affine.draw(chunks.num_chunks(n, self.chunk), n, stream, flat.device, words)
-        return affine.encode(flat, mapping, self.chunk, noise, self.workspace)
+    def encode(self, flat: Tensor, mapping: Affine, key: Key = None, randomness: Noise | None = None) -> Tensor:
+        """uint8 codes of ``flat``; the default is affine rounding, stochastic with ``randomness``
+        (``key``'s next draw when not given)."""
+        if self.stochastic and randomness is None:
+            randomness = self._tensor_noise(flat.numel(), key, flat.device)
+        return affine.encode(flat, mapping, self.chunk, randomness, self.workspace)
+
+    def _tensor_noise(self, numel: int, key: Key, device: torch.device) -> Noise:
+        """A tensor's noise at ``key``'s next draw: its chunks' counters in one add."""
+        first = counter.counter(self.counters.start(key), self.counters.draw(key))
+        count = chunks.num_chunks(numel, self.chunk)
+        firsts = self.workspace.take("noise.firsts", count, torch.int64, device)
+        torch.add(_chunk_counters(count, affine.words(self.chunk) + 1, device), first, out=firsts)
+        return affine.noise(firsts, self.chunk, self.workspace)
 
     def compress(
         self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
@@ -123,30 +126,27 @@ class AffineQuantizer(ByRows, Compressor):
 
     def encode_rows(self, rows: Tensor, layout: ChunkRows, segments: Segments) -> tuple[Tensor, ...]:
         scales = self.row_scales(rows, layout)
-        noise = self._rows_noise(layout, segments, rows.device) if self.stochastic else None
-        codes = self.encode(rows.view(-1), self.affine(scales), None, noise)
+        randomness = self._rows_noise(layout, segments, rows.device) if self.stochastic else None
+        codes = self.encode(rows.view(-1), self.affine(scales), None, randomness)
         kept = layout.compact(codes.view(layout.rows, layout.chunk))  # the pads' codes never travel
         scratch = self.workspace.take("pack", kept.numel(), torch.uint8, kept.device)
         return bitpack.pack(kept, self.bits, scratch), scales
 
     def _rows_noise(self, layout: ChunkRows, segments: Segments, device: torch.device) -> Noise:
-        """Stochastic rounding's noise for a part's rows, each tensor's drawn from its own stream as
-        :meth:`encode` draws it (two operators per tensor): the codes are then bitwise the tensors'
-        own, whatever part of whichever bucket holds them (rule "state per tensor")."""
-        chunk = self.chunk
-        sizes = [math.prod(s) for s in segments.shapes]
-        counts = [chunks.num_chunks(n, chunk) for n in sizes]
-        words = [-(-n // 8) for n in sizes]
-        offsets = self.workspace.take("rows.offsets", sum(counts), torch.float64, device)
-        staged = self.workspace.take("rows.words", sum(words), torch.int64, device)
-        for key, n, count, start, first in zip(segments.keys, sizes, counts, _starts(counts), _starts(words),
-                                               strict=True):  # fmt: skip
-            affine.draw(count, n, self.noise.on(device, key), device, staged[first:], offsets[start:])
-        staging = Segments(tuple(8 * w for w in _starts(words)), segments.shapes, segments.keys)
-        bytes_layout = ChunkRows.of(staging, chunk)  # the tensors' bytes, each from its first word
-        noise = self.workspace.take("rows.noise", layout.rows * chunk, torch.uint8, device).view(layout.rows, chunk)
-        bytes_layout.gather(staged.view(torch.uint8), noise, "zero")
-        return Noise(offsets.index_select(0, _row_order(layout, tuple(counts), device)), noise.view(-1))
+        """Stochastic rounding's noise for a part's rows, each chunk's the one its tensor draws alone
+        (:meth:`_tensor_noise`), in operators that do not grow with the tensors: the rows' counters
+        at draw 0 (kept per layout), moved to each tensor's draw, then one hash pass. What a tensor
+        sends does not depend on the part that holds it (rule "state per tensor")."""
+        draws = [self.counters.draw(key) for key in segments.keys]
+        starts = [self.counters.start(key) for key in segments.keys]
+        at_zero = _row_counters(layout, tuple(segments.offsets), tuple(starts), device)
+        firsts = self.workspace.take("noise.firsts", layout.rows, torch.int64, device)
+        if all(d == draws[0] for d in draws):  # the usual step: every tensor at the same draw
+            torch.add(at_zero, counter.counter(0, draws[0]), out=firsts)
+        else:
+            per_row = torch.tensor(draws, dtype=torch.int64, device=device)[layout.row_owners(device)]
+            torch.add(at_zero, counter.draw_offset(per_row), out=firsts)
+        return affine.noise(firsts, self.chunk, self.workspace)
 
     def decode_rows(self, payload: tuple[Tensor, ...], layout: ChunkRows, out: Tensor) -> None:
         packed, scales = payload
@@ -158,34 +158,26 @@ class AffineQuantizer(ByRows, Compressor):
         affine.decode(spread, self.affine(scales), self.chunk, out.view(-1), self.workspace)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"noise": self.noise.state_dict()}
+        return {"noise": self.counters.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.noise.load_state_dict(state["noise"])
+        self.counters.load_state_dict(state["noise"])
 
 
-def _starts(sizes: list[int]) -> list[int]:
-    return [sum(sizes[:i]) for i in range(len(sizes))]
+@functools.lru_cache(maxsize=1024)
+def _chunk_counters(count: int, stride: int, device: torch.device) -> Tensor:
+    """The counters of a tensor's ``count`` chunks relative to its draw's first: ``stride`` apart."""
+    return torch.arange(count, dtype=torch.int64, device=device).mul_(counter.signed(counter.GOLDEN * stride))
 
 
 @functools.lru_cache(maxsize=256)
-def _row_order(layout: ChunkRows, counts: tuple[int, ...], device: torch.device) -> Tensor:
-    """Per row of ``layout``, the index of its chunk among the tensors' chunks in tensor order (each
-    tensor's chunks one after another, as its noise is drawn)."""
-    first = _starts(list(counts))
-    full = [first[owner] + j for owner, j in _full_rows(layout)]
-    tails = [first[owner] + counts[owner] - 1 for owner in layout.owners[layout.full_rows :]]
-    return torch.tensor(full + tails, dtype=torch.int64, device=device)
-
-
-def _full_rows(layout: ChunkRows) -> list[tuple[int, int]]:
-    """(tensor, chunk of the tensor) of each full row."""
-    rows: list[tuple[int, int]] = []
-    seen = -1
-    for owner in layout.owners[: layout.full_rows]:
-        seen = seen + 1 if rows and rows[-1][0] == owner else 0
-        rows.append((owner, seen))
-    return rows
+def _row_counters(layout: ChunkRows, offsets: tuple[int, ...], starts: tuple[int, ...], device: torch.device) -> Tensor:
+    """Per row of ``layout``, its chunk's first counter at its tensor's draw 0 (the tensors at
+    ``offsets``, their streams at ``starts``): what :func:`_chunk_counters` gives the tensor alone."""
+    stride = affine.words(layout.chunk) + 1
+    numbers = layout.chunk_numbers(offsets)
+    values = [counter.counter(starts[i], 0, n * stride) for i, n in zip(layout.owners, numbers, strict=True)]
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def finite_float32(values: Tensor) -> Tensor:

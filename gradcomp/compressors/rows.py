@@ -83,10 +83,23 @@ class ChunkRows:
         return torch.tensor([float(self.chunk)] * self.full_rows + tails, dtype=torch.float64, device=device)
 
     @functools.lru_cache(maxsize=8)  # noqa: B019
-    def pads(self, device: torch.device) -> Tensor:
-        """(rows, chunk) bools: True at the pads (past a tail's end)."""
-        lengths = self.lengths(device).long()
+    def tail_pads(self, device: torch.device) -> Tensor:
+        """(tail rows, chunk) bools: True at the pads, past each tail's end (full rows have none)."""
+        lengths = torch.tensor([length for _, length in self.tails], dtype=torch.int64, device=device)
         return torch.arange(self.chunk, device=device) >= lengths[:, None]
+
+    def zero_pads(self, rows: Tensor) -> Tensor:
+        """``rows`` with its pads set to zero, in place (a pass over the tail rows alone)."""
+        if self.tails:
+            rows[self.full_rows :].masked_fill_(self.tail_pads(rows.device), 0)
+        return rows
+
+    def chunk_numbers(self, offsets: Sequence[int]) -> list[int]:
+        """Per row, which chunk of its tensor it holds (0 for a tensor's first), the tensors starting
+        at ``offsets`` (the segments' own)."""
+        full = [number for _, count in self.full for number in range(count)]
+        owners = self.owners[self.full_rows :]
+        return full + [(o - offsets[i]) // self.chunk for (o, _), i in zip(self.tails, owners, strict=True)]
 
     @functools.lru_cache(maxsize=8)  # noqa: B019
     def row_owners(self, device: torch.device) -> Tensor:
@@ -99,7 +112,7 @@ class ChunkRows:
         if self.tails:
             tails = rows[self.full_rows :]
             first = tails[:, :1].clone()  # the where writes over its own row
-            torch.where(self.pads(rows.device)[self.full_rows :], first, tails, out=tails)
+            torch.where(self.tail_pads(rows.device), first, tails, out=tails)
 
     @functools.lru_cache(maxsize=8)  # noqa: B019
     def _firsts(self, device: torch.device) -> Tensor:
@@ -172,13 +185,12 @@ class ByRows:
 
     A compressor mixes it in before :class:`~gradcomp.compressors.base.Compressor` and provides
     ``chunk``, ``workspace``, :meth:`encode_rows` and :meth:`decode_rows`; ``pad`` says what fills
-    the tail rows. Error feedback, which keeps state per tensor, compresses tensor by tensor.
+    the tail rows. Classic error feedback follows it by rows (:mod:`gradcomp.compressors.feedback.rows`).
 
-    Deterministic codes only (:attr:`by_rows`): a part's codes are then the tensors' own. Stochastic
-    rounding draws its noise from each tensor's own random stream, so that what a tensor sends does
-    not depend on which part of which bucket DDP puts it in (rule "state per tensor"): compressed by
-    rows, it would draw from one stream for the part; until its noise comes from a counter (seed,
-    tensor, step, position), it compresses tensor by tensor."""
+    A part's codes are the tensors' own (:attr:`by_rows`: the compressor declares it). Stochastic
+    rounding keeps drawing each tensor's noise from the tensor's own random stream (two operators
+    per tensor), so that what a tensor sends does not depend on which part of which bucket DDP puts
+    it in (rule "state per tensor"); the rest of the part runs by rows."""
 
     pad: Pad = "zero"
 

@@ -78,7 +78,7 @@ class Sign(AffineQuantizer):
         scale = scales[0].double()
         return Affine(base=scale, step=-2 * scale, levels=1)
 
-    def encode(self, flat: Tensor, mapping: Affine, key: Key = None, noise: Noise | None = None) -> Tensor:
+    def encode(self, flat: Tensor, mapping: Affine, key: Key = None, randomness: Noise | None = None) -> Tensor:
         negative = self.workspace.take("negative", flat.numel(), torch.bool, flat.device)
         torch.lt(flat, 0, out=negative)
         return negative.view(torch.uint8)

@@ -15,6 +15,7 @@ round compressors: the other variants compress tensor by tensor.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -92,10 +93,10 @@ def compress_part(ef: ErrorFeedback, buffer: Tensor, segments: Segments, divisor
     payload = inner.encode_rows(compensated, layout, segments)  # type: ignore[attr-defined]
     contribution = ef.workspace.take("ef.contribution", residual.numel(), buffer.dtype, buffer.device).view(shape)
     inner.decode_rows(payload, layout, contribution)  # type: ignore[attr-defined]
-    pads = layout.pads(buffer.device)
-    contribution.masked_fill_(pads, 0)  # a pad's code never travelled: what it decodes to is nothing
     torch.sub(compensated, contribution, out=compensated)
-    compensated.masked_fill_(pads, 0)  # the residual's pads stay zero
+    # A pad's code never travelled: the residual's pads stay zero. (A pad decodes to a finite value
+    # in a finite row, so the contribution's pads cannot make a tensor's step look non-finite.)
+    layout.zero_pads(compensated)
     ok = _finite_per_tensor(contribution, layout, len(segments))
     if host.reads_are_free(buffer.device) and host.flag(ok.all()):
         residual.copy_(compensated)
@@ -106,11 +107,21 @@ def compress_part(ef: ErrorFeedback, buffer: Tensor, segments: Segments, divisor
 
 def _finite_per_tensor(contribution: Tensor, layout: ChunkRows, tensors: int) -> Tensor:
     """Per row, whether every element of its tensor's contribution is finite (a NaN or Inf input
-    makes its own contribution non-finite, by the input policy), decided on the device."""
+    makes its own contribution non-finite, by the input policy), decided on the device. A row's
+    sum scaled by 2**-k, 2**k >= chunk, is finite exactly when its elements are: NaN and Inf carry
+    through a sum, and finite values so scaled cannot overflow. One matrix-vector pass (5 for
+    ``isfinite(...).all``: 11 ms against 0.4 for the GPT bucket on one core)."""
     owners = layout.row_owners(contribution.device)
-    bad_rows = (~torch.isfinite(contribution).all(dim=1)).to(torch.int32)
+    scaled_sums = torch.mv(contribution, _down(layout.chunk, contribution.dtype, contribution.device))
+    bad_rows = (~torch.isfinite(scaled_sums)).to(torch.int32)
     bad = torch.zeros(tensors, dtype=torch.int32, device=contribution.device).index_add_(0, owners, bad_rows)
     return (bad == 0)[owners]
+
+
+@functools.lru_cache(maxsize=16)
+def _down(chunk: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``chunk`` times 2**-k, the least k with 2**k >= chunk."""
+    return torch.full((chunk,), 2.0 ** -max(chunk - 1, 1).bit_length(), dtype=dtype, device=device)
 
 
 def _end(segments: Segments) -> int:
