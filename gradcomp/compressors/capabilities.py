@@ -84,7 +84,8 @@ class Capabilities:
     whole_part: bool = False
     """It compresses every tensor of a part of a bucket at once (``Compressor.compress_part``), in
     operators that do not grow with the tensors (but for stochastic rounding's two noise draws per
-    tensor), each tensor's result kept (the chunked compressors: :mod:`gradcomp.compressors.rows`):
+    tensor), each tensor's result kept (the chunked compressors, and the casts for error feedback's
+    sake: :mod:`gradcomp.compressors.rows`):
     the cost model prices a part as one tensor of its elements. Error feedback keeps it in its
     classic form alone."""
     feedback_problem: str | None = None

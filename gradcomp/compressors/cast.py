@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -21,6 +21,8 @@ from gradcomp.compressors.base import (
     flat_out,
 )
 from gradcomp.compressors.registry import register
+from gradcomp.compressors.rows import ByRows, ChunkRows
+from gradcomp.compressors.segments import Segments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,15 +59,40 @@ class Identity(Compressor):
         return result.view(ctx.shape)
 
 
-class Cast(Compressor):
-    """Base of the casts: the payload is the gradient in a narrower floating type, summable."""
+class Cast(ByRows, Compressor):
+    """Base of the casts: the payload is the gradient in a narrower floating type, summable.
+
+    The engine hands a cast runs of a bucket's elements (element-wise and stateless: no tensors to
+    keep apart). Under error feedback, whose residuals are per tensor, a part's tensors go by rows
+    (:class:`~gradcomp.compressors.rows.ByRows`, rows of :attr:`chunk` elements, the pads left out
+    of the payload): one cast and one residual update for the part, bitwise each tensor's own."""
 
     Config = NoOptions
     wire_dtype: ClassVar[torch.dtype]
+    chunk: ClassVar[int] = 256
+    """Elements per row when a part goes by rows: a row is the unit a short tensor pads to."""
 
     @classmethod
     def declare(cls, config: CompressorConfig) -> Capabilities:
-        return Capabilities(Aggregation.SUM, elementwise=True, local=True)
+        return Capabilities(Aggregation.SUM, elementwise=True, local=True, whole_part=True)
+
+    def compress_part(
+        self, buffer: Tensor, segments: Segments, divisor: float, *, ratio: float | None = None
+    ) -> list[tuple[Payload, Any]]:
+        if all(key is None for key in segments.keys):  # the plan's keyless runs: each run cast whole
+            return Compressor.compress_part(self, buffer, segments, divisor, ratio=ratio)
+        return super().compress_part(buffer, segments, divisor, ratio=ratio)
+
+    def encode_rows(self, rows: Tensor, layout: ChunkRows, segments: Segments) -> tuple[Tensor, ...]:
+        wire = self.workspace.take("rows.wire", rows.numel(), self.wire_dtype, rows.device).view(rows.shape)
+        return (layout.compact(wire.copy_(rows)),)  # the pads never travel
+
+    def decode_rows(self, payload: tuple[Tensor, ...], layout: ChunkRows, out: Tensor) -> None:
+        (wire,) = payload
+        if torch.finfo(out.dtype).max < torch.finfo(wire.dtype).max:  # saturate as decompress does
+            flat = self.workspace.take("rows.values", wire.numel(), out.dtype, wire.device)
+            wire = self.decompress((wire,), Meta(wire.shape, out.dtype, wire.numel()), out=flat)
+        layout.expand(wire, out)  # the conversion in the copy
 
     def compress(
         self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None

@@ -93,10 +93,11 @@ def compress_part(ef: ErrorFeedback, buffer: Tensor, segments: Segments, divisor
     payload = inner.encode_rows(compensated, layout, segments)  # type: ignore[attr-defined]
     contribution = ef.workspace.take("ef.contribution", residual.numel(), buffer.dtype, buffer.device).view(shape)
     inner.decode_rows(payload, layout, contribution)  # type: ignore[attr-defined]
+    # A pad's code never travelled: what it decodes to is nothing (its bytes are whatever the
+    # workspace held: for fp8 a NaN's code, which would make its tensor's step look non-finite).
+    layout.zero_pads(contribution)
     torch.sub(compensated, contribution, out=compensated)
-    # A pad's code never travelled: the residual's pads stay zero. (A pad decodes to a finite value
-    # in a finite row, so the contribution's pads cannot make a tensor's step look non-finite.)
-    layout.zero_pads(compensated)
+    layout.zero_pads(compensated)  # the residual's pads stay zero
     ok = _finite_per_tensor(contribution, layout, len(segments))
     if host.reads_are_free(buffer.device) and host.flag(ok.all()):
         residual.copy_(compensated)
