@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -9,6 +10,11 @@ import torch
 
 from tests.rank_pool import spawn_pooled
 from tests.training_runs import TrainingRun, train_straight
+
+os.environ.setdefault("GRADCOMP_COMPILE", "0")
+"""The suite runs the eager operators (and so do the ranks it spawns, which inherit it): compiling
+every configuration of every test would cost minutes. ``tests/test_fusion.py`` compiles, and proves the
+compiled kernels give what the eager operators give."""
 
 LONGEST_FIRST = [
     "test_lightning.py", "test_reliability.py", "test_hooks.py", "test_hsdp_training.py", "test_unbiased.py",

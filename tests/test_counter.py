@@ -115,3 +115,15 @@ def test_counts_checkpoint_and_resume() -> None:
         fresh.load_state_dict({"seed": 1, "streams": []})
     with pytest.raises(ValueError, match="seed 2"):
         fresh.load_state_dict({"seed": 2, "counts": []})
+
+
+def test_the_element_wise_forms_are_the_in_place_ones() -> None:
+    """``mix`` (what a fused kernel inlines) is ``mix_``; ``uniform_of`` is ``uniform``, and both
+    are exact: each word's top 53 bits, never 1.0 (an int64 times a float rounds in float32)."""
+    values = torch.randint(-(2**63), 2**63 - 1, (1000,), dtype=torch.int64, generator=torch.Generator().manual_seed(2))
+    values[0] = -1  # all 53 bits set: float32 would round it to 1.0
+    assert torch.equal(counters.mix(values), counters.mix_(values.clone(), torch.empty_like(values)))
+    exact = torch.tensor([((int(v) % 2**64) >> 11) / 2**53 for v in values], dtype=torch.float64)
+    assert torch.equal(counters.uniform_of(values), exact)
+    assert torch.equal(counters.uniform(values.clone(), torch.empty(1000, dtype=torch.float64)), exact)
+    assert exact.max() < 1

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from gradcomp import host
-from gradcomp.compressors import chunks, counter
+from gradcomp.compressors import chunks, counter, fusion
 from gradcomp.workspace import Workspace
 
 
@@ -80,10 +80,18 @@ def prescale(affine: Affine) -> Tensor:
     is below 2**-64, 2**-8 where the levels span more than 2**126, else 1. Either way x * prescale,
     the step and its reciprocal in those units, and every partial result sit well inside float32's
     normal range (chunks with such small steps hold only values below 2**-29 in magnitude)."""
-    magnitude = affine.step.double().abs()
-    span = magnitude * max(affine.zero, affine.levels - affine.zero)
+    return _prescale(affine.step.double(), _widest(affine))
+
+
+def _widest(affine: Affine) -> int:
+    """The most steps a value lies from the zero level."""
+    return max(affine.zero, affine.levels - affine.zero)
+
+
+def _prescale(step: Tensor, widest: int) -> Tensor:
+    magnitude = step.abs()
     tiny = (magnitude > 0) & (magnitude < 2.0**-64)
-    return torch.where(tiny, 2.0**64, torch.where(span > 2.0**126, 2.0**-8, 1.0))
+    return torch.where(tiny, 2.0**64, torch.where(magnitude * widest > 2.0**126, 2.0**-8, 1.0))
 
 
 def inverse_or_zero(scales: Tensor) -> Tensor:
@@ -122,11 +130,40 @@ def words(chunk: int) -> int:
     return -(-chunk // 8)
 
 
-def encode(flat: Tensor, affine: Affine, chunk: int, randomness: Noise | None, workspace: Workspace) -> Tensor:
-    """Codes in ``0..levels``, stochastic with ``noise`` (:func:`noise`, one row per chunk of ``flat``).
+def encode(flat: Tensor, affine: Affine, chunk: int, firsts: Tensor | None, workspace: Workspace) -> Tensor:
+    """Codes in ``0..levels``, stochastic where ``firsts`` gives each chunk's first counter (:func:`noise`).
 
-    Returns a contiguous uint8 workspace buffer: valid until the next call.
+    The full chunks run fused where :mod:`~gradcomp.compressors.fusion` compiles (bitwise what the
+    operators below give, but for a non-finite chunk's codes: any in ``0..levels``; its scales decode
+    it non-finite either way). Returns a contiguous uint8 workspace buffer: valid until the next call.
     """
+    n = flat.numel()
+    codes = workspace.take("affine.codes", n, torch.uint8, flat.device)
+    full = n // chunk
+    if full and _ENCODE.run(
+        flat[: full * chunk].view(full, chunk), codes[: full * chunk].view(full, chunk), affine.step[:full].double(),
+        None if affine.base is None else affine.base[:full].double(), None if firsts is None else firsts[:full],
+        None if firsts is None else counter.steps(words(chunk) + 1, flat.device),
+        levels=affine.levels, zero=affine.zero, widest=_widest(affine),
+    ):  # fmt: skip
+        if n > full * chunk:  # a short last chunk: the operators below, on it alone
+            tail = _chunks(affine, slice(full, full + 1))
+            rest = None if firsts is None else noise(firsts[full:], chunk, workspace)
+            _encode_eager(flat[full * chunk :], tail, chunk, rest, workspace, codes[full * chunk :])
+        return codes
+    return _encode_eager(flat, affine, chunk, None if firsts is None else noise(firsts, chunk, workspace),
+                         workspace, codes)  # fmt: skip
+
+
+def _chunks(affine: Affine, rows: slice) -> Affine:
+    """The map of the chunks ``rows`` alone."""
+    base = None if affine.base is None else affine.base[rows]
+    return dataclasses.replace(affine, base=base, step=affine.step[rows])
+
+
+def _encode_eager(flat: Tensor, affine: Affine, chunk: int, randomness: Noise | None, workspace: Workspace,
+                  codes: Tensor) -> Tensor:  # fmt: skip
+    """:func:`encode` in operators of their own, into ``codes``."""
     n = flat.numel()
     dtype = working_dtype(flat)
     y = workspace.take("affine.y", n, dtype, flat.device)
@@ -162,7 +199,6 @@ def encode(flat: Tensor, affine: Affine, chunk: int, randomness: Noise | None, w
     # + 256: y can be as low as -0.5, and below the magic number the spacing is 0.5, not 1.
     # A multiple of 256 keeps the low byte equal to the code.
     y.add_(_magic(y.dtype) + 256 + affine.zero)
-    codes = workspace.take("affine.codes", n, torch.uint8, flat.device)
     codes.copy_(_low_bytes(y))  # one strided read; everything after works on contiguous bytes
     if affine.levels < 255:
         # Below 255 an overshoot to levels + 1 (stochastic rounding) still fits in the byte; y >=
@@ -178,8 +214,24 @@ def decode(codes: Tensor, affine: Affine, chunk: int, out: Tensor, workspace: Wo
     """Write ``base + (codes - zero) * step`` per chunk into the flat floating tensor ``out``.
 
     Computed in the working dtype (:func:`working_dtype`), per chunk in the units of
-    :func:`prescale`, and rounded into ``out``.
+    :func:`prescale`, and rounded into ``out``; the full chunks fused where
+    :mod:`~gradcomp.compressors.fusion` compiles (bitwise the same).
     """
+    n = out.numel()
+    full = n // chunk
+    if full and _DECODE.run(
+        codes[: full * chunk].view(full, chunk), out[: full * chunk].view(full, chunk), affine.step[:full].double(),
+        None if affine.base is None else affine.base[:full].double(), zero=affine.zero, widest=_widest(affine),
+    ):  # fmt: skip
+        if n > full * chunk:
+            tail = _chunks(affine, slice(full, full + 1))
+            _decode_eager(codes[full * chunk :], tail, chunk, out[full * chunk :], workspace)
+        return out
+    return _decode_eager(codes, affine, chunk, out, workspace)
+
+
+def _decode_eager(codes: Tensor, affine: Affine, chunk: int, out: Tensor, workspace: Workspace) -> Tensor:
+    """:func:`decode` in operators of their own."""
     dtype = working_dtype(out)
     exact = out if out.dtype == dtype else None
     values = exact if exact is not None else workspace.take("affine.decoded", out.numel(), dtype, out.device)
@@ -200,3 +252,51 @@ def decode(codes: Tensor, affine: Affine, chunk: int, out: Tensor, workspace: Wo
     if exact is None:
         out.copy_(values)
     return out
+
+
+def _encode_fused(rows: Tensor, codes: Tensor, step: Tensor, base: Tensor | None, firsts: Tensor | None,
+                  steps: Tensor | None, *, levels: int, zero: int, widest: int) -> None:  # fmt: skip
+    """:func:`_encode_eager`'s arithmetic, element by element, for whole chunks: ``rows`` (chunks,
+    chunk), into ``codes`` of that shape; ``step`` and ``base`` float64 per chunk; ``firsts`` each
+    chunk's first counter, ``steps`` the counter steps (:func:`gradcomp.compressors.counter.steps`)."""
+    dtype = working_dtype(rows)
+    width = words(rows.shape[1])
+    pre = _prescale(step, widest)
+    step = step * pre
+    positive = step > 0
+    inverse = torch.where(positive, 1.0 / torch.where(positive, step, 1.0), 0.0).to(dtype)
+    shifted = None if base is None else base * pre
+    if firsts is not None and steps is not None:
+        offsets = counter.uniform_of(counter.mix(firsts + steps[width]))
+        shift = (offsets / 256 - 0.5) * torch.where(positive, step, 0.0)
+        shifted = -shift if shifted is None else shifted - shift
+    y = rows.to(dtype) * pre.to(dtype)[:, None]
+    y = y * inverse[:, None] if shifted is None else (y - shifted.to(dtype)[:, None]) * inverse[:, None]
+    if firsts is not None and steps is not None:
+        hashed = counter.mix(firsts[:, None] + steps[None, :width])
+        # byte b of a word is bits 8b.. (the eager path's little-endian uint8 view of the words)
+        spread = (hashed[:, :, None] >> torch.arange(0, 64, 8, device=rows.device)) & 255
+        y = y + spread.reshape(rows.shape[0], width * 8)[:, : rows.shape[1]].to(dtype) * (1 / 256)
+    # Clamping y at the top level before rounding, and the code after, gives the eager path's codes
+    # (rounding is monotone) whatever the levels, without its branch on them.
+    y = y.clamp(max=levels - zero) + (_magic(dtype) + 256 + zero)
+    low = y.view(torch.int64 if dtype == torch.float64 else torch.int32) & 255
+    codes.copy_(low.to(torch.uint8).clamp(max=levels))
+
+
+def _decode_fused(codes: Tensor, out: Tensor, step: Tensor, base: Tensor | None, *, zero: int, widest: int) -> None:
+    """:func:`_decode_eager`'s arithmetic for whole chunks: ``codes`` (chunks, chunk) into ``out``."""
+    dtype = working_dtype(out)
+    pre = _prescale(step, widest)
+    shrink = pre * torch.where(pre < 1, 1 - 2.0**-20, 1.0)
+    values = codes.to(dtype)
+    if zero:
+        values = values - zero
+    values = values * (step * shrink).to(dtype)[:, None]
+    if base is not None:
+        values = values + (base * shrink).to(dtype)[:, None]
+    out.copy_(values * (1 / pre).to(dtype)[:, None])  # times 1 where no prescale: exact
+
+
+_ENCODE = fusion.Kernel(_encode_fused, "affine encode")
+_DECODE = fusion.Kernel(_decode_fused, "affine decode")

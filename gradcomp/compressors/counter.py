@@ -89,16 +89,37 @@ def fill(firsts: Tensor, out: Tensor, scratch: Tensor) -> Tensor:
     return mix_(out, scratch)
 
 
+def steps(width: int, device: torch.device) -> Tensor:
+    """``GOLDEN * j`` for j < ``width`` (int64, wrapped): what counter j of a run adds to its first."""
+    return _steps(width, torch.device(device))
+
+
 @functools.lru_cache(maxsize=64)
 def _steps(width: int, device: torch.device) -> Tensor:
     return torch.arange(width, dtype=torch.int64, device=device).mul_(signed(GOLDEN))
+
+
+def mix(x: Tensor) -> Tensor:
+    """:func:`mix_` as a new tensor, in element-wise operators only: what a fused kernel inlines."""
+    for shift, factor in ((30, _M1), (27, _M2), (31, None)):
+        x = x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))
+        if factor is not None:
+            x = x * signed(factor)
+    return x
 
 
 def uniform(words: Tensor, out: Tensor) -> Tensor:
     """Floats uniform in [0, 1) into ``out`` (float64, ``words``' shape), exact: each word's top 53
     bits. Overwrites ``words``."""
     words.bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1)
-    return torch.mul(words, 2.0**-53, out=out)
+    # converted first: an int64 tensor times a Python float computes in float32, which rounds
+    # most words (and the largest up to 1.0)
+    return out.copy_(words).mul_(2.0**-53)
+
+
+def uniform_of(words: Tensor) -> Tensor:
+    """:func:`uniform` as a new tensor (a fused kernel's form), ``words`` left as they are."""
+    return ((words >> 11) & ((1 << 53) - 1)).to(torch.float64) * 2.0**-53
 
 
 class Counters:

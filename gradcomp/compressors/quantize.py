@@ -18,7 +18,7 @@ from torch import Tensor
 
 from gradcomp import host
 from gradcomp.compressors import affine, bitpack, chunks, counter
-from gradcomp.compressors.affine import Affine, Noise
+from gradcomp.compressors.affine import Affine
 from gradcomp.compressors.base import (
     Aggregation,
     Capabilities,
@@ -87,20 +87,19 @@ class AffineQuantizer(ByRows, Compressor):
     def affine(self, scales: Tensor) -> Affine:
         """The per-chunk map between codes and values, from the scales that travel."""
 
-    def encode(self, flat: Tensor, mapping: Affine, key: Key = None, randomness: Noise | None = None) -> Tensor:
-        """uint8 codes of ``flat``; the default is affine rounding, stochastic with ``randomness``
-        (``key``'s next draw when not given)."""
-        if self.stochastic and randomness is None:
-            randomness = self._tensor_noise(flat.numel(), key, flat.device)
-        return affine.encode(flat, mapping, self.chunk, randomness, self.workspace)
+    def encode(self, flat: Tensor, mapping: Affine, key: Key = None, firsts: Tensor | None = None) -> Tensor:
+        """uint8 codes of ``flat``; the default is affine rounding, stochastic from the chunks' first
+        counters ``firsts`` (``key``'s next draw when not given: :func:`gradcomp.compressors.affine.noise`)."""
+        if self.stochastic and firsts is None:
+            firsts = self._tensor_counters(flat.numel(), key, flat.device)
+        return affine.encode(flat, mapping, self.chunk, firsts, self.workspace)
 
-    def _tensor_noise(self, numel: int, key: Key, device: torch.device) -> Noise:
-        """A tensor's noise at ``key``'s next draw: its chunks' counters in one add."""
+    def _tensor_counters(self, numel: int, key: Key, device: torch.device) -> Tensor:
+        """The first counters of a tensor's chunks at ``key``'s next draw, in one add."""
         first = counter.counter(self.counters.start(key), self.counters.draw(key))
         count = chunks.num_chunks(numel, self.chunk)
         firsts = self.workspace.take("noise.firsts", count, torch.int64, device)
-        torch.add(_chunk_counters(count, affine.words(self.chunk) + 1, device), first, out=firsts)
-        return affine.noise(firsts, self.chunk, self.workspace)
+        return torch.add(_chunk_counters(count, affine.words(self.chunk) + 1, device), first, out=firsts)
 
     def compress(
         self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
@@ -126,17 +125,17 @@ class AffineQuantizer(ByRows, Compressor):
 
     def encode_rows(self, rows: Tensor, layout: ChunkRows, segments: Segments) -> tuple[Tensor, ...]:
         scales = self.row_scales(rows, layout)
-        randomness = self._rows_noise(layout, segments, rows.device) if self.stochastic else None
-        codes = self.encode(rows.view(-1), self.affine(scales), None, randomness)
+        firsts = self._rows_counters(layout, segments, rows.device) if self.stochastic else None
+        codes = self.encode(rows.view(-1), self.affine(scales), None, firsts)
         kept = layout.compact(codes.view(layout.rows, layout.chunk))  # the pads' codes never travel
         scratch = self.workspace.take("pack", kept.numel(), torch.uint8, kept.device)
         return bitpack.pack(kept, self.bits, scratch), scales
 
-    def _rows_noise(self, layout: ChunkRows, segments: Segments, device: torch.device) -> Noise:
-        """Stochastic rounding's noise for a part's rows, each chunk's the one its tensor draws alone
-        (:meth:`_tensor_noise`), in operators that do not grow with the tensors: the rows' counters
-        at draw 0 (kept per layout), moved to each tensor's draw, then one hash pass. What a tensor
-        sends does not depend on the part that holds it (rule "state per tensor")."""
+    def _rows_counters(self, layout: ChunkRows, segments: Segments, device: torch.device) -> Tensor:
+        """The first counters of a part's rows, each chunk's the one its tensor draws alone
+        (:meth:`_tensor_counters`), in operators that do not grow with the tensors: the rows' counters
+        at draw 0 (kept per layout), moved to each tensor's draw (the hash follows, in the encode).
+        What a tensor sends does not depend on the part that holds it (rule "state per tensor")."""
         draws = [self.counters.draw(key) for key in segments.keys]
         starts = [self.counters.start(key) for key in segments.keys]
         at_zero = _row_counters(layout, tuple(segments.offsets), tuple(starts), device)
@@ -146,7 +145,7 @@ class AffineQuantizer(ByRows, Compressor):
         else:
             per_row = torch.tensor(draws, dtype=torch.int64, device=device)[layout.row_owners(device)]
             torch.add(at_zero, counter.draw_offset(per_row), out=firsts)
-        return affine.noise(firsts, self.chunk, self.workspace)
+        return firsts
 
     def decode_rows(self, payload: tuple[Tensor, ...], layout: ChunkRows, out: Tensor) -> None:
         packed, scales = payload

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from gradcomp import host
 from gradcomp.compressors import chunks
-from gradcomp.compressors.affine import Affine, Noise
+from gradcomp.compressors.affine import Affine
 from gradcomp.compressors.base import Capabilities, ChunkedConfig, CompressorConfig, Key
 from gradcomp.compressors.quantize import AffineQuantizer, finite_float32
 from gradcomp.compressors.registry import register
@@ -78,7 +78,7 @@ class Sign(AffineQuantizer):
         scale = scales[0].double()
         return Affine(base=scale, step=-2 * scale, levels=1)
 
-    def encode(self, flat: Tensor, mapping: Affine, key: Key = None, randomness: Noise | None = None) -> Tensor:
+    def encode(self, flat: Tensor, mapping: Affine, key: Key = None, firsts: Tensor | None = None) -> Tensor:
         negative = self.workspace.take("negative", flat.numel(), torch.bool, flat.device)
         torch.lt(flat, 0, out=negative)
         return negative.view(torch.uint8)

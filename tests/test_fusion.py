@@ -1,0 +1,158 @@
+"""Fused kernels (``gradcomp.compressors.fusion``): compiled by Inductor, they give bitwise what the
+eager operators give, for whole tensors and for a part's rows, at every dtype and at the extremes the
+codec prescales; a configuration compiles once and a new number of rows recompiles nothing; a kernel
+that cannot compile warns once and leaves the eager operators to run; ``GRADCOMP_COMPILE`` is checked.
+
+The only tests of the suite that compile (``tests/conftest.py`` sets ``GRADCOMP_COMPILE=0`` for the
+rest): each configuration here costs seconds the first time, then Inductor's on-disk cache serves it."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from gradcomp.compressors import Segments, affine, fusion, make_compressor
+from gradcomp.compressors.base import Compressor
+
+needs_compiler = pytest.mark.skipif(
+    not fusion.compiler_found(torch.device("cpu")), reason="Inductor needs a C++ compiler on the CPU"
+)
+
+
+def _gradient(numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Gaussian values, one chunk of zeros, one of values near 1e-30 (a step below 2**-64: the
+    prescaled map), one spanning +-1e38 (past 2**126 in float32; float32 and wider only)."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    x[1024:2048] = 0
+    x[2048:3072] *= 1e-30
+    if dtype in (torch.float32, torch.float64):
+        x[3072:4096] = torch.linspace(-1e38, 1e38, 1024, dtype=torch.float64)
+    return x.to(dtype)
+
+
+def _round_trip(spec: str, x: torch.Tensor, setting: str, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, ...]:
+    """(payload..., decoded) of two steps of ``spec`` on ``x`` under ``GRADCOMP_COMPILE=setting``."""
+    monkeypatch.setenv(fusion.ENVIRONMENT, setting)
+    compressor = make_compressor(spec, seed=3)
+    results: list[torch.Tensor] = []
+    for _ in range(2):  # the second step draws other noise
+        payload, ctx = compressor.compress(x, key="w")
+        results += [t.clone() for t in payload]
+        results.append(compressor.decompress(payload, ctx).clone())
+    return tuple(results)
+
+
+SPECS = [
+    ("quantize:bits=4", torch.float32),  # stochastic, min-max: a base per chunk
+    ("quantize:bits=8,rounding=nearest", torch.float64),  # 255 levels, float64 arithmetic
+    ("qsgd", torch.float16),  # symmetric: no base, a zero level
+    ("terngrad:chunk=256", torch.bfloat16),
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize(("spec", "dtype"), SPECS, ids=[f"{s}-{d}" for s, d in SPECS])
+def test_compiled_codecs_are_bitwise_the_eager_ones(
+    spec: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tensor with a short last chunk (its tail runs eagerly either way): codes, scales and the
+    decoded values equal bit for bit, the prescaled chunks included."""
+    x = _gradient(10_000 + 77, dtype)
+    eager = _round_trip(spec, x, "0", monkeypatch)
+    runs = affine._ENCODE.compiled_runs, affine._DECODE.compiled_runs
+    fused = _round_trip(spec, x, "1", monkeypatch)
+    assert (affine._ENCODE.compiled_runs, affine._DECODE.compiled_runs) == (runs[0] + 2, runs[1] + 2)
+    for a, b in zip(eager, fused, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _part(spec: str, setting: str, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, ...]:
+    """Payload and decoded buffer of a part of many tensors (short tails, tiny ones) compressed by rows."""
+    monkeypatch.setenv(fusion.ENVIRONMENT, setting)
+    shapes = [torch.Size(s) for s in [(64, 70), (5,), (2048,), (3, 1000), (1,), (300,)] * 5]
+    offsets = [0]
+    for shape in shapes[:-1]:
+        offsets.append(offsets[-1] + math.prod(shape))
+    segments = Segments(tuple(offsets), tuple(shapes), tuple(range(len(shapes))))
+    buffer = _gradient(offsets[-1] + math.prod(shapes[-1]), torch.float32, seed=1)
+    compressor: Compressor = make_compressor(spec, seed=5)
+    [(payload, ctx)] = compressor.compress_part(buffer.clone(), segments, 2.0)
+    out = torch.empty_like(buffer)
+    compressor.decompress_part([payload], [ctx], out, segments)
+    return (*(t.clone() for t in payload), out)
+
+
+@needs_compiler
+@pytest.mark.parametrize("spec", ["quantize:bits=4", "quantize:bits=4,rounding=nearest"])
+def test_a_part_by_rows_compiles_to_the_eager_result(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    eager = _part(spec, "0", monkeypatch)
+    runs = affine._ENCODE.compiled_runs, affine._DECODE.compiled_runs
+    fused = _part(spec, "1", monkeypatch)
+    assert (affine._ENCODE.compiled_runs, affine._DECODE.compiled_runs) == (runs[0] + 1, runs[1] + 1)
+    for a, b in zip(eager, fused, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@needs_compiler
+def test_a_configuration_compiles_once_whatever_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the first step, tensors of other sizes (other numbers of rows) and later steps run
+    the code already compiled: Dynamo's count of compiled graphs does not move."""
+    monkeypatch.setenv(fusion.ENVIRONMENT, "1")
+    compressor = make_compressor("quantize:bits=3,chunk=512", seed=0)
+    compiled = torch._dynamo.utils.counters["stats"]
+
+    def step(numel: int) -> None:
+        payload, ctx = compressor.compress(torch.randn(numel), key=numel)
+        compressor.decompress(payload, ctx)
+
+    step(512 * 7)
+    step(512 * 9)  # a second number of rows: its dimension is dynamic from the first call
+    warm = compiled["unique_graphs"]
+    for numel in (512 * 3, 512 * 40 + 5, 512 * 1000, 512 * 7):
+        step(numel)
+    assert compiled["unique_graphs"] == warm
+
+
+def _uncompilable(x: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(x * 2)
+    x.tolist()  # a host read: no whole graph
+
+
+@needs_compiler
+def test_a_kernel_that_cannot_compile_warns_once_and_runs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(fusion.ENVIRONMENT, "1")
+    kernel = fusion.Kernel(_uncompilable, "broken")
+    x, out = torch.ones(4, 2), torch.zeros(4, 2)
+    with pytest.warns(UserWarning, match="broken could not be compiled, it runs eagerly"):
+        assert not kernel.run(x, out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not kernel.run(x, out)  # known to fail: no second attempt, no second warning
+
+
+def test_the_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = fusion.Kernel(_uncompilable, "never")
+    monkeypatch.setenv(fusion.ENVIRONMENT, "0")
+    assert not fusion.enabled(torch.device("cpu")) and not kernel.run(torch.ones(2, 2), torch.zeros(2, 2))
+    monkeypatch.setenv(fusion.ENVIRONMENT, "yes")
+    with pytest.raises(ValueError, match="GRADCOMP_COMPILE must be one of auto, 1, 0, got 'yes'"):
+        fusion.enabled(torch.device("cpu"))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("spec", ["quantize:bits=4", "quantize:bits=4,rounding=nearest", "qsgd", "terngrad"])
+def test_triton_kernels_give_the_cpu_results(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled for a GPU (Triton), the codes and decoded values are the CPU's eager ones."""
+    x = _gradient(1 << 20, torch.float32)
+    monkeypatch.setenv(fusion.ENVIRONMENT, "0")
+    cpu = make_compressor(spec, seed=3)
+    payload, ctx = cpu.compress(x, key="w")
+    expected = (*payload, cpu.decompress(payload, ctx))
+    monkeypatch.setenv(fusion.ENVIRONMENT, "1")
+    gpu = make_compressor(spec, seed=3)
+    payload, ctx = gpu.compress(x.cuda(), key="w")
+    for a, b in zip(expected, (*payload, gpu.decompress(payload, ctx)), strict=True):
+        assert torch.equal(a, b.cpu())
