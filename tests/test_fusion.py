@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from gradcomp.compressors import Segments, affine, fusion, make_compressor
+from gradcomp.compressors import Segments, affine, fusion, make_compressor, sign
 from gradcomp.compressors.base import Compressor
 
 needs_compiler = pytest.mark.skipif(
@@ -45,11 +45,17 @@ def _round_trip(spec: str, x: torch.Tensor, setting: str, monkeypatch: pytest.Mo
     return tuple(results)
 
 
+def _compiled_runs() -> int:
+    """Calls of the codes and decoding kernels that ran compiled (the min-max and hash kernels aside)."""
+    return affine._ENCODE.compiled_runs + affine._DECODE.compiled_runs + sign._NEGATIVE.compiled_runs
+
+
 SPECS = [
     ("quantize:bits=4", torch.float32),  # stochastic, min-max: a base per chunk
     ("quantize:bits=8,rounding=nearest", torch.float64),  # 255 levels, float64 arithmetic
     ("qsgd", torch.float16),  # symmetric: no base, a zero level
     ("terngrad:chunk=256", torch.bfloat16),
+    ("sign", torch.float32),  # its codes kernel, the codec's decode
 ]
 
 
@@ -62,9 +68,9 @@ def test_compiled_codecs_are_bitwise_the_eager_ones(
     decoded values equal bit for bit, the prescaled chunks included."""
     x = _gradient(10_000 + 77, dtype)
     eager = _round_trip(spec, x, "0", monkeypatch)
-    runs = affine._ENCODE.compiled_runs, affine._DECODE.compiled_runs
+    runs = _compiled_runs()
     fused = _round_trip(spec, x, "1", monkeypatch)
-    assert (affine._ENCODE.compiled_runs, affine._DECODE.compiled_runs) == (runs[0] + 2, runs[1] + 2)
+    assert _compiled_runs() - runs == 4  # two steps: encode (sign's codes) and decode compiled
     for a, b in zip(eager, fused, strict=True):
         assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
@@ -89,9 +95,9 @@ def _part(spec: str, setting: str, monkeypatch: pytest.MonkeyPatch) -> tuple[tor
 @pytest.mark.parametrize("spec", ["quantize:bits=4", "quantize:bits=4,rounding=nearest"])
 def test_a_part_by_rows_compiles_to_the_eager_result(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
     eager = _part(spec, "0", monkeypatch)
-    runs = affine._ENCODE.compiled_runs, affine._DECODE.compiled_runs
+    runs = _compiled_runs()
     fused = _part(spec, "1", monkeypatch)
-    assert (affine._ENCODE.compiled_runs, affine._DECODE.compiled_runs) == (runs[0] + 1, runs[1] + 1)
+    assert _compiled_runs() - runs == 2
     for a, b in zip(eager, fused, strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 

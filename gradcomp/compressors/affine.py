@@ -140,10 +140,15 @@ def encode(flat: Tensor, affine: Affine, chunk: int, firsts: Tensor | None, work
     n = flat.numel()
     codes = workspace.take("affine.codes", n, torch.uint8, flat.device)
     full = n // chunk
-    if full and _ENCODE.run(
+    hashed = None
+    if full and firsts is not None:  # the chunks' random words: their own loop (inlined, the bytes' shifts cost more)
+        hashed = workspace.take("noise.words", full * (words(chunk) + 1), torch.int64, flat.device)
+        hashed = hashed.view(full, words(chunk) + 1)
+        if not _HASH.run(firsts[:full], counter.steps(words(chunk) + 1, flat.device), hashed):
+            hashed = None
+    if (hashed is not None or firsts is None) and full and _ENCODE.run(
         flat[: full * chunk].view(full, chunk), codes[: full * chunk].view(full, chunk), affine.step[:full].double(),
-        None if affine.base is None else affine.base[:full].double(), None if firsts is None else firsts[:full],
-        None if firsts is None else counter.steps(words(chunk) + 1, flat.device),
+        None if affine.base is None else affine.base[:full].double(), hashed,
         levels=affine.levels, zero=affine.zero, widest=_widest(affine),
     ):  # fmt: skip
         if n > full * chunk:  # a short last chunk: the operators below, on it alone
@@ -254,29 +259,32 @@ def _decode_eager(codes: Tensor, affine: Affine, chunk: int, out: Tensor, worksp
     return out
 
 
-def _encode_fused(rows: Tensor, codes: Tensor, step: Tensor, base: Tensor | None, firsts: Tensor | None,
-                  steps: Tensor | None, *, levels: int, zero: int, widest: int) -> None:  # fmt: skip
+def _hash_fused(firsts: Tensor, steps: Tensor, hashed: Tensor) -> None:
+    """Each chunk's random words (:func:`noise`: its bytes' words, then its offset's), into ``hashed``
+    (chunks, words + 1); ``steps``: :func:`gradcomp.compressors.counter.steps` of that width."""
+    hashed.copy_(counter.mix(firsts[:, None] + steps[None, :]))
+
+
+def _encode_fused(rows: Tensor, codes: Tensor, step: Tensor, base: Tensor | None, hashed: Tensor | None, *,
+                  levels: int, zero: int, widest: int) -> None:  # fmt: skip
     """:func:`_encode_eager`'s arithmetic, element by element, for whole chunks: ``rows`` (chunks,
-    chunk), into ``codes`` of that shape; ``step`` and ``base`` float64 per chunk; ``firsts`` each
-    chunk's first counter, ``steps`` the counter steps (:func:`gradcomp.compressors.counter.steps`)."""
+    chunk), into ``codes`` of that shape; ``step`` and ``base`` float64 per chunk; ``hashed`` each
+    chunk's random words (:func:`_hash_fused`) for stochastic rounding."""
     dtype = working_dtype(rows)
-    width = words(rows.shape[1])
     pre = _prescale(step, widest)
     step = step * pre
     positive = step > 0
     inverse = torch.where(positive, 1.0 / torch.where(positive, step, 1.0), 0.0).to(dtype)
     shifted = None if base is None else base * pre
-    if firsts is not None and steps is not None:
-        offsets = counter.uniform_of(counter.mix(firsts + steps[width]))
+    if hashed is not None:
+        offsets = counter.uniform_of(hashed[:, -1])
         shift = (offsets / 256 - 0.5) * torch.where(positive, step, 0.0)
         shifted = -shift if shifted is None else shifted - shift
     y = rows.to(dtype) * pre.to(dtype)[:, None]
     y = y * inverse[:, None] if shifted is None else (y - shifted.to(dtype)[:, None]) * inverse[:, None]
-    if firsts is not None and steps is not None:
-        hashed = counter.mix(firsts[:, None] + steps[None, :width])
-        # byte b of a word is bits 8b.. (the eager path's little-endian uint8 view of the words)
-        spread = (hashed[:, :, None] >> torch.arange(0, 64, 8, device=rows.device)) & 255
-        y = y + spread.reshape(rows.shape[0], width * 8)[:, : rows.shape[1]].to(dtype) * (1 / 256)
+    if hashed is not None:
+        noise = hashed[:, :-1].view(torch.uint8)[:, : rows.shape[1]]  # the eager path's bytes
+        y = y + noise.to(dtype) * (1 / 256)
     # Clamping y at the top level before rounding, and the code after, gives the eager path's codes
     # (rounding is monotone) whatever the levels, without its branch on them.
     y = y.clamp(max=levels - zero) + (_magic(dtype) + 256 + zero)
@@ -298,5 +306,6 @@ def _decode_fused(codes: Tensor, out: Tensor, step: Tensor, base: Tensor | None,
     out.copy_(values * (1 / pre).to(dtype)[:, None])  # times 1 where no prescale: exact
 
 
+_HASH = fusion.Kernel(_hash_fused, "noise hash")
 _ENCODE = fusion.Kernel(_encode_fused, "affine encode")
 _DECODE = fusion.Kernel(_decode_fused, "affine decode")

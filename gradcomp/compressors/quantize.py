@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from gradcomp import host
-from gradcomp.compressors import affine, bitpack, chunks, counter
+from gradcomp.compressors import affine, bitpack, chunks, counter, fusion
 from gradcomp.compressors.affine import Affine
 from gradcomp.compressors.base import (
     Aggregation,
@@ -185,6 +185,15 @@ def finite_float32(values: Tensor) -> Tensor:
     return torch.where(torch.isfinite(values), values.clamp(-limit, limit), values).float()
 
 
+def _min_max(rows: Tensor, low: Tensor, high: Tensor) -> None:
+    """Each row's min into ``low`` and max into ``high``, in one pass (exact: no rounding to differ)."""
+    low.copy_(rows.amin(dim=1))
+    high.copy_(rows.amax(dim=1))
+
+
+_MIN_MAX = fusion.Kernel(_min_max, "min and max")
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantizeConfig(ChunkedConfig):
     """``chunk``: elements per (min, max) pair, 8 bytes each."""
@@ -243,9 +252,16 @@ class Quantize(AffineQuantizer):
     def scales(self, flat: Tensor) -> Tensor:
         # min and max travel, not the step: both are exact input values, and the step, derived in
         # float64 on both sides, exists even where float32 cannot hold it (1 bit over a range past 3.4e38)
+        full = flat.numel() // self.chunk
+        scales = torch.empty(2, chunks.num_chunks(flat.numel(), self.chunk), dtype=torch.float32, device=flat.device)
+        if full and _MIN_MAX.run(flat[: full * self.chunk].view(full, self.chunk), scales[0, :full], scales[1, :full]):
+            if scales.shape[1] > full:  # a short last chunk
+                tail = flat[full * self.chunk :]
+                torch.stack([tail.amin(), tail.amax()], out=scales[:, full])
+            return scales
         low = chunks.reduce(flat, self.chunk, lambda v: v.amin(dim=1))
         high = chunks.reduce(flat, self.chunk, lambda v: v.amax(dim=1))
-        return torch.stack([low, high]).float()
+        return torch.stack([low, high], out=scales)
 
     def affine(self, scales: Tensor) -> Affine:
         levels = 2**self.bits - 1
