@@ -157,6 +157,7 @@ def _bench_compressors(args: argparse.Namespace) -> int:
     from gradcomp.bench import launches
     from gradcomp.bench.report import machine, write_report
     from gradcomp.bench.units import format_elements
+    from gradcomp.compressors import fusion
 
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -165,23 +166,26 @@ def _bench_compressors(args: argparse.Namespace) -> int:
     specs = split_list(args.specs) if args.specs else list(bench.DEFAULT_SPECS)
     references, rows = bench.run(sizes, specs, repeats=args.repeats, seed=args.seed, device=args.device)
     host = machine()
+    fused = fusion.enabled(torch.device(args.device))
     sys.stdout.write(
         f"gradcomp bench compressors: {host['cpu']}, torch {host['torch']}, {host['threads']} thread(s), "
-        f"median of {args.repeats}\n\n"
+        f"median of {args.repeats}, kernels {'fused by torch.compile' if fused else 'eager'} "
+        f"({fusion.ENVIRONMENT}={fusion.setting()})\n\n"
     )
     sys.stdout.write(bench.format_table(references, rows) + "\n")
     counted = launches.rows(specs, seed=args.seed)
     sys.stdout.write(
         f"### Operators per bucket of {format_elements(counted[0][1].numel)} elements, compress + decompress\n\n"
         "On an accelerator's paths, each a kernel launch (4-10 us on a GPU): a bucket of one tensor, and one "
-        f"of {counted[0][2].tensors} GPT-shaped tensors holding as many elements (gradcomp.bench.launches).\n\n"
+        f"of {counted[0][2].tensors} GPT-shaped tensors holding as many elements (gradcomp.bench.launches); "
+        "the eager operators, which a fused kernel replaces by one or two.\n\n"
         + launches.format_table(counted) + "\n"
     )  # fmt: skip
     if args.json:
         kernels = [r.as_dict() for r in rows]
         operators = [{"spec": s, "one": dataclasses.asdict(a), "many": dataclasses.asdict(b)} for s, a, b in counted]
         write_report(args.json, host, references=[dataclasses.asdict(r) for r in references], rows=kernels,
-                     launches=operators)  # fmt: skip
+                     launches=operators, fused=fused)  # fmt: skip
     return 0
 
 

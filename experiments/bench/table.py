@@ -8,6 +8,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from gradcomp.bench.report import markdown_table
 from gradcomp.experiments.bench.modes import NOOP, TORCH_ALLREDUCE
 from gradcomp.experiments.bench.records import PHASES
@@ -18,14 +20,17 @@ from gradcomp.experiments.bench.settings import BenchSettings
 def format_run(settings: BenchSettings, rows: Sequence[Row], host: dict[str, Any]) -> str:
     """One network's output: what ran on what (``host``: :func:`gradcomp.bench.report.machine`), then
     both tables."""
+    from gradcomp.compressors import fusion
     from gradcomp.netem import describe, parse
 
+    fused = fusion.enabled(torch.device(settings.device))
     workload = settings.workload
     runs = f" (medians over {settings.runs} runs; ratios with their range)" if settings.runs > 1 else ""
     return (
         f"gradcomp bench {settings.mode.name}: {workload.about}, batch {workload.batch_size} per rank, "
         f"{settings.ranks} ranks, network {settings.network} ({describe(parse(settings.network))}), gloo, "
         f"{host['cpu']}, torch {host['torch']}, {settings.threads} thread(s) per rank, "
+        f"kernels {'fused by torch.compile' if fused else 'eager'} ({fusion.ENVIRONMENT}={fusion.setting()}), "
         f"median of {settings.steps} steps{runs}\n\n"
         f"{format_table(rows, settings.mode.anchor)}\n\n"
         f"Where gradcomp's time goes (ms per step, medians):\n\n{format_phases(rows)}\n\n"

@@ -14,6 +14,7 @@ from gradcomp import host
 from gradcomp.compressors.base import Capabilities, CompressorConfig, Key, Measured, Meta, Payload, check_gradient
 from gradcomp.compressors.randomness import Generators, rank_seed
 from gradcomp.compressors.registry import register
+from gradcomp.compressors.sizes import BySize
 from gradcomp.compressors.sparse import SparseCompressor, kept, ratio_error
 
 Method = Literal["exact", "sampled"]
@@ -50,7 +51,7 @@ class TopKConfig(CompressorConfig):
 
 
 @register
-class TopK(SparseCompressor):
+class TopK(BySize, SparseCompressor):
     """Top-k sparsification (Aji & Heafield 2017; Lin et al., DGC, ICLR 2018).
 
     Both methods first estimate the k-th largest |x| from a random sample of SAMPLE_HITS * n / k
@@ -102,6 +103,23 @@ class TopK(SparseCompressor):
         magnitudes = self._magnitudes(flat)
         indices = self.select(magnitudes, kept(self.config.ratio if ratio is None else ratio, flat.numel()), key)
         return self.sparse_payload(flat, indices), Meta.of(tensor)
+
+    @property
+    def largest_batched(self) -> int:
+        """``exact`` takes a part's tensors of up to :data:`SMALL` elements by size groups
+        (:mod:`gradcomp.compressors.sizes`): each a plain ``torch.topk`` alone, a row of one here.
+        ``sampled`` sends as many as pass its threshold, which a group's payload shape cannot say."""
+        return SMALL if self.config.method == "exact" else 0
+
+    def kept_of(self, numel: int, ratio: float | None) -> int:
+        return kept(self.config.ratio if ratio is None else ratio, numel)
+
+    def select_rows(self, rows: Tensor, k: int) -> Tensor:
+        magnitudes = self.workspace.take("abs.rows", rows.numel(), rows.dtype, rows.device).view(rows.shape)
+        torch.abs(rows, out=magnitudes)
+        if k == rows.shape[1]:  # everything, in order, as a tensor alone sends it
+            return torch.arange(k, device=rows.device).expand(rows.shape[0], k)
+        return torch.topk(magnitudes, k, dim=1, sorted=False).indices
 
     def select(self, magnitudes: Tensor, k: int, key: Key = None) -> Tensor:
         """int64 indices of (about, for ``sampled``) the k largest ``magnitudes``."""

@@ -88,10 +88,12 @@ def buffer_for(buffers: dict[Key, Tensor], key: Key, like: Tensor) -> Tensor:
 
 def entries(states: dict[Key, Tensor], name: str) -> list[dict[str, Any]]:
     """``states`` as a checkpoint lists them: ``[{"key": key, name: tensor}, ...]`` (keys in their
-    plain form, and tensors: loadable with ``weights_only=True``)."""
-    return [{"key": plain(key), name: tensor} for key, tensor in states.items()]
+    plain form, and tensors: loadable with ``weights_only=True``). Copies: the steps update their
+    states in place, and a state dict kept while training goes on must stay what it was."""
+    return [{"key": plain(key), name: tensor.clone()} for key, tensor in states.items()]
 
 
 def keyed(listed: Iterable[Mapping[str, Any]], name: str) -> dict[Key, Tensor]:
-    """What :func:`entries` listed, by key again."""
-    return {entry["key"]: entry[name] for entry in listed}
+    """What :func:`entries` listed, by key again (copies: loading one state dict twice gives two
+    states that do not share their tensors)."""
+    return {entry["key"]: entry[name].clone() for entry in listed}

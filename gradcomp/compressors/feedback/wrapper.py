@@ -21,6 +21,7 @@ from gradcomp.compressors.base import (
 )
 from gradcomp.compressors.capabilities import ratio_option
 from gradcomp.compressors.feedback import rows as by_rows
+from gradcomp.compressors.feedback import sizes as by_size
 from gradcomp.compressors.feedback.clipping import Clipping
 from gradcomp.compressors.feedback.ef21 import Estimates
 from gradcomp.compressors.feedback.memory import FeedbackContext, Memory, buffer_for
@@ -30,6 +31,7 @@ from gradcomp.compressors.feedback.residual import Residuals
 from gradcomp.compressors.finite import finite
 from gradcomp.compressors.rows import ByRows, RowsMeta
 from gradcomp.compressors.segments import Segments
+from gradcomp.compressors.sizes import AloneMeta, BySize, GroupMeta, sum_into
 
 
 class ErrorFeedback(Compressor):
@@ -230,24 +232,38 @@ class ErrorFeedback(Compressor):
         the record says (classic error feedback alone, around a compressor that compresses by rows)."""
         return self.capabilities.whole_part and isinstance(self.inner, ByRows)
 
+    @property
+    def _by_size(self) -> bool:
+        """Whether a part is compressed by size groups (:mod:`gradcomp.compressors.feedback.sizes`):
+        classic error feedback alone, around a compressor that batches some of its sizes."""
+        classic = isinstance(self.memory, Residuals) and self._fused
+        return classic and isinstance(self.inner, BySize) and self.inner.largest_batched > 0
+
     def compress_part(
         self, buffer: Tensor, segments: Segments, divisor: float, *, ratio: float | None = None
     ) -> list[tuple[Payload, Any]]:
-        if not self._by_rows:
-            return super().compress_part(buffer, segments, divisor, ratio=ratio)
-        return by_rows.compress_part(self, buffer, segments, divisor)
+        if self._by_rows:
+            return by_rows.compress_part(self, buffer, segments, divisor)
+        if self._by_size:
+            return by_size.compress_part(self, buffer, segments, divisor, ratio)
+        return super().compress_part(buffer, segments, divisor, ratio=ratio)
 
     def decompress_part(self, payloads: Sequence[Payload], contexts: Sequence[Any], buffer: Tensor,
                         segments: Segments) -> None:  # fmt: skip
         if contexts and isinstance(contexts[0], RowsMeta):  # classic error feedback hands the aggregate on
             self.inner.decompress_part(payloads, contexts, buffer, segments)
+        elif contexts and isinstance(contexts[0], (GroupMeta, AloneMeta)):
+            self.decompress_sum_part([[p] for p in payloads], contexts, buffer, segments)
         else:
             super().decompress_part(payloads, contexts, buffer, segments)
 
     def decompress_sum_part(self, gathered: Sequence[Sequence[Payload]], contexts: Sequence[Any], buffer: Tensor,
                             segments: Segments) -> None:  # fmt: skip
+        # classic error feedback hands the aggregate on: the wrapped compressor's part, as it is
         if contexts and isinstance(contexts[0], RowsMeta):
             self.inner.decompress_sum_part(gathered, contexts, buffer, segments)
+        elif contexts and isinstance(contexts[0], (GroupMeta, AloneMeta)):
+            sum_into(gathered, contexts, buffer, segments, self.workspace, self.decompress_sum)
         else:
             super().decompress_sum_part(gathered, contexts, buffer, segments)
 

@@ -1,0 +1,63 @@
+"""Classic error feedback on a part of a bucket at once, for a sparsifier that compresses by size groups.
+
+When the wrapped compressor batches a part's tensors by size (:class:`~gradcomp.compressors.sizes.BySize`:
+top-k), error feedback follows it, group by group: the members' residuals stacked as rows beside
+their gradients, the compensated rows formed in one fused add, selected as one, and the residual
+rows settled in one pass (the compensated rows, zero where they were sent) and put back per key in
+one foreach copy, each member kept as it was where its own step was not finite (rule "one bad step",
+decided per row on the device). The residuals stay per key between steps (checkpoints,
+``take_residual`` and warm-ups see nothing new); the tensors alone go through the per-tensor step.
+
+Bitwise what the per-tensor steps give: the same add, the same selection, and a residual that is
+the compensated gradient with exact zeros where it was sent (what subtracting a payload's values
+from themselves leaves). Classic error feedback alone (``ef=true`` without ``momentum``, ``clip``
+or ``ef=ef21``): the other variants compress tensor by tensor.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from gradcomp import host
+from gradcomp.compressors.capabilities import ratio_option
+from gradcomp.compressors.segments import Segments
+from gradcomp.compressors.sizes import AloneMeta, BySize
+
+if TYPE_CHECKING:
+    from gradcomp.compressors.feedback.residual import Residuals
+    from gradcomp.compressors.feedback.wrapper import ErrorFeedback
+
+
+def compress_part(
+    ef: ErrorFeedback, buffer: Tensor, segments: Segments, divisor: float, ratio: float | None
+) -> list[tuple[Any, Any]]:
+    """:meth:`ErrorFeedback.compress_part` by size groups (the module's notes)."""
+    inner, memory = ef.inner, ef.memory
+    assert isinstance(inner, BySize)
+    groups = inner.size_groups(segments)
+    residuals: Residuals = memory  # type: ignore[assignment]
+    states: list[tuple[Any, Any]] = []
+    views, options = segments.views(buffer), ratio_option(ratio)
+    for group in groups.groups:
+        carried = [residuals.carried(segments.keys[i], views[i]).view(-1) for i in group.members]
+        shape = (len(carried), group.numel)
+        residual = ef.workspace.take("ef.sizes.residual", shape[0] * shape[1], buffer.dtype, buffer.device)
+        residual = torch.stack(carried, out=residual.view(shape))
+        compensated = inner.stacked(buffer, group, "ef.sizes.compensated")
+        torch.addcdiv(residual, compensated, ef._divisor(divisor, buffer), out=compensated)  # as the per-tensor add
+        payload, ctx = inner.encode_group(compensated, group, ratio)
+        values, indices = payload
+        ok = torch.isfinite(values).all(dim=1)  # a non-finite input is always selected (payload_shows_non_finite)
+        compensated.scatter_(1, indices.long(), 0.0)  # what subtracting the values from themselves leaves
+        if not (host.reads_are_free(buffer.device) and host.flag(ok.all())):
+            torch.where(ok[:, None], compensated, residual, out=compensated)
+        torch._foreach_copy_(carried, list(compensated.unbind(0)))
+        states.append((payload, ctx))
+    for index in groups.alone:
+        alone, context = ef.compress_divided(views[index], divisor, segments.keys[index], **options)
+        states.append((alone, AloneMeta(index, context)))
+    return states
+

@@ -1,0 +1,90 @@
+"""Top-k by size groups (``gradcomp.compressors.sizes``, ``feedback/sizes.py``): a part's tensors of
+one size selected as the rows of one matrix give bitwise what each gives alone (sums over ranks,
+error feedback's residuals, a non-finite step, a warm-up's ratio, half precision), and the operators
+per part grow with its sizes, not its tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradcomp.bench.launches import compare, gpt_shapes
+from gradcomp.compressors import Compressor, Segments, make_compressor
+from gradcomp.compressors.sizes import AloneMeta, GroupMeta, SizeGroups
+
+SHAPES = [torch.Size(s) for s in [(40, 30), (30,), (0,), (7,), (30,), (64, 16), (1200,), (300, 300), (30,), (1, 7)]]
+"""Sizes shared and not, an empty tensor, one larger than top-k batches (90,000 > 65,536)."""
+
+
+def segments(shapes: list[torch.Size]) -> Segments:
+    offsets = [5]  # the part starts inside its buffer
+    for shape in shapes[:-1]:
+        offsets.append(offsets[-1] + math.prod(shape))
+    return Segments(tuple(offsets), tuple(shapes), tuple(f"p{i}" for i in range(len(shapes))))
+
+
+def _steps(spec: str, per_tensor: bool, dtype: torch.dtype = torch.float32, ratio: float | None = None,
+           steps: int = 3) -> tuple[list[torch.Tensor], Compressor]:  # fmt: skip
+    """Each step's sum of two ranks' payloads (the same rank's twice, as in the engine's sums) through
+    the part's calls, by size groups or the base class's tensor by tensor; a NaN at the last step."""
+    part = segments(SHAPES)
+    numel = part.offsets[-1] + math.prod(SHAPES[-1])
+    compressor = make_compressor(spec, seed=1)
+    owner = Compressor if per_tensor else type(compressor)
+    generator = torch.Generator().manual_seed(4)
+    outputs = []
+    for step in range(steps):
+        x = torch.randn(numel, generator=generator).to(dtype)
+        if step == steps - 1:
+            x[part.offsets[1] + 3] = float("nan")  # the first (30,) tensor's step is not finite
+        options = {} if ratio is None else {"ratio": ratio}
+        states = owner.compress_part(compressor, x.clone(), part, 2.0, **options)  # type: ignore[attr-defined]
+        out = torch.zeros(numel, dtype=dtype)
+        owner.decompress_sum_part(compressor, [[p, p] for p, _ in states], [c for _, c in states], out, part)  # type: ignore[attr-defined]
+        outputs.append(out)
+    return outputs, compressor
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.1", "topk:ratio=0.1,ef=true", "topk:ratio=0.02,ef=true"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_size_groups_give_each_tensors_own_result(spec: str, dtype: torch.dtype) -> None:
+    ours, grouped = _steps(spec, per_tensor=False, dtype=dtype)
+    theirs, alone = _steps(spec, per_tensor=True, dtype=dtype)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    assert torch.isnan(ours[-1]).any()  # the NaN travelled, as a tensor alone sends it
+    if "ef=true" in spec:
+        mine, yours = grouped.residuals, alone.residuals  # type: ignore[attr-defined]
+        assert mine.keys() == yours.keys() and all(torch.equal(mine[k], yours[k]) for k in yours)
+        assert torch.isfinite(mine["p1"]).all()  # the bad step kept the residual as it was
+
+
+def test_a_warmup_ratio_keeps_each_tensors_k() -> None:
+    ours, _ = _steps("topk:ratio=0.01,ef=true", per_tensor=False, ratio=0.3, steps=2)
+    theirs, _ = _steps("topk:ratio=0.01,ef=true", per_tensor=True, ratio=0.3, steps=2)
+    assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(ours, theirs, strict=True))
+
+
+def test_the_groups_hold_every_tensor_once() -> None:
+    part = segments(SHAPES)
+    groups = SizeGroups.of(part, 65536)
+    members = sorted([i for g in groups.groups for i in g.members] + list(groups.alone))
+    assert members == list(range(len(SHAPES))) and groups.alone == (7,)
+    assert [g.numel for g in groups.groups] == [1200, 30, 0, 7, 1024]  # by first appearance, 1200 twice
+    compressor = make_compressor("topk:ratio=0.1")
+    states = compressor.compress_part(torch.randn(part.offsets[-1] + 7), part, 1.0)
+    assert [type(c) for _, c in states] == [GroupMeta] * 5 + [AloneMeta]
+    assert make_compressor("topk:ratio=0.1,method=sampled").largest_batched == 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.01", "topk:ratio=0.01,ef=true"])
+def test_operators_grow_with_sizes_not_tensors(spec: str) -> None:
+    """150 GPT-shaped tensors in 9 sizes cost what 9 tensors of those sizes cost."""
+    shapes = gpt_shapes()
+    one_each = list({math.prod(s): s for s in shapes}.values())
+    _, many = compare(spec, shapes)
+    _, few = compare(spec, one_each)
+    assert many.tensors == 150 and few.tensors == len(one_each) == 9
+    assert (many.compress, many.decompress) == (few.compress, few.decompress), (many, few)
