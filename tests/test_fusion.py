@@ -162,3 +162,24 @@ def test_triton_kernels_give_the_cpu_results(spec: str, monkeypatch: pytest.Monk
     payload, ctx = gpu.compress(x.cuda(), key="w")
     for a, b in zip(expected, (*payload, gpu.decompress(payload, ctx)), strict=True):
         assert torch.equal(a, b.cpu())
+
+
+def test_a_fused_kernel_counts_as_one_launch_and_computes_the_same() -> None:
+    """Under ``observing`` (the roofline's fused count) every kernel runs as written, outside the
+    operator count, is reported once with its tensors, and the results are the eager ones."""
+    x = _gradient(8192, torch.float32)
+    compressor = make_compressor("quantize:bits=4", seed=3)
+    expected, _ = compressor.compress(x, key="w")
+    reported: list[str] = []
+    again = make_compressor("quantize:bits=4", seed=3)
+    with fusion.observing(lambda kernel, tensors: reported.append(kernel.name)):
+        payload, _ = again.compress(x, key="w")
+    assert reported == ["min and max", "noise hash", "affine encode"]
+    assert all(torch.equal(a, b) for a, b in zip(expected, payload, strict=True))
+
+
+def test_the_roofline_counts_fewer_launches_fused_whatever_the_tensors() -> None:
+    from gradcomp.bench.launches import compare
+
+    one, many = compare("quantize:bits=4,rounding=nearest,ef=true")
+    assert many.fused < many.total and abs(many.fused - one.fused) <= 5

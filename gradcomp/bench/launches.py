@@ -45,6 +45,9 @@ class Launches:
     """Compression, every round included."""
     decompress: int
     """Decompression: of the sum (``sum`` compressors) or of two ranks' payloads (``gather``)."""
+    fused: int = 0
+    """Compress + decompress where the fused kernels compile: each counts as one launch
+    (:func:`gradcomp.cost.roofline.traffic`)."""
 
     @property
     def total(self) -> int:
@@ -85,7 +88,8 @@ def count(compressor: Compressor, spec: Spec, shapes: Sequence[torch.Size], seed
     decompress()
     compressed = traffic(compress)
     decompressed = traffic(decompress)
-    return Launches(len(shapes), numel, compressed.kernels, decompressed.kernels)
+    fused = traffic(compress, fused=True).kernels + traffic(decompress, fused=True).kernels
+    return Launches(len(shapes), numel, compressed.kernels, decompressed.kernels, fused)
 
 
 def compare(spec: str, shapes: Sequence[torch.Size] | None = None, seed: int = 0) -> tuple[Launches, Launches]:
@@ -119,8 +123,9 @@ def format_table(found: Sequence[tuple[str, Launches, Launches]]) -> str:
 
     lines = [
         (f"`{spec}`", f"{one.compress} + {one.decompress}", f"{many.compress} + {many.decompress}",
-         f"{(many.total - one.total) / (many.tensors - 1):.1f}")
+         f"{(many.total - one.total) / (many.tensors - 1):.1f}", f"{one.fused}", f"{many.fused}")
         for spec, one, many in found
     ]  # fmt: skip
-    header = ("compressor", "1 tensor", f"{found[0][2].tensors} tensors" if found else "many", "more per tensor")
+    tensors = f"{found[0][2].tensors} tensors" if found else "many"
+    header = ("compressor", "1 tensor", tensors, "more per tensor", "fused: 1 tensor", f"fused: {tensors}")
     return markdown_table(header, lines)

@@ -23,20 +23,22 @@ part, whatever its number of tensors, runs the same compiled code: no recompilat
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
 import os
 import shutil
+import threading
 import time
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 ENVIRONMENT = "GRADCOMP_COMPILE"
 SETTINGS = ("auto", "1", "0")
@@ -88,10 +90,22 @@ class Kernel:
         self.compiled_runs = 0
         """How many calls ran compiled (what a test or a benchmark checks it measured)."""
 
+    def may_run(self, device: torch.device) -> bool:
+        """Whether :meth:`run` may run on ``device`` (compiling, or observed): whether a caller should
+        prepare what only the kernel needs."""
+        observed = getattr(_watch, "observer", None) is not None
+        return observed or (enabled(device) and _get_current_dispatch_mode() is None)
+
     def run(self, *tensors: Tensor | None, **constants: Any) -> bool:
         """Run compiled, or say False and write nothing: compilation off, failed before (warned
         once), or a dispatch mode active (an operator count, a profiler's: under one Dynamo compiles
         nothing, and the eager operators are what such a mode is there to see)."""
+        observer = getattr(_watch, "observer", None)
+        if observer is not None:  # counted as the one kernel it compiles to, wherever it runs
+            with _disable_current_modes():
+                self.function(*tensors, **constants)
+            observer(self, [t for t in tensors if t is not None])
+            return True
         device = next(t for t in tensors if t is not None).device
         if not enabled(device) or _get_current_dispatch_mode() is not None:
             return False
@@ -119,6 +133,23 @@ class Kernel:
             log.info("gradcomp: %s compiled in %.1f s for %s (kept in Inductor's cache)", self.name,
                      time.perf_counter() - started, configuration)  # fmt: skip
         return True
+
+
+_watch = threading.local()
+
+
+@contextlib.contextmanager
+def observing(observer: Callable[[Kernel, list[Tensor]], None]) -> Iterator[None]:
+    """Meanwhile, in this thread, every kernel runs as written outside any dispatch mode (an operator
+    count sees none of its operators) and is reported to ``observer`` with its tensors: what a
+    device that compiles it launches (one kernel reading and writing each tensor once), for
+    :func:`gradcomp.cost.roofline.traffic` to count the fused launches."""
+    previous = getattr(_watch, "observer", None)
+    _watch.observer = observer
+    try:
+        yield
+    finally:
+        _watch.observer = previous
 
 
 def _fresh(function: Callable[..., Any]) -> Callable[..., Any]:

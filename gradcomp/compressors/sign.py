@@ -80,7 +80,7 @@ class Sign(AffineQuantizer):
 
     def encode(self, flat: Tensor, mapping: Affine, key: Key = None, firsts: Tensor | None = None) -> Tensor:
         full = flat.numel() // self.chunk * self.chunk
-        if full and fusion.enabled(flat.device):
+        if full and _NEGATIVE.may_run(flat.device):
             codes = self.workspace.take("negative.codes", flat.numel(), torch.uint8, flat.device)
             if _NEGATIVE.run(flat[:full].view(-1, self.chunk), codes[:full].view(-1, self.chunk)):
                 torch.lt(flat[full:], 0, out=codes[full:])

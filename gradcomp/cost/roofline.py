@@ -10,6 +10,9 @@ nothing and launch nothing). :func:`kernel_cost` turns that into the planner's
 :class:`~gradcomp.cost.kernels.KernelCost` at a few sizes, as :func:`gradcomp.cost.kernels.measure`
 does from timings.
 
+A fused kernel (:mod:`gradcomp.compressors.fusion`: the quantizers' and sign's encode and decode)
+counts as the one kernel a GPU compiles it to, reading and writing its tensors once.
+
 It is an estimate until calibrated on the device itself: it assumes every kernel streams at the
 bandwidth (a selection such as ``torch.topk`` takes several passes on a GPU and counts as one; a
 small kernel reaches less), and that kernels do not overlap. Costs: running each spec once per size
@@ -18,6 +21,7 @@ on this CPU (a fraction of a second to a few seconds per spec).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from gradcomp import host
 from gradcomp.bench.compressors import gradient
-from gradcomp.compressors import make_compressor, parse_spec
+from gradcomp.compressors import fusion, make_compressor, parse_spec
 from gradcomp.cost.kernels import KernelCost, Sample, fit, time_tensor
 
 STREAMING = 0.8
@@ -97,10 +101,18 @@ class _Recorder(TorchDispatchMode):
         return result
 
 
-def traffic(run: Callable[[], None]) -> Traffic:
-    """The kernels ``run`` launches and the bytes they move, on an accelerator's paths."""
+def traffic(run: Callable[[], None], fused: bool = False) -> Traffic:
+    """The kernels ``run`` launches and the bytes they move, on an accelerator's paths: its eager
+    operators, or with ``fused`` what a device that compiles the fused kernels launches (each one
+    kernel reading and writing its tensors once: :func:`gradcomp.compressors.fusion.observing`)."""
     found = Traffic()
-    with host.as_accelerator(), _Recorder(found):
+
+    def kernel(_: object, tensors: list[torch.Tensor]) -> None:
+        found.kernels += 1
+        found.moved_bytes += sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+
+    observing = fusion.observing(kernel) if fused else contextlib.nullcontext()
+    with host.as_accelerator(), _Recorder(found), observing:
         run()
     return found
 
@@ -110,7 +122,7 @@ def kernel_cost(spec: str, device: Device, sides: tuple[int, ...] = SIDES, seed:
     compressor = make_compressor(parse_spec(spec), seed=seed)
 
     def clock(run: Callable[[], None]) -> float:
-        moved = traffic(run)
+        moved = traffic(run, fused=True)  # a GPU compiles the fused kernels (Triton: GRADCOMP_COMPILE=auto)
         return device.seconds(moved.kernels, moved.moved_bytes)
 
     samples: list[Sample] = []
