@@ -139,25 +139,32 @@ def encode(flat: Tensor, affine: Affine, chunk: int, firsts: Tensor | None, work
     """
     n = flat.numel()
     codes = workspace.take("affine.codes", n, torch.uint8, flat.device)
-    full = n // chunk
-    hashed = None
-    if full and firsts is not None:  # the chunks' random words: their own loop (inlined, the bytes' shifts cost more)
-        hashed = workspace.take("noise.words", full * (words(chunk) + 1), torch.int64, flat.device)
-        hashed = hashed.view(full, words(chunk) + 1)
-        if not _HASH.run(firsts[:full], counter.steps(words(chunk) + 1, flat.device), hashed):
-            hashed = None
-    if (hashed is not None or firsts is None) and full and _ENCODE.run(
-        flat[: full * chunk].view(full, chunk), codes[: full * chunk].view(full, chunk), affine.step[:full].double(),
-        None if affine.base is None else affine.base[:full].double(), hashed,
-        levels=affine.levels, zero=affine.zero, widest=_widest(affine),
-    ):  # fmt: skip
-        if n > full * chunk:  # a short last chunk: the operators below, on it alone
-            tail = _chunks(affine, slice(full, full + 1))
-            rest = None if firsts is None else noise(firsts[full:], chunk, workspace)
-            _encode_eager(flat[full * chunk :], tail, chunk, rest, workspace, codes[full * chunk :])
+    body = n // chunk * chunk
+    if body and _encode_whole_chunks(flat[:body], affine, chunk, firsts, workspace, codes[:body]):
+        if n > body:  # a short last chunk: the eager operators, on it alone
+            last = slice(body // chunk, body // chunk + 1)
+            rest = None if firsts is None else noise(firsts[last], chunk, workspace)
+            _encode_eager(flat[body:], _chunks(affine, last), chunk, rest, workspace, codes[body:])
         return codes
-    return _encode_eager(flat, affine, chunk, None if firsts is None else noise(firsts, chunk, workspace),
-                         workspace, codes)  # fmt: skip
+    randomness = None if firsts is None else noise(firsts, chunk, workspace)
+    return _encode_eager(flat, affine, chunk, randomness, workspace, codes)
+
+
+def _encode_whole_chunks(flat: Tensor, affine: Affine, chunk: int, firsts: Tensor | None, workspace: Workspace,
+                         codes: Tensor) -> bool:  # fmt: skip
+    """:func:`encode` of whole chunks by the fused kernels (the noise's hash, then the codes), or
+    False, with nothing written, where they do not run."""
+    if not _ENCODE.may_run(flat.device):
+        return False
+    count, width = flat.numel() // chunk, words(chunk) + 1
+    hashed = None
+    if firsts is not None:  # a loop of its own: inlined into the codes', the bytes' shifts cost more
+        hashed = workspace.take("noise.words", count * width, torch.int64, flat.device).view(count, width)
+        if not _HASH.run(firsts[:count], counter.steps(width, flat.device), hashed):
+            return False
+    base = None if affine.base is None else affine.base[:count].double()
+    return _ENCODE.run(flat.view(count, chunk), codes.view(count, chunk), affine.step[:count].double(), base, hashed,
+                       levels=affine.levels, zero=affine.zero, widest=_widest(affine))  # fmt: skip
 
 
 def _chunks(affine: Affine, rows: slice) -> Affine:
@@ -223,16 +230,24 @@ def decode(codes: Tensor, affine: Affine, chunk: int, out: Tensor, workspace: Wo
     :mod:`~gradcomp.compressors.fusion` compiles (bitwise the same).
     """
     n = out.numel()
-    full = n // chunk
-    if full and _DECODE.run(
-        codes[: full * chunk].view(full, chunk), out[: full * chunk].view(full, chunk), affine.step[:full].double(),
-        None if affine.base is None else affine.base[:full].double(), zero=affine.zero, widest=_widest(affine),
-    ):  # fmt: skip
-        if n > full * chunk:
-            tail = _chunks(affine, slice(full, full + 1))
-            _decode_eager(codes[full * chunk :], tail, chunk, out[full * chunk :], workspace)
+    body = n // chunk * chunk
+    if body and _decode_whole_chunks(codes[:body], affine, chunk, out[:body]):
+        if n > body:  # a short last chunk: the eager operators, on it alone
+            last = slice(body // chunk, body // chunk + 1)
+            _decode_eager(codes[body:], _chunks(affine, last), chunk, out[body:], workspace)
         return out
     return _decode_eager(codes, affine, chunk, out, workspace)
+
+
+def _decode_whole_chunks(codes: Tensor, affine: Affine, chunk: int, out: Tensor) -> bool:
+    """:func:`decode` of whole chunks by the fused kernel, or False, with nothing written, where it
+    does not run."""
+    if not _DECODE.may_run(out.device):
+        return False
+    count = out.numel() // chunk
+    base = None if affine.base is None else affine.base[:count].double()
+    return _DECODE.run(codes.view(count, chunk), out.view(count, chunk), affine.step[:count].double(), base,
+                       zero=affine.zero, widest=_widest(affine))  # fmt: skip
 
 
 def _decode_eager(codes: Tensor, affine: Affine, chunk: int, out: Tensor, workspace: Workspace) -> Tensor:
