@@ -13,6 +13,7 @@ from torch.distributed import GradBucket
 
 from gradcomp.collectives.executor import Handle
 from gradcomp.collectives.groups import as_timeout
+from gradcomp.compressors import fusion
 from gradcomp.engine import Engine
 from gradcomp.engine.sharded import ShardedEngine, ShardSpec
 from gradcomp.engine.spec import HookSpec, HookSpecLike
@@ -282,10 +283,21 @@ def register(
             raise TypeError(f"a hook state was made with its options; got {sorted(set(options) - {'group'})}")
         spec.bind(options["group"])
         model.register_comm_hook(spec, gradcomp_hook)
+        _precompile(model, spec)
         return spec
     state, hook = make(spec, **options)
     model.register_comm_hook(state, hook)
+    _precompile(model, state)
     return state
+
+
+def _precompile(model: torch.nn.Module, state: HookState) -> None:
+    """The compressor's fused kernels compiled now, for the model's gradients, rather than inside
+    its first backward (``gradcomp.compressors.fusion.precompile``: nothing where none compiles)."""
+    parameter = next(model.parameters(), None)
+    compressor = getattr(state.spec, "compressor", None)
+    if parameter is not None and compressor is not None:
+        fusion.precompile(compressor, parameter.dtype, parameter.device)
 
 
 def _same_group(a: dist.ProcessGroup, b: dist.ProcessGroup) -> bool:

@@ -183,3 +183,20 @@ def test_the_roofline_counts_fewer_launches_fused_whatever_the_tensors() -> None
 
     one, many = compare("quantize:bits=4,rounding=nearest,ef=true")
     assert many.fused < many.total and abs(many.fused - one.fused) <= 5
+
+
+@needs_compiler
+def test_precompiling_leaves_nothing_to_compile_at_the_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``precompile`` (what ``hooks.register`` calls) compiles the configurations a training step
+    then runs, whatever its tensors' sizes; nothing where nothing compiles."""
+    monkeypatch.setenv(fusion.ENVIRONMENT, "1")
+    assert fusion.precompile("quantize:bits=4,chunk=256,rounding=nearest", torch.bfloat16) >= 0
+    assert fusion.precompile("topk:ratio=0.01") == 0.0  # no fused kernel
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compressor = make_compressor("quantize:bits=4,chunk=256,rounding=nearest,ef=true")
+    for numel in (256 * 40 + 3, 256 * 7):
+        payload, ctx = compressor.compress(torch.randn(numel).to(torch.bfloat16), key=numel)
+        compressor.decompress(payload, ctx)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    monkeypatch.setenv(fusion.ENVIRONMENT, "0")
+    assert fusion.precompile("quantize:bits=4") == 0.0

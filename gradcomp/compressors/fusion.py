@@ -14,9 +14,11 @@ When it compiles, set by ``GRADCOMP_COMPILE``:
 - ``1``: always (a failure still falls back, with a warning);
 - ``0``: never (the test suite's default: one process compiles in ``tests/test_fusion.py``).
 
-Cost: a few seconds per kernel and configuration (dtype, rounding) the first time a process meets it,
-reported once at INFO level on the ``gradcomp`` logger; Inductor keeps what it built on disk (its
-cache folder, ``TORCHINDUCTOR_CACHE_DIR``), so later processes load it in well under a second. A
+Cost, measured on this project's 2-core machine: a process's first compiled kernel about 6 s
+(``torch.compile``'s own start), then each configuration (dtype, row length, rounding) 2-5 s the
+first time any process meets it and 0.3-0.6 s once Inductor's disk cache holds it (its folder,
+``TORCHINDUCTOR_CACHE_DIR``); each reported once at INFO level on the ``gradcomp`` logger, and paid
+when a hook is registered (:func:`precompile`) rather than inside the first backward. A
 kernel compiles with the number of rows dynamic and the row length static, so that every bucket's
 part, whatever its number of tensors, runs the same compiled code: no recompilation in steady state.
 """
@@ -133,6 +135,26 @@ class Kernel:
             log.info("gradcomp: %s compiled in %.1f s for %s (kept in Inductor's cache)", self.name,
                      time.perf_counter() - started, configuration)  # fmt: skip
         return True
+
+
+def precompile(spec: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> float:
+    """Compile now the fused kernels that ``spec``'s compressor runs on gradients of ``dtype`` on
+    ``device`` (a round trip of three chunks through a fresh compressor of the spec), so that the
+    first training step does not wait for them: ``gradcomp.hooks.register`` does it. Returns the
+    seconds it took: 0.0 where nothing compiles (off, no compiler, a compressor without chunks)."""
+    from gradcomp.compressors.registry import make_compressor
+
+    device = torch.device(device)
+    if not enabled(device):
+        return 0.0
+    compressor = make_compressor(spec)
+    chunk = getattr(compressor.codec, "chunk", None)
+    if not isinstance(chunk, int):
+        return 0.0
+    started = time.perf_counter()
+    payload, ctx = compressor.compress(torch.randn(3 * chunk, device=device).to(dtype), key="gradcomp.precompile")
+    compressor.decompress(payload, ctx)
+    return time.perf_counter() - started
 
 
 _watch = threading.local()
