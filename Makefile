@@ -42,7 +42,7 @@ soak: $(STAMP)
 # per step in the table and every figure in gpu-bench.json.
 gpu-check: $(STAMP)
 	$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA device here')"
-	$(BIN)/python -m pytest -q -m cuda tests/test_cuda.py
+	$(BIN)/python -m pytest -q -m cuda tests/test_cuda.py tests/test_fusion.py
 	$(BIN)/gradcomp bench ddp --model mlp --ranks 2 --device cuda --runs 3 --json gpu-bench.json \
 		--backend $$($(BIN)/python -c "import torch; print('nccl' if torch.cuda.device_count() >= 2 else 'gloo')")
 
