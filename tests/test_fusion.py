@@ -1,7 +1,9 @@
 """Fused kernels (``gradcomp.compressors.fusion``): compiled by Inductor, they give bitwise what the
 eager operators give, for whole tensors and for a part's rows, at every dtype and at the extremes the
-codec prescales; a configuration compiles once and a new number of rows recompiles nothing; a kernel
-that cannot compile warns once and leaves the eager operators to run; ``GRADCOMP_COMPILE`` is checked.
+codec prescales, and DDP training on two gloo ranks with them compiled inside its hooks is bitwise
+the eager training; a configuration compiles once and a new number of rows recompiles nothing; a
+kernel that cannot compile warns once and leaves the eager operators to run; ``GRADCOMP_COMPILE`` is
+checked; the roofline counts a fused kernel as one launch.
 
 The only tests of the suite that compile (``tests/conftest.py`` sets ``GRADCOMP_COMPILE=0`` for the
 rest): each configuration here costs seconds the first time, then Inductor's on-disk cache serves it."""
@@ -10,12 +12,14 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import pytest
 import torch
 
 from gradcomp.compressors import Segments, affine, fusion, make_compressor, sign
 from gradcomp.compressors.base import Compressor
+from tests.distributed import Failures, run_checks
 
 needs_compiler = pytest.mark.skipif(
     not fusion.compiler_found(torch.device("cpu")), reason="Inductor needs a C++ compiler on the CPU"
@@ -200,3 +204,38 @@ def test_precompiling_leaves_nothing_to_compile_at_the_first_step(monkeypatch: p
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     monkeypatch.setenv(fusion.ENVIRONMENT, "0")
     assert fusion.precompile("quantize:bits=4") == 0.0
+
+
+def trained_both_ways(rank: int, world: int, specs: list[str]) -> dict[str, Any]:
+    """Inside a rank: per spec, the toy model trained 3 DDP steps with the kernels eager, then
+    compiled; the parameters must be bitwise alike, and the compiled kernels must have run."""
+    import os
+
+    from tests.toy_ddp import sgd_steps, toy_batches, toy_model, wrap
+
+    failures, previous = Failures(), os.environ.get(fusion.ENVIRONMENT)
+    try:
+        for spec in specs:
+            trained = []
+            for setting in ("0", "1"):
+                os.environ[fusion.ENVIRONMENT] = setting
+                runs = _compiled_runs()
+                ddp, _ = wrap(toy_model(), spec)
+                sgd_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), toy_batches(rank, 3))
+                trained.append([p.detach().clone() for p in ddp.parameters()])
+                failures.expect((_compiled_runs() > runs) == (setting == "1"), f"{spec}: compiled runs with {setting}")
+            same = all(torch.equal(a, b) for a, b in zip(*trained, strict=True))
+            failures.expect(same, f"{spec}: training with compiled kernels differs from eager")
+    finally:  # a pooled rank serves later tests
+        if previous is None:
+            os.environ.pop(fusion.ENVIRONMENT, None)
+        else:
+            os.environ[fusion.ENVIRONMENT] = previous
+    return {"failures": failures}
+
+
+@needs_compiler
+def test_ddp_training_with_compiled_kernels_is_bitwise_the_eager_one() -> None:
+    """Two gloo ranks, the kernels compiled inside DDP's hooks (backward's thread, the executor's)."""
+    specs = ["quantize:bits=4", "sign:ef=true", "quantize:bits=4,rounding=nearest,ef=true"]
+    run_checks(2, trained_both_ways, (specs,), timeout=240)
