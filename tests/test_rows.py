@@ -140,7 +140,7 @@ def test_qsgd_by_rows_moves_a_short_chunks_norm_by_a_rounding_at_most() -> None:
 @pytest.mark.parametrize(
     "spec",
     ["sign", "sign:ef=true", "quantize:bits=4,rounding=nearest", "fp8:format=e4m3,ef=true", "quantize:bits=4",
-     "quantize:bits=2,ef=true", "qsgd", "terngrad", "fp16:ef=true", "bf16:ef=true"],
+     "quantize:bits=2,ef=true", "qsgd", "terngrad", "fp16:ef=true", "bf16:ef=true", "sign:ef=true,momentum=0.9"],
 )  # fmt: skip
 def test_operators_per_bucket_do_not_grow_with_its_tensors(spec: str) -> None:
     """Within 5: the operators on short last chunks (gathered, padded, their pads zeroed), which a
@@ -232,3 +232,33 @@ def test_a_regrouped_bucket_takes_its_tensors_residuals_along() -> None:
         _steps(compressor, regrouped, [y[split:].clone()], flag)
     for key, residual in per_tensor.residuals.items():
         assert torch.equal(by_rows.residuals[key], residual), key
+
+
+MOMENTUM_SPECS = ["quantize:bits=4,rounding=nearest,ef=true,momentum=0.9", "fp16:ef=true,momentum=0.9,nesterov=true",
+                  "quantize:bits=2,ef=true,momentum=0.5"]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", MOMENTUM_SPECS)
+def test_momentum_correction_by_rows_keeps_each_tensors_velocity_as_tensor_by_tensor(spec: str) -> None:
+    """DGC's momentum correction follows the rows: outputs, residuals and velocities bitwise those
+    tensor by tensor over four steps, the third with a NaN in one tensor (its residual and velocity
+    stay), the velocities read back per key, checkpointed and resumed, taken with the tensor."""
+    part = segments(SHAPES)
+    numel = sum(math.prod(s) for s in SHAPES)
+    inputs = [bucket(numel, step) for step in range(4)]
+    inputs[2][1240] = float("nan")  # the (64, 16) tensor at 1237
+    by_rows, per_tensor = make_compressor(spec), make_compressor(spec)
+    assert by_rows.capabilities.whole_part
+    ours, theirs = _steps(by_rows, part, inputs[:3], False), _steps(per_tensor, part, inputs[:3], True)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+    for states in ("residuals", "velocities"):
+        mine, yours = getattr(by_rows, states), getattr(per_tensor, states)
+        assert mine.keys() == yours.keys() and all(torch.equal(mine[k], yours[k]) for k in yours), states
+    assert torch.isfinite(by_rows.velocities[4]).all()  # the NaN step kept the velocity as it was
+    resumed = make_compressor(spec)
+    resumed.load_state_dict(by_rows.state_dict())
+    again, straight = _steps(resumed, part, inputs[3:], False), _steps(by_rows, part, inputs[3:], False)
+    assert torch.equal(again[0], straight[0])
+    by_rows.take_residual(4)
+    assert 4 not in by_rows.velocities and 4 not in by_rows.residuals

@@ -87,7 +87,7 @@ class Capabilities:
     tensor), each tensor's result kept (the chunked compressors, and the casts for error feedback's
     sake: :mod:`gradcomp.compressors.rows`):
     the cost model prices a part as one tensor of its elements. Error feedback keeps it in its
-    classic form alone."""
+    classic form, momentum correction included (not with clipping or EF21)."""
     feedback_problem: str | None = None
     """Why error feedback cannot wrap this compressor (None: it can): it needs a contraction,
     ``|C(x) - x| < |x|``, and a compressor that scales what it keeps up is none, its residual growing

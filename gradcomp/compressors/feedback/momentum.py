@@ -19,7 +19,10 @@ from torch import Tensor
 
 from gradcomp.compressors.base import Key
 from gradcomp.compressors.feedback.memory import buffer_for, entries, keyed, state_for
+from gradcomp.compressors.feedback.rows import ResidualRows
 from gradcomp.compressors.finite import keep_if
+from gradcomp.compressors.rows import ChunkRows
+from gradcomp.compressors.segments import Segments
 
 
 class MomentumCorrection:
@@ -27,14 +30,27 @@ class MomentumCorrection:
 
     def __init__(self, momentum: float, nesterov: bool = False, mask: bool = False) -> None:
         self.momentum, self.nesterov, self.mask = momentum, nesterov, mask
-        self.velocities: dict[Key, Tensor] = {}
-        """The velocity u per key."""
+        self._velocities: dict[Key, Tensor] = {}
         self._following: dict[Key, Tensor] = {}  # per key, the step's new u until the step proves finite
+        self.by_rows = ResidualRows()
+        """The velocities of the parts compressed by rows (:mod:`gradcomp.compressors.feedback.rows`)."""
+
+    @property
+    def velocities(self) -> dict[Key, Tensor]:
+        """The velocity u per key (those held by rows brought back out)."""
+        self.by_rows.release_all(self._velocities)
+        return self._velocities
+
+    def rows(self, segments: Segments, layout: ChunkRows, like: Tensor) -> Tensor:
+        """A part's velocity rows (:meth:`ResidualRows.rows`), from the per-key velocities at first."""
+        return self.by_rows.rows(self._velocities, segments, layout, like)
 
     def correct(self, share: Tensor, key: Key, like: Tensor) -> None:
         """``share`` becomes what the step accumulates (``u = m u + g``, or Nesterov's ``g + m u``),
         in place; the new u waits until :meth:`commit`."""
-        velocity = state_for(self.velocities, key, like, "velocity")
+        if key in self.by_rows.holder:
+            self.by_rows.release(self._velocities, self.by_rows.holder[key])
+        velocity = state_for(self._velocities, key, like, "velocity")
         following = buffer_for(self._following, key, velocity)
         torch.add(share, velocity, alpha=self.momentum, out=following)  # u = m u + g
         if self.nesterov:
@@ -48,23 +64,26 @@ class MomentumCorrection:
         following = self._following[key]
         if sent is not None and self.mask:
             following.view(-1)[sent] = 0
-        velocity = self.velocities[key]
+        velocity = self._velocities[key]
         if keep_if(ok, following, velocity) is following:  # the buffers swap roles
-            self.velocities[key], self._following[key] = following, velocity
+            self._velocities[key], self._following[key] = following, velocity
 
     def take(self, key: Key) -> None:
         """Forget ``key``'s velocity. The gradients it accumulated were sent already (``c = e + u``,
         every step: what the compression dropped of them is in the residual); what it would still
         add to later steps is momentum, which whoever takes the key over does not apply."""
-        self.velocities.pop(key, None)
+        if key in self.by_rows.holder:
+            self.by_rows.release(self._velocities, self.by_rows.holder[key])
+        self._velocities.pop(key, None)
         self._following.pop(key, None)
 
     def tensors(self) -> list[Tensor]:
-        return list(self.velocities.values())
+        return [*self._velocities.values(), *self.by_rows.tensors()]
 
     def state_dict(self) -> dict[str, Any]:
         return {"velocities": entries(self.velocities, "velocity")}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.velocities = keyed(state.get("velocities", []), "velocity")
+        self._velocities = keyed(state.get("velocities", []), "velocity")
         self._following.clear()
+        self.by_rows = ResidualRows()

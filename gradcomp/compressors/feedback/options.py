@@ -85,15 +85,16 @@ class Feedback:
         """The record of a compressor declaring ``inner`` inside this error feedback: the same
         payloads, rounds and aggregation; keyed state, so nothing element-wise; biased; local as
         ``inner`` except with clipping, which takes the norm of the whole tensor; a whole part at once
-        as ``inner``, in classic error feedback alone (:mod:`gradcomp.compressors.feedback.rows`)."""
+        as ``inner``, in classic error feedback with or without momentum correction
+        (:mod:`gradcomp.compressors.feedback.rows`)."""
         if self.variant is None:
             return inner
-        classic = self.variant == "classic" and not self.momentum and not self.clip and inner.rounds == 1
+        by_rows = self.variant == "classic" and not self.clip and inner.rounds == 1  # momentum follows too
         return dataclasses.replace(
             inner,
             elementwise=False,
             local=inner.local and not self.clip,
             unbiased=False,
-            whole_part=inner.whole_part and classic,
+            whole_part=inner.whole_part and by_rows,
             feedback_problem="it has error feedback already",
         )

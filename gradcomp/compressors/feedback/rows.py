@@ -9,8 +9,10 @@ is settled for the whole part, each tensor kept as it was where its own step was
 its tensors. The residuals stay per tensor: read by key (a checkpoint, ``take_residual``, a warm-up
 step) they come back out of the rows into per-key tensors, and go back in at the next step.
 
-Classic error feedback alone (``ef=true`` without ``momentum``, ``clip``, or ``ef=ef21``), single-
-round compressors: the other variants compress tensor by tensor.
+Classic error feedback (``ef=true``), with or without DGC's momentum correction (``momentum``,
+``nesterov``: the velocities held by rows too, in :class:`ResidualRows` of their own, committed per
+tensor with the residuals), for single-round compressors; ``clip`` (a norm per tensor) and
+``ef=ef21`` compress tensor by tensor.
 """
 
 from __future__ import annotations
@@ -87,7 +89,19 @@ def compress_part(ef: ErrorFeedback, buffer: Tensor, segments: Segments, divisor
     shape = (layout.rows, layout.chunk)
     compensated = ef.workspace.take("ef.rows", residual.numel(), buffer.dtype, buffer.device).view(shape)
     layout.gather(buffer, compensated, "zero")
-    torch.addcdiv(residual, compensated, ef._divisor(divisor, buffer), out=compensated)  # as the per-tensor add
+    momentum, following, velocity = ef.momentum, None, None
+    if momentum is None:
+        torch.addcdiv(residual, compensated, ef._divisor(divisor, buffer), out=compensated)  # as the per-tensor add
+    else:  # the per-tensor steps' operators: the share, u = m u + g (Nesterov: g + m u), the fold
+        compensated.div_(ef._divisor(divisor, buffer))
+        velocity = momentum.rows(segments, layout, buffer)
+        following = ef.workspace.take("ef.rows.following", residual.numel(), buffer.dtype, buffer.device).view(shape)
+        torch.add(compensated, velocity, alpha=momentum.momentum, out=following)  # pads: zero and zero
+        if momentum.nesterov:
+            compensated.add_(following, alpha=momentum.momentum)
+        else:
+            compensated.copy_(following)
+        compensated.add_(residual)
     if inner.pad == "first":  # type: ignore[attr-defined]
         layout.repad_first(compensated)
     payload = inner.encode_rows(compensated, layout, segments)  # type: ignore[attr-defined]
@@ -101,8 +115,12 @@ def compress_part(ef: ErrorFeedback, buffer: Tensor, segments: Segments, divisor
     ok = _finite_per_tensor(contribution, layout, len(segments))
     if host.reads_are_free(buffer.device) and host.flag(ok.all()):
         residual.copy_(compensated)
-    else:  # a tensor whose step was not finite keeps its residual (rule "one bad step")
+        if velocity is not None and following is not None:
+            velocity.copy_(following)
+    else:  # a tensor whose step was not finite keeps its residual and velocity (rule "one bad step")
         torch.where(ok[:, None], compensated, residual, out=residual)
+        if velocity is not None and following is not None:
+            torch.where(ok[:, None], following, velocity, out=velocity)
     return [(payload, RowsMeta(layout, buffer.dtype))]
 
 
@@ -133,7 +151,7 @@ def _end(segments: Segments) -> int:
 def _check(key: Key, residual: Tensor, shape: torch.Size, like: Tensor) -> None:
     if residual.shape != shape or residual.dtype != like.dtype or residual.device != like.device:
         raise ValueError(
-            f"error feedback key {key!r} held a {residual.dtype} residual of shape {tuple(residual.shape)} on "
+            f"error feedback key {key!r} held a {residual.dtype} state of shape {tuple(residual.shape)} on "
             f"{residual.device}, now gets {like.dtype} of shape {tuple(shape)} on {like.device}: "
             "give every tensor its own key"
         )

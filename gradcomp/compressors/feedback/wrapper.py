@@ -229,7 +229,8 @@ class ErrorFeedback(Compressor):
     @property
     def _by_rows(self) -> bool:
         """Whether a part is compressed by rows (:mod:`gradcomp.compressors.feedback.rows`): what
-        the record says (classic error feedback alone, around a compressor that compresses by rows)."""
+        the record says (classic error feedback, momentum correction included, around a compressor that
+        compresses by rows)."""
         return self.capabilities.whole_part and isinstance(self.inner, ByRows)
 
     @property
