@@ -22,6 +22,7 @@ from gradcomp.engine.spec import HookSpec
 from gradcomp.experiments.sweep import plan
 from gradcomp.experiments.sweep import runner as sweep
 from gradcomp.experiments.sweep.plan import Run
+from gradcomp.experiments.tasks import build_task
 from gradcomp.experiments.training import runinfo
 
 CONFIG = """
@@ -277,10 +278,13 @@ def test_the_study_compares_the_methods_of_the_issue_against_torch_on_three_netw
     given = ["fp16", "powersgd:rank=1,ef=true", "powersgd:rank=4,ef=true", "topk:ratio=0.01,ef=true", "sign:ef=true",
              "quantize:bits=4", "randomk:ratio=0.01,scale=false,ef=true"]  # fmt: skip
     assert hooks == torch_hooks | {str(HookSpec.parse(hook)) for hook in given}
-    assert {run.label for run in runs} == {"digits-mlp1024", "signal-mlp2048"}
+    assert {run.label for run in runs} == {"digits-mlp1024", "signal-mlp2048", "charlm-gpt12"}
     assert {run.config.network for run in runs} == {"loopback", "1gbit", "100mbit"}
     assert {run.config.seed for run in runs} == {0, 1, 2} and {run.config.ranks for run in runs} == {2}
-    assert len(runs) == 2 * 10 * 3 * 3
+    assert len(runs) == 3 * 10 * 3 * 3
+    (many,) = {run.config.task for run in runs if run.label == "charlm-gpt12"}
+    model = build_task(many).build_model("chartransformer")
+    assert len(list(model.parameters())) >= 140  # the many-tensor task: GPT-2 small has 148
 
 
 def test_the_nodes_sweep_compares_hierarchical_hooks_with_flat_ones_on_a_cluster(
