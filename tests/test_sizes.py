@@ -88,3 +88,22 @@ def test_operators_grow_with_sizes_not_tensors(spec: str) -> None:
     _, few = compare(spec, one_each)
     assert many.tensors == 150 and few.tensors == len(one_each) == 9
     assert (many.compress, many.decompress) == (few.compress, few.decompress), (many, few)
+
+
+@pytest.mark.parametrize(
+    "spec", ["topk:ratio=0.1,ef=true,momentum=0.9,nesterov=true", "topk:ratio=0.05,ef=true,momentum=0.9,mask=true"]
+)
+def test_momentum_correction_by_size_keeps_each_tensors_velocity(spec: str) -> None:
+    """DGC's configuration (top-k, momentum correction, masking): sums, residuals and velocities
+    bitwise tensor by tensor, a NaN step keeping that tensor's velocity."""
+    ours, grouped = _steps(spec, per_tensor=False)
+    theirs, alone = _steps(spec, per_tensor=True)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    for states in ("residuals", "velocities"):
+        mine, yours = getattr(grouped, states), getattr(alone, states)
+        assert mine.keys() == yours.keys() and all(torch.equal(mine[k], yours[k]) for k in yours), states
+    assert torch.isfinite(grouped.velocities["p1"]).all()  # type: ignore[attr-defined]
+    part = segments(SHAPES)
+    states = grouped.compress_part(torch.randn(part.offsets[-1] + 7), part, 2.0)
+    assert any(isinstance(c, GroupMeta) for _, c in states)  # by size groups indeed

@@ -45,12 +45,16 @@ class MomentumCorrection:
         """A part's velocity rows (:meth:`ResidualRows.rows`), from the per-key velocities at first."""
         return self.by_rows.rows(self._velocities, segments, layout, like)
 
+    def carried(self, key: Key, like: Tensor) -> Tensor:
+        """``key``'s velocity as a tensor of its own (zeros the first time), shaped as ``like``."""
+        if key in self.by_rows.holder:
+            self.by_rows.release(self._velocities, self.by_rows.holder[key])
+        return state_for(self._velocities, key, like, "velocity")
+
     def correct(self, share: Tensor, key: Key, like: Tensor) -> None:
         """``share`` becomes what the step accumulates (``u = m u + g``, or Nesterov's ``g + m u``),
         in place; the new u waits until :meth:`commit`."""
-        if key in self.by_rows.holder:
-            self.by_rows.release(self._velocities, self.by_rows.holder[key])
-        velocity = state_for(self._velocities, key, like, "velocity")
+        velocity = self.carried(key, like)
         following = buffer_for(self._following, key, velocity)
         torch.add(share, velocity, alpha=self.momentum, out=following)  # u = m u + g
         if self.nesterov:

@@ -10,8 +10,9 @@ decided per row on the device). The residuals stay per key between steps (checkp
 
 Bitwise what the per-tensor steps give: the same add, the same selection, and a residual that is
 the compensated gradient with exact zeros where it was sent (what subtracting a payload's values
-from themselves leaves). Classic error feedback alone (``ef=true`` without ``momentum``, ``clip``
-or ``ef=ef21``): the other variants compress tensor by tensor.
+from themselves leaves). Classic error feedback, with or without DGC's momentum correction
+(``momentum``, ``nesterov``, ``mask``: the velocities stacked beside the residuals, per key
+between steps); ``clip`` and ``ef=ef21`` compress tensor by tensor.
 """
 
 from __future__ import annotations
@@ -41,23 +42,48 @@ def compress_part(
     residuals: Residuals = memory  # type: ignore[assignment]
     states: list[tuple[Any, Any]] = []
     views, options = segments.views(buffer), ratio_option(ratio)
+    momentum = ef.momentum
     for group in groups.groups:
         carried = [residuals.carried(segments.keys[i], views[i]).view(-1) for i in group.members]
-        shape = (len(carried), group.numel)
-        residual = ef.workspace.take("ef.sizes.residual", shape[0] * shape[1], buffer.dtype, buffer.device)
-        residual = torch.stack(carried, out=residual.view(shape))
+        residual = _stacked(ef, carried, "ef.sizes.residual")
         compensated = inner.stacked(buffer, group, "ef.sizes.compensated")
-        torch.addcdiv(residual, compensated, ef._divisor(divisor, buffer), out=compensated)  # as the per-tensor add
+        velocities: list[Tensor] = []
+        following = compensated  # with momentum: the step's new velocities (in the stacked ones' place)
+        if momentum is None:
+            torch.addcdiv(residual, compensated, ef._divisor(divisor, buffer), out=compensated)  # as the per-tensor add
+        else:  # the per-tensor steps' operators: the share, u = m u + g (Nesterov: g + m u), the fold
+            velocities = [momentum.carried(segments.keys[i], views[i]).view(-1) for i in group.members]
+            velocity = _stacked(ef, velocities, "ef.sizes.velocity")
+            compensated.div_(ef._divisor(divisor, buffer))
+            following = torch.add(compensated, velocity, alpha=momentum.momentum, out=velocity)  # in place: u read once
+            if momentum.nesterov:
+                compensated.add_(following, alpha=momentum.momentum)
+            else:
+                compensated.copy_(following)
+            compensated.add_(residual)
         payload, ctx = inner.encode_group(compensated, group, ratio)
         values, indices = payload
         ok = torch.isfinite(values).all(dim=1)  # a non-finite input is always selected (payload_shows_non_finite)
-        compensated.scatter_(1, indices.long(), 0.0)  # what subtracting the values from themselves leaves
+        sent = indices.long()
+        compensated.scatter_(1, sent, 0.0)  # what subtracting the values from themselves leaves
+        if momentum is not None and momentum.mask:
+            following.scatter_(1, sent, 0.0)  # DGC's momentum factor masking
         if not (host.reads_are_free(buffer.device) and host.flag(ok.all())):
             torch.where(ok[:, None], compensated, residual, out=compensated)
+            if momentum is not None:
+                old = torch.stack(velocities)  # a bad step (rare): the old velocities, put back
+                torch.where(ok[:, None], following, old, out=following)
         torch._foreach_copy_(carried, list(compensated.unbind(0)))
+        if momentum is not None:
+            torch._foreach_copy_(velocities, list(following.unbind(0)))
         states.append((payload, ctx))
     for index in groups.alone:
         alone, context = ef.compress_divided(views[index], divisor, segments.keys[index], **options)
         states.append((alone, AloneMeta(index, context)))
     return states
 
+
+def _stacked(ef: ErrorFeedback, tensors: list[Tensor], name: str) -> Tensor:
+    """Equal-sized flat ``tensors`` as the rows of a workspace matrix (one stacking copy)."""
+    rows = ef.workspace.take(name, len(tensors) * tensors[0].numel(), tensors[0].dtype, tensors[0].device)
+    return torch.stack(tensors, out=rows.view(len(tensors), tensors[0].numel()))

@@ -236,8 +236,9 @@ class ErrorFeedback(Compressor):
     @property
     def _by_size(self) -> bool:
         """Whether a part is compressed by size groups (:mod:`gradcomp.compressors.feedback.sizes`):
-        classic error feedback alone, around a compressor that batches some of its sizes."""
-        classic = isinstance(self.memory, Residuals) and self._fused
+        classic error feedback, momentum correction included (not clipping: a norm per tensor),
+        around a compressor that batches some of its sizes."""
+        classic = isinstance(self.memory, Residuals) and self.clipping is None
         return classic and isinstance(self.inner, BySize) and self.inner.largest_batched > 0
 
     def compress_part(
