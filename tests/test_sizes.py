@@ -14,6 +14,8 @@ from gradcomp.bench.launches import compare, gpt_shapes
 from gradcomp.compressors import Compressor, Segments, make_compressor
 from gradcomp.compressors.sizes import AloneMeta, GroupMeta, SizeGroups
 
+pytestmark = pytest.mark.usefixtures("both_paths")  # the CPU's paths, and an accelerator's (no host read)
+
 SHAPES = [torch.Size(s) for s in [(40, 30), (30,), (0,), (7,), (30,), (64, 16), (1200,), (300, 300), (30,), (1, 7)]]
 """Sizes shared and not, an empty tensor, one larger than top-k batches (90,000 > 65,536)."""
 

@@ -48,14 +48,16 @@ def compress_part(
         residual = _stacked(ef, carried, "ef.sizes.residual")
         compensated = inner.stacked(buffer, group, "ef.sizes.compensated")
         velocities: list[Tensor] = []
-        following = compensated  # with momentum: the step's new velocities (in the stacked ones' place)
+        velocity = following = compensated  # with momentum: the stacked velocities, and the step's new ones
         if momentum is None:
             torch.addcdiv(residual, compensated, ef._divisor(divisor, buffer), out=compensated)  # as the per-tensor add
         else:  # the per-tensor steps' operators: the share, u = m u + g (Nesterov: g + m u), the fold
             velocities = [momentum.carried(segments.keys[i], views[i]).view(-1) for i in group.members]
             velocity = _stacked(ef, velocities, "ef.sizes.velocity")
+            following = ef.workspace.take("ef.sizes.following", velocity.numel(), velocity.dtype, velocity.device)
+            following = following.view(velocity.shape)
             compensated.div_(ef._divisor(divisor, buffer))
-            following = torch.add(compensated, velocity, alpha=momentum.momentum, out=velocity)  # in place: u read once
+            torch.add(compensated, velocity, alpha=momentum.momentum, out=following)
             if momentum.nesterov:
                 compensated.add_(following, alpha=momentum.momentum)
             else:
@@ -71,8 +73,7 @@ def compress_part(
         if not (host.reads_are_free(buffer.device) and host.flag(ok.all())):
             torch.where(ok[:, None], compensated, residual, out=compensated)
             if momentum is not None:
-                old = torch.stack(velocities)  # a bad step (rare): the old velocities, put back
-                torch.where(ok[:, None], following, old, out=following)
+                torch.where(ok[:, None], following, velocity, out=following)
         torch._foreach_copy_(carried, list(compensated.unbind(0)))
         if momentum is not None:
             torch._foreach_copy_(velocities, list(following.unbind(0)))
