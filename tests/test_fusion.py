@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from gradcomp.compressors import Segments, affine, fusion, make_compressor, sign
+from gradcomp.compressors import Segments, affine, fp8, fusion, make_compressor, sign
 from gradcomp.compressors.base import Compressor
 from tests.distributed import Failures, run_checks
 
@@ -50,8 +50,9 @@ def _round_trip(spec: str, x: torch.Tensor, setting: str, monkeypatch: pytest.Mo
 
 
 def _compiled_runs() -> int:
-    """Calls of the codes and decoding kernels that ran compiled (the min-max and hash kernels aside)."""
-    return affine._ENCODE.compiled_runs + affine._DECODE.compiled_runs + sign._NEGATIVE.compiled_runs
+    """Calls of the encoding and decoding kernels that ran compiled (the min-max and hash kernels aside)."""
+    kernels = (affine._ENCODE, affine._DECODE, sign._NEGATIVE, fp8._ENCODE, fp8._DECODE)
+    return sum(kernel.compiled_runs for kernel in kernels)
 
 
 SPECS = [
@@ -60,6 +61,8 @@ SPECS = [
     ("qsgd", torch.float16),  # symmetric: no base, a zero level
     ("terngrad:chunk=256", torch.bfloat16),
     ("sign", torch.float32),  # its codes kernel, the codec's decode
+    ("fp8:format=e4m3", torch.float32),  # a cast to float8 and its bits moved back
+    ("fp8:format=e5m2,chunk=256", torch.float64),
 ]
 
 

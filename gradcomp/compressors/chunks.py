@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
+from gradcomp.compressors import fusion
+
 
 def num_chunks(numel: int, chunk: int) -> int:
     """How many chunks (the last one possibly short) ``numel`` elements make."""
@@ -47,5 +49,26 @@ def reduce_rows(flat: Tensor, chunk: int, indices: Tensor, op: Callable[[Tensor]
 
 
 def amax_abs(flat: Tensor, chunk: int) -> Tensor:
-    """max |x| per chunk, without materialising |x| (two cheap reductions instead of a 4-byte pass)."""
-    return reduce(flat, chunk, lambda v: torch.maximum(v.amax(dim=1), v.amin(dim=1).neg()))
+    """max |x| per chunk, without materialising |x| (two cheap reductions instead of a 4-byte pass;
+    for the whole chunks one fused pass where :mod:`~gradcomp.compressors.fusion` compiles: exact,
+    so bitwise the same)."""
+    count = flat.numel() // chunk
+    if count and _AMAX_ABS.may_run(flat.device):
+        peaks = torch.empty(num_chunks(flat.numel(), chunk), dtype=flat.dtype, device=flat.device)
+        if _AMAX_ABS.run(flat[: count * chunk].view(count, chunk), peaks[:count]):
+            if peaks.numel() > count:  # a short last chunk
+                peaks[count:] = _largest_magnitude(flat[count * chunk :].view(1, -1))
+            return peaks
+    return reduce(flat, chunk, _largest_magnitude)
+
+
+def _largest_magnitude(rows: Tensor) -> Tensor:
+    # abs: max(+0, -0) may give either zero (ATen's and Inductor's differ); a peak is +0 either way
+    return torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg()).abs()
+
+
+def _amax_abs_fused(rows: Tensor, out: Tensor) -> None:
+    out.copy_(_largest_magnitude(rows))
+
+
+_AMAX_ABS = fusion.Kernel(_amax_abs_fused, "max |x|")

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from gradcomp import host
-from gradcomp.compressors import chunks
+from gradcomp.compressors import chunks, fusion
 from gradcomp.compressors.affine import inverse_or_zero
 from gradcomp.compressors.base import (
     Aggregation,
@@ -76,40 +76,60 @@ class Fp8(ByRows, Compressor):
         self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
     ) -> tuple[Payload, Meta]:
         flat = check_gradient(tensor)
-        peaks = chunks.amax_abs(flat, self.config.chunk).float()
+        chunk = self.config.chunk
+        peaks = chunks.amax_abs(flat, chunk).float()
         dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
         pre = prescale(peaks)
         inverse = inverse_or_zero(scales(peaks, self.config.format) * pre).to(dtype)
-        multiplier = pre.to(dtype) if host.unless((pre == 1).all()) else None  # the CPU skips a needless one
-        scaled = self.workspace.take("scaled", flat.numel(), dtype, flat.device)
-        for (view, rows), (target, _) in zip(
-            chunks.parts(flat, self.config.chunk), chunks.parts(scaled, self.config.chunk), strict=True
-        ):
-            source = view if multiplier is None else torch.mul(view, multiplier[rows, None], out=target)
-            torch.mul(source, inverse[rows, None], out=target)
         # Non-finite peaks (NaN/Inf inputs) reach the decoder through ``peaks``.
-        codes = torch.empty(flat.numel(), dtype=DTYPES[self.config.format], device=flat.device).copy_(scaled)
+        codes = torch.empty(flat.numel(), dtype=DTYPES[self.config.format], device=flat.device)
+        count = flat.numel() // chunk
+        done = 0
+        if count and _ENCODE.may_run(flat.device):  # the whole chunks in one fused loop: bitwise the same
+            body = count * chunk
+            if _ENCODE.run(flat[:body].view(count, chunk), codes[:body].view(count, chunk), pre[:count],
+                           inverse[:count]):  # fmt: skip
+                done = body
+        if done < flat.numel():
+            first = done // chunk
+            _scale_eagerly(flat[done:], codes[done:], chunk, pre[first:], inverse[first:], self.workspace)
         return (codes.view(torch.uint8), peaks), Meta.of(tensor)
 
     def decompress(self, payload: Payload, ctx: Meta, out: Tensor | None = None) -> Tensor:
         codes, peaks = payload
         result = flat_out(out, ctx, codes.device)
+        flat = result.view(-1)
         dtype = torch.float64 if result.dtype == torch.float64 else torch.float32
-        exact = result if result.dtype == dtype else None
-        values = exact if exact is not None else self.workspace.take("values", ctx.numel, dtype, codes.device)
-        values.copy_(as_half(codes, self.config.format, self.workspace))
         # as_half returns e4m3 values times 2**-8: fold the factor into the scale.
         factor = 256.0 if self.config.format == "e4m3" else 1.0
         pre = prescale(peaks)
         multipliers = (scales(peaks, self.config.format) * pre * factor).to(dtype)
+        chunk = self.config.chunk
+        count = ctx.numel // chunk
+        done = 0
+        if count and _DECODE.may_run(codes.device):  # the whole chunks in one fused loop: bitwise the same
+            body = count * chunk
+            unscale = (1 / pre[:count]).to(dtype)
+            if _DECODE.run(codes[:body].view(count, chunk), flat[:body].view(count, chunk), multipliers[:count],
+                           unscale, e4m3=self.config.format == "e4m3"):  # fmt: skip
+                done = body
+        if done < ctx.numel:
+            self._decode_eagerly(codes[done:], flat[done:], pre[done // chunk :], multipliers[done // chunk :])
+        return result.view(ctx.shape)
+
+    def _decode_eagerly(self, codes: Tensor, out: Tensor, pre: Tensor, multipliers: Tensor) -> None:
+        """:meth:`decompress` of ``codes`` into the flat ``out`` in operators of their own."""
+        dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
+        exact = out if out.dtype == dtype else None
+        values = exact if exact is not None else self.workspace.take("values", out.numel(), dtype, codes.device)
+        values.copy_(as_half(codes, self.config.format, self.workspace))
         unscale = (1 / pre).to(dtype) if host.unless((pre == 1).all()) else None
         for view, rows in chunks.parts(values, self.config.chunk):
             view.mul_(multipliers[rows, None])
             if unscale is not None:
                 view.mul_(unscale[rows, None])
         if exact is None:
-            result.copy_(values)
-        return result.view(ctx.shape)
+            out.copy_(values)
 
     @property
     def chunk(self) -> int:
@@ -161,3 +181,36 @@ def as_half(codes: Tensor, format: str, workspace: Workspace) -> Tensor:
         torch.bitwise_and(wide, 0x80, out=sign).bitwise_left_shift_(8)
         wide.bitwise_and_(0x7F).bitwise_left_shift_(7).bitwise_or_(sign)
     return wide.view(torch.float16)
+
+
+def _scale_eagerly(flat: Tensor, codes: Tensor, chunk: int, pre: Tensor, inverse: Tensor, workspace: Workspace) -> None:
+    """``flat`` scaled per chunk (by ``pre`` then ``inverse``) and cast into the fp8 ``codes``, in
+    operators of their own (the CPU skips the prescale where no chunk needs it)."""
+    dtype = inverse.dtype
+    multiplier = pre.to(dtype) if host.unless((pre == 1).all()) else None
+    scaled = workspace.take("scaled", flat.numel(), dtype, flat.device)
+    for (view, rows), (target, _) in zip(chunks.parts(flat, chunk), chunks.parts(scaled, chunk), strict=True):
+        source = view if multiplier is None else torch.mul(view, multiplier[rows, None], out=target)
+        torch.mul(source, inverse[rows, None], out=target)
+    codes.copy_(scaled)
+
+
+def _encode_fused(rows: Tensor, codes: Tensor, pre: Tensor, inverse: Tensor) -> None:
+    """:func:`_scale_eagerly`'s arithmetic for whole chunks: ``rows`` (chunks, chunk) into the fp8
+    ``codes`` of that shape; ``pre`` float64 and ``inverse`` in the working dtype, per chunk (times
+    a prescale of 1 where none is needed: exact)."""
+    dtype = inverse.dtype
+    codes.copy_(rows.to(dtype) * pre.to(dtype)[:, None] * inverse[:, None])
+
+
+def _decode_fused(codes: Tensor, out: Tensor, multipliers: Tensor, unscale: Tensor, *, e4m3: bool) -> None:
+    """:meth:`Fp8._decode_eagerly`'s arithmetic for whole chunks: the uint8 ``codes`` (chunks, chunk)
+    as float16 by moving bits (:func:`as_half`), times each chunk's multiplier and unscale, into ``out``."""
+    wide = codes.to(torch.int16)
+    wide = ((wide & 0x7F) << 7) | ((wide & 0x80) << 8) if e4m3 else wide << 8
+    values = wide.view(torch.float16).to(multipliers.dtype) * multipliers[:, None]
+    out.copy_(values * unscale[:, None])
+
+
+_ENCODE = fusion.Kernel(_encode_fused, "fp8 encode")
+_DECODE = fusion.Kernel(_decode_fused, "fp8 decode")
