@@ -242,3 +242,34 @@ def test_ddp_training_with_compiled_kernels_is_bitwise_the_eager_one() -> None:
     """Two gloo ranks, the kernels compiled inside DDP's hooks (backward's thread, the executor's)."""
     specs = ["quantize:bits=4", "sign:ef=true", "quantize:bits=4,rounding=nearest,ef=true"]
     run_checks(2, trained_both_ways, (specs,), timeout=240)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("spec", ["quantize:bits=4", "sign:ef=true", "fp8:format=e4m3,ef=true", "qsgd"])
+def test_compiled_steady_steps_neither_synchronize_nor_allocate_on_a_gpu(
+    spec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the Triton kernels compiled (the first steps), later steps make no synchronizing call
+    (CUDA's sync check set to raise) and no device allocation, as the eager steps of
+    ``tests/test_cuda.py``."""
+    from gradcomp.compressors import simulate
+
+    monkeypatch.setenv(fusion.ENVIRONMENT, "1")
+    shapes = [torch.Size([1024, 512]), torch.Size([512])]
+    generator = torch.Generator().manual_seed(0)
+    steps = [[torch.randn(1024 * 512 + 512, generator=generator).cuda() for _ in range(2)] for _ in range(6)]
+    ranks = [make_compressor(spec, rank=r) for r in range(2)]
+    runs = _compiled_runs()
+    for step in steps[:2]:  # compiled, then state, workspaces and the cache settle
+        simulate(ranks, step, key="w", shapes=shapes)
+    torch.cuda.synchronize()
+    segments = torch.cuda.memory_stats()["segment.all.allocated"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in steps[2:]:
+            simulate(ranks, step, key="w", shapes=shapes)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["segment.all.allocated"] == segments
+    assert _compiled_runs() > runs
