@@ -110,6 +110,23 @@ def test_a_part_by_rows_compiles_to_the_eager_result(spec: str, monkeypatch: pyt
 
 
 @needs_compiler
+def test_signs_fused_scales_are_the_eager_ones_within_a_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By rows, sign's scales (a mean |x| per row) sum in the fused loop's order: within the bound of
+    a float32 sum of up to 1024 non-negative terms in another order (2 * 1023 roundings, about 1.2e-4;
+    a few roundings in practice); its codes are bitwise the same, so each decoded value moves with
+    its row's scale alone."""
+    eager = _part("sign", "0", monkeypatch)
+    runs = sign._MEAN_ABS.compiled_runs
+    fused = _part("sign", "1", monkeypatch)
+    assert sign._MEAN_ABS.compiled_runs > runs  # float32 sums, then float64 (a chunk spans +-1e38)
+    (codes, scales, decoded), (codes_fused, scales_fused, decoded_fused) = eager, fused
+    assert torch.equal(codes, codes_fused)
+    bound = 2 * 1023 * 2.0**-24
+    torch.testing.assert_close(scales_fused, scales, rtol=bound, atol=0)
+    torch.testing.assert_close(decoded_fused, decoded, rtol=bound, atol=0)
+
+
+@needs_compiler
 def test_a_configuration_compiles_once_whatever_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """After the first step, tensors of other sizes (other numbers of rows) and later steps run
     the code already compiled: Dynamo's count of compiled graphs does not move."""
@@ -240,7 +257,7 @@ def trained_both_ways(rank: int, world: int, specs: list[str]) -> dict[str, Any]
 @needs_compiler
 def test_ddp_training_with_compiled_kernels_is_bitwise_the_eager_one() -> None:
     """Two gloo ranks, the kernels compiled inside DDP's hooks (backward's thread, the executor's)."""
-    specs = ["quantize:bits=4", "sign:ef=true", "quantize:bits=4,rounding=nearest,ef=true"]
+    specs = ["quantize:bits=4", "fp8:format=e4m3,ef=true", "quantize:bits=4,rounding=nearest,ef=true"]
     run_checks(2, trained_both_ways, (specs,), timeout=240)
 
 

@@ -4,8 +4,9 @@ A compressor's eager path is a sequence of operators, each a pass over memory an
 launch. Where that sequence is the cost, the compressor also writes it as one function of tensors
 (element-wise arithmetic and row-wise maps over a part's rows) and runs it through a :class:`Kernel`:
 Inductor fuses it into one or two loops (C++ with vector instructions on the CPU, Triton on a GPU).
-The eager operators stay as the fallback and compute the same thing, bit for bit (tested): where
-compilation is off or fails, nothing changes but the time.
+The eager operators stay as the fallback and compute the same thing, bit for bit (tested), unless a
+kernel says otherwise (``sign``'s scales: a sum the fused loop adds in another order, within float32
+roundings): where compilation is off or fails, nothing changes but the time.
 
 When it compiles, set by ``GRADCOMP_COMPILE``:
 
