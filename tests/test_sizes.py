@@ -1,7 +1,7 @@
-"""Top-k by size groups (``gradcomp.compressors.sizes``, ``feedback/sizes.py``): a part's tensors of
-one size selected as the rows of one matrix give bitwise what each gives alone (sums over ranks,
-error feedback's residuals, a non-finite step, a warm-up's ratio, half precision), and the operators
-per part grow with its sizes, not its tensors."""
+"""Top-k and random-k by size groups (``gradcomp.compressors.sizes``, ``feedback/sizes.py``): a
+part's tensors of one size selected as the rows of one matrix give bitwise what each gives alone
+(sums over ranks, error feedback's residuals and velocities, a non-finite step, a warm-up's ratio,
+half precision), and the operators per part grow with its sizes, not its tensors."""
 
 from __future__ import annotations
 
@@ -49,7 +49,9 @@ def _steps(spec: str, per_tensor: bool, dtype: torch.dtype = torch.float32, rati
     return outputs, compressor
 
 
-@pytest.mark.parametrize("spec", ["topk:ratio=0.1", "topk:ratio=0.1,ef=true", "topk:ratio=0.02,ef=true"])
+@pytest.mark.parametrize(
+    "spec", ["topk:ratio=0.1", "topk:ratio=0.1,ef=true", "topk:ratio=0.02,ef=true", "randomk:ratio=0.05,scale=false,ef=true"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_size_groups_give_each_tensors_own_result(spec: str, dtype: torch.dtype) -> None:
     ours, grouped = _steps(spec, per_tensor=False, dtype=dtype)
@@ -109,3 +111,42 @@ def test_momentum_correction_by_size_keeps_each_tensors_velocity(spec: str) -> N
     part = segments(SHAPES)
     states = grouped.compress_part(torch.randn(part.offsets[-1] + 7), part, 2.0)
     assert any(isinstance(c, GroupMeta) for _, c in states)  # by size groups indeed
+
+
+@pytest.mark.parametrize("spec", ["randomk:ratio=0.1", "randomk:ratio=0.05,scale=false"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_k_by_size_draws_each_tensors_own_indices(spec: str, dtype: torch.dtype) -> None:
+    """Random-k's indices come from counters (seed, key, draw, block): a part's tensors of one size
+    drawn as rows give bitwise what each gives alone, its sums over ranks too (a NaN step included)."""
+    ours, _ = _steps(spec, per_tensor=False, dtype=dtype)
+    theirs, _ = _steps(spec, per_tensor=True, dtype=dtype)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    part = segments(SHAPES)
+    states = make_compressor(spec).compress_part(torch.randn(part.offsets[-1] + 7), part, 2.0)
+    assert sum(not isinstance(c, AloneMeta) for _, c in states) == 5  # five sizes, the largest tensor alone
+
+
+def test_random_k_refuses_a_checkpoint_of_generator_states() -> None:
+    with pytest.raises(ValueError, match=r"holds torch\.Generator states"):
+        make_compressor("randomk:ratio=0.1").load_state_dict({"shared": {}})
+    a, b = make_compressor("randomk:ratio=0.1"), make_compressor("randomk:ratio=0.1")
+    x = torch.randn(1000)
+    a.compress(x, key="w")
+    b.load_state_dict(a.state_dict())  # the counts: the next draw is the same
+    assert torch.equal(a.compress(x, key="w")[0][0], b.compress(x, key="w")[0][0])
+
+
+def test_random_k_by_size_decodes_a_sum_as_each_tensor_alone() -> None:
+    """The engine decodes a random-k part from the all-reduced payloads (``decompress_part``): each
+    tensor bitwise its own ``decompress``, a sent -0.0 included."""
+    part = segments(SHAPES)
+    x = torch.randn(part.offsets[-1] + 7, generator=torch.Generator().manual_seed(9))
+    x[part.offsets[1] : part.offsets[1] + 30] = -0.0
+    ours, theirs = make_compressor("randomk:ratio=0.2,scale=false"), make_compressor("randomk:ratio=0.2,scale=false")
+    mine, yours = torch.full_like(x, 5.0), torch.full_like(x, 5.0)
+    states = ours.compress_part(x.clone(), part, 1.0)
+    ours.decompress_part([p for p, _ in states], [c for _, c in states], mine, part)
+    states = Compressor.compress_part(theirs, x.clone(), part, 1.0)
+    Compressor.decompress_part(theirs, [p for p, _ in states], [c for _, c in states], yours, part)
+    assert torch.equal(mine.view(torch.int32), yours.view(torch.int32))

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from gradcomp.compressors import counter
 from gradcomp.compressors.base import (
     Aggregation,
     Capabilities,
@@ -20,8 +22,9 @@ from gradcomp.compressors.base import (
     check_gradient,
     flat_out,
 )
-from gradcomp.compressors.randomness import Generators
+from gradcomp.compressors.counter import Counters
 from gradcomp.compressors.registry import register
+from gradcomp.compressors.sizes import BySize, GroupMeta, SizeGroup
 from gradcomp.compressors.sparse import kept, ratio_error
 
 
@@ -47,7 +50,7 @@ class RandomKContext:
 
 
 @register
-class RandomK(Compressor):
+class RandomK(BySize, Compressor):
     """Random-k sparsification (Stich et al., NeurIPS 2018) with shared-seed, stratified indices.
 
     The n elements are cut into k consecutive blocks of floor or ceil(n / k) elements, and one
@@ -69,7 +72,7 @@ class RandomK(Compressor):
 
     def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
         super().__init__(config, seed=seed, rank=rank)
-        self.shared = Generators(seed)  # the same stream on every rank: the same indices
+        self.counters = Counters(seed)  # the seed alone: the same indices on every rank
 
     @classmethod
     def declare(cls, config: CompressorConfig) -> Capabilities:
@@ -100,13 +103,28 @@ class RandomK(Compressor):
         flat = check_gradient(tensor)
         n = flat.numel()
         k = kept(self.config.ratio if ratio is None else ratio, n)
-        starts = torch.arange(k + 1, device=flat.device, dtype=torch.int64) * n // max(k, 1)
-        sizes = starts.diff()
-        uniform = torch.rand(k, generator=self.shared.on(flat.device, key), device=flat.device, dtype=torch.float64)
-        indices = starts[:-1] + (uniform * sizes).long()
-        values = flat[indices]
+        first = torch.full((1,), self._first(key), dtype=torch.int64, device=flat.device)
+        indices = self._indices(first, n, k).view(-1)
+        values = self._values(flat.view(1, -1), indices.view(1, -1), n, k).view(-1)
+        return (values,), RandomKContext(Meta.of(tensor), indices)
+
+    def _first(self, key: Key) -> int:
+        """The first counter of ``key``'s next draw (:mod:`gradcomp.compressors.counter`)."""
+        return counter.counter(self.counters.start(key), self.counters.draw(key))
+
+    def _indices(self, firsts: Tensor, n: int, k: int) -> Tensor:
+        """(rows, k) int64: per row, one index per block of its n elements, drawn from the counters
+        that follow the row's first (``firsts``): the same on every rank, and on every device."""
+        starts, sizes = _blocks(n, k, firsts.device)
+        uniform = counter.uniform_of(counter.mix(firsts[:, None] + counter.steps(k, firsts.device)[None, :]))
+        return starts[None, :] + (uniform * sizes[None, :]).long()
+
+    def _values(self, rows: Tensor, indices: Tensor, n: int, k: int) -> Tensor:
+        """(rows, k): each row's values at its indices, scaled (``scale=true``), and every one NaN in a
+        row that holds a non-finite value."""
+        values = torch.gather(rows, 1, indices)
         if self.config.scale:
-            values = values * sizes.to(values.dtype)
+            values = values * _blocks(n, k, rows.device)[1].to(values.dtype)
             # An estimate past the dtype's range saturates rather than becoming Inf (finite inputs
             # give finite results); only such elements lose unbiasedness. k elements: cheap.
             limit = torch.finfo(values.dtype).max
@@ -114,9 +132,28 @@ class RandomK(Compressor):
         if n:
             # Dropped elements would hide a NaN/Inf from the optimizer; 0 * (max, min) is NaN iff
             # the input holds a non-finite value, and makes every sent value NaN then.
-            low, high = torch.aminmax(flat)  # one pass for both
-            values.add_((high * 0).add_(low * 0))
-        return (values,), RandomKContext(Meta.of(tensor), indices)
+            low, high = torch.aminmax(rows, dim=1)  # one pass for both
+            values.add_((high * 0).add_(low * 0)[:, None])
+        return values
+
+    @property
+    def largest_batched(self) -> int:
+        """Tensors of up to this many elements go by size groups in a part (:meth:`compress_part`);
+        larger ones alone (stacking them would add a pass)."""
+        return SMALL
+
+    first_written = True  # as decompress_sum writes the first rank's values
+
+    def encode_group(
+        self, rows: Tensor, group: SizeGroup, ratio: float | None, keys: Sequence[Any]
+    ) -> tuple[Payload, GroupMeta]:
+        """By size groups (:mod:`gradcomp.compressors.sizes`): every row's indices drawn at once from
+        its tensor's counters, one payload for the size; bitwise each tensor's own."""
+        n = group.numel
+        k = kept(self.config.ratio if ratio is None else ratio, n)
+        firsts = torch.tensor([self._first(key) for key in keys], dtype=torch.int64, device=rows.device)
+        indices = self._indices(firsts, n, k)
+        return (self._values(rows, indices, n, k),), GroupMeta(group, k, rows.dtype, indices)
 
     def decompress(self, payload: Payload, ctx: RandomKContext, out: Tensor | None = None) -> Tensor:
         (values,) = payload
@@ -135,7 +172,24 @@ class RandomK(Compressor):
         return True
 
     def state_dict(self) -> dict[str, Any]:
-        return {"shared": self.shared.state_dict()}
+        return {"counters": self.counters.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.shared.load_state_dict(state["shared"])
+        if "counters" not in state:
+            raise ValueError(
+                "this random-k state holds torch.Generator states (a checkpoint of gradcomp before random-k drew "
+                "its indices from counters): it cannot continue the same indices; resume from a newer checkpoint, "
+                "or load the model and optimizer alone"
+            )
+        self.counters.load_state_dict(state["counters"])
+
+
+SMALL = 1 << 16
+"""The largest tensors a part stacks by size (as top-k's)."""
+
+
+@functools.lru_cache(maxsize=256)
+def _blocks(n: int, k: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The first element of each of the k blocks of n elements, and their sizes (floor or ceil(n / k))."""
+    bounds = torch.arange(k + 1, device=device, dtype=torch.int64) * n // max(k, 1)
+    return bounds[:-1], bounds.diff()

@@ -30,7 +30,6 @@ from gradcomp.compressors.base import Payload
 from gradcomp.compressors.capabilities import ratio_option
 from gradcomp.compressors.segments import Segments
 from gradcomp.compressors.sparse import index_dtype
-from gradcomp.workspace import Workspace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +72,13 @@ class SizeGroups:
 
 @dataclasses.dataclass(frozen=True)
 class GroupMeta:
-    """The context of a size group's payload: the group, its k, and the gradients' dtype."""
+    """The context of a size group's payload: the group, its k, the gradients' dtype, and the
+    indices (tensors, k) where they do not travel (random-k's: the same on every rank)."""
 
     group: SizeGroup
     k: int
     dtype: torch.dtype
+    indices: Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +90,15 @@ class AloneMeta:
 
 
 class BySize:
-    """Part-level compression for a sparsifier whose selection is per tensor (``Compressor.compress_part``
+    """Part-level compression for a compressor whose selection is per tensor (``Compressor.compress_part``
     and the methods beside it), by size groups (the module's notes). A compressor mixes it in before
-    :class:`~gradcomp.compressors.sparse.SparseCompressor` and provides :attr:`largest_batched`,
-    :meth:`kept_of` and :meth:`select_rows`; classic error feedback follows it
-    (:mod:`gradcomp.compressors.feedback.sizes`)."""
+    its base class and provides :attr:`largest_batched` and :meth:`encode_group` (top-k: through
+    :meth:`kept_of` and :meth:`select_rows`), and :meth:`sent_rows` where its payload is not
+    ``(values, indices)``; classic error feedback follows it (:mod:`gradcomp.compressors.feedback.sizes`)."""
+
+    first_written: bool = False
+    """Whether its ``decompress_sum`` writes the first rank's values (a -0.0 stays) rather than
+    adding them to zeros (:meth:`sum_group` does the same)."""
 
     @property
     def largest_batched(self) -> int:
@@ -117,12 +122,19 @@ class BySize:
         rows = workspace.take(name, len(group.members) * group.numel, buffer.dtype, buffer.device)
         return torch.stack(group.rows(buffer), out=rows.view(len(group.members), group.numel))
 
-    def encode_group(self, rows: Tensor, group: SizeGroup, ratio: float | None) -> tuple[Payload, GroupMeta]:
-        """The payload of the stacked ``rows`` of ``group`` (divided already) and its context."""
+    def encode_group(
+        self, rows: Tensor, group: SizeGroup, ratio: float | None, keys: Sequence[Any]
+    ) -> tuple[Payload, GroupMeta]:
+        """The payload of the stacked ``rows`` of ``group`` (divided already; its tensors' ``keys``)
+        and its context; by default ``(values, indices)`` of :meth:`select_rows`."""
         k = self.kept_of(group.numel, ratio)
         indices = self.select_rows(rows, k)
         payload = (torch.gather(rows, 1, indices), indices.to(index_dtype(group.numel)))
         return payload, GroupMeta(group, k, rows.dtype)
+
+    def sent_rows(self, payload: Payload, ctx: GroupMeta) -> Tensor:
+        """int64 (tensors, k): where each row's values go."""
+        return ctx.indices if ctx.indices is not None else payload[1].long()
 
     def compress_part(
         self, buffer: Tensor, segments: Segments, divisor: float, *, ratio: float | None = None
@@ -131,7 +143,7 @@ class BySize:
         states: list[tuple[Payload, Any]] = []
         for group in groups.groups:
             rows = self.stacked(buffer, group, "groups.rows").div_(divisor)
-            states.append(self.encode_group(rows, group, ratio))
+            states.append(self.encode_group(rows, group, ratio, [segments.keys[i] for i in group.members]))
         views, options = segments.views(buffer), ratio_option(ratio)
         for index in groups.alone:
             payload, ctx = self.compress_divided(views[index], divisor, segments.keys[index], **options)  # type: ignore[attr-defined]
@@ -144,25 +156,34 @@ class BySize:
 
     def decompress_sum_part(self, gathered: Sequence[Sequence[Payload]], contexts: Sequence[Any], buffer: Tensor,
                             segments: Segments) -> None:  # fmt: skip
-        sum_into(gathered, contexts, buffer, segments, self.workspace, self.decompress_sum)  # type: ignore[attr-defined]
+        if contexts and not isinstance(contexts[0], (GroupMeta, AloneMeta)):  # compressed tensor by tensor
+            super().decompress_sum_part(gathered, contexts, buffer, segments)  # type: ignore[misc]
+            return
+        sum_into(gathered, contexts, buffer, segments, self, self.decompress_sum)  # type: ignore[attr-defined]
 
-
-def sum_into(gathered: Sequence[Sequence[Payload]], contexts: Sequence[Any], buffer: Tensor, segments: Segments,
-             workspace: Workspace, alone: Callable[..., Tensor]) -> None:  # fmt: skip
-    """Every rank's payloads of a part compressed by size groups, summed into ``buffer``: per group,
-    into zeros one ``scatter_add_`` per rank in rank order (indices are unique within a rank's row:
-    each element adds what ``decompress_sum`` adds, in float32 for half precision), the rows back in
-    place in one foreach copy; a tensor alone by ``alone`` (a ``decompress_sum``)."""
-    views = segments.views(buffer)
-    half = buffer.dtype in (torch.float16, torch.bfloat16)
-    for everyone, ctx in zip(gathered, contexts, strict=True):
-        if isinstance(ctx, AloneMeta):
-            alone(everyone, ctx.inner, out=views[ctx.index])
-            continue
+    def sum_group(self, everyone: Sequence[Payload], ctx: GroupMeta, buffer: Tensor) -> None:
+        """Every rank's payload of a group added into zero rows, rank by rank (indices are unique
+        within a rank's row: each element adds what ``decompress_sum`` adds, in float32 for half
+        precision), then the rows back in place in one foreach copy."""
         group = ctx.group
+        half = buffer.dtype in (torch.float16, torch.bfloat16)
+        workspace = self.workspace  # type: ignore[attr-defined]
         total = workspace.take("groups.total", len(group.members) * group.numel,
                                torch.float32 if half else buffer.dtype, buffer.device)  # fmt: skip
         total = total.view(len(group.members), group.numel).zero_()
-        for values, indices in everyone:
-            total.scatter_add_(1, indices.long(), values.to(total.dtype))
+        for rank, payload in enumerate(everyone):
+            add = total.scatter_ if rank == 0 and self.first_written else total.scatter_add_
+            add(1, self.sent_rows(payload, ctx), payload[0].to(total.dtype))
         torch._foreach_copy_(group.rows(buffer), list(total.unbind(0)))
+
+
+def sum_into(gathered: Sequence[Sequence[Payload]], contexts: Sequence[Any], buffer: Tensor, segments: Segments,
+             grouped: BySize, alone: Callable[..., Tensor]) -> None:  # fmt: skip
+    """Every rank's payloads of a part compressed by size groups, summed into ``buffer``: a group
+    by ``grouped`` (:meth:`BySize.sum_group`), a tensor alone by ``alone`` (a ``decompress_sum``)."""
+    views = segments.views(buffer)
+    for everyone, ctx in zip(gathered, contexts, strict=True):
+        if isinstance(ctx, AloneMeta):
+            alone(everyone, ctx.inner, out=views[ctx.index])
+        else:
+            grouped.sum_group(everyone, ctx, buffer)

@@ -63,10 +63,10 @@ def compress_part(
             else:
                 compensated.copy_(following)
             compensated.add_(residual)
-        payload, ctx = inner.encode_group(compensated, group, ratio)
-        values, indices = payload
-        ok = torch.isfinite(values).all(dim=1)  # a non-finite input is always selected (payload_shows_non_finite)
-        sent = indices.long()
+        payload, ctx = inner.encode_group(compensated, group, ratio, [segments.keys[i] for i in group.members])
+        # a non-finite input always shows in its row's values (payload_shows_non_finite)
+        ok = torch.isfinite(payload[0]).all(dim=1)
+        sent = inner.sent_rows(payload, ctx)
         compensated.scatter_(1, sent, 0.0)  # what subtracting the values from themselves leaves
         if momentum is not None and momentum.mask:
             following.scatter_(1, sent, 0.0)  # DGC's momentum factor masking

@@ -265,7 +265,8 @@ class ErrorFeedback(Compressor):
         if contexts and isinstance(contexts[0], RowsMeta):
             self.inner.decompress_sum_part(gathered, contexts, buffer, segments)
         elif contexts and isinstance(contexts[0], (GroupMeta, AloneMeta)):
-            sum_into(gathered, contexts, buffer, segments, self.workspace, self.decompress_sum)
+            assert isinstance(self.inner, BySize)
+            sum_into(gathered, contexts, buffer, segments, self.inner, self.decompress_sum)
         else:
             super().decompress_sum_part(gathered, contexts, buffer, segments)
 
