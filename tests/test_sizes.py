@@ -50,7 +50,8 @@ def _steps(spec: str, per_tensor: bool, dtype: torch.dtype = torch.float32, rati
 
 
 @pytest.mark.parametrize(
-    "spec", ["topk:ratio=0.1", "topk:ratio=0.1,ef=true", "topk:ratio=0.02,ef=true", "randomk:ratio=0.05,scale=false,ef=true"]
+    "spec",
+    ["topk:ratio=0.1", "topk:ratio=0.1,ef=true", "topk:ratio=0.02,ef=true", "randomk:ratio=0.05,scale=false,ef=true"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_size_groups_give_each_tensors_own_result(spec: str, dtype: torch.dtype) -> None:
