@@ -152,7 +152,11 @@ class BySize:
 
     def decompress_part(self, payloads: Sequence[Payload], contexts: Sequence[Any], buffer: Tensor,
                         segments: Segments) -> None:  # fmt: skip
-        self.decompress_sum_part([[p] for p in payloads], contexts, buffer, segments)
+        if contexts and not isinstance(contexts[0], (GroupMeta, AloneMeta)):  # compressed tensor by tensor
+            super().decompress_part(payloads, contexts, buffer, segments)  # type: ignore[misc]
+            return
+        decompress = self.decompress  # type: ignore[attr-defined]
+        decode_parts(payloads, contexts, buffer, segments, self, decompress)
 
     def decompress_sum_part(self, gathered: Sequence[Sequence[Payload]], contexts: Sequence[Any], buffer: Tensor,
                             segments: Segments) -> None:  # fmt: skip
@@ -161,10 +165,11 @@ class BySize:
             return
         sum_into(gathered, contexts, buffer, segments, self, self.decompress_sum)  # type: ignore[attr-defined]
 
-    def sum_group(self, everyone: Sequence[Payload], ctx: GroupMeta, buffer: Tensor) -> None:
+    def sum_group(self, everyone: Sequence[Payload], ctx: GroupMeta, buffer: Tensor, write_first: bool) -> None:
         """Every rank's payload of a group added into zero rows, rank by rank (indices are unique
         within a rank's row: each element adds what ``decompress_sum`` adds, in float32 for half
-        precision), then the rows back in place in one foreach copy."""
+        precision; ``write_first``: the first rank's values written, as ``decompress`` writes them),
+        then the rows back in place in one foreach copy."""
         group = ctx.group
         half = buffer.dtype in (torch.float16, torch.bfloat16)
         workspace = self.workspace  # type: ignore[attr-defined]
@@ -172,7 +177,7 @@ class BySize:
                                torch.float32 if half else buffer.dtype, buffer.device)  # fmt: skip
         total = total.view(len(group.members), group.numel).zero_()
         for rank, payload in enumerate(everyone):
-            add = total.scatter_ if rank == 0 and self.first_written else total.scatter_add_
+            add = total.scatter_ if rank == 0 and write_first else total.scatter_add_
             add(1, self.sent_rows(payload, ctx), payload[0].to(total.dtype))
         torch._foreach_copy_(group.rows(buffer), list(total.unbind(0)))
 
@@ -186,4 +191,16 @@ def sum_into(gathered: Sequence[Sequence[Payload]], contexts: Sequence[Any], buf
         if isinstance(ctx, AloneMeta):
             alone(everyone, ctx.inner, out=views[ctx.index])
         else:
-            grouped.sum_group(everyone, ctx, buffer)
+            grouped.sum_group(everyone, ctx, buffer, grouped.first_written)
+
+
+def decode_parts(payloads: Sequence[Payload], contexts: Sequence[Any], buffer: Tensor, segments: Segments,
+                 grouped: BySize, alone: Callable[..., Tensor]) -> None:  # fmt: skip
+    """One payload per group or tensor (an aggregate, or this rank's) decoded into ``buffer``, as
+    ``decompress`` decodes a tensor's: a group by ``grouped``, a tensor alone by ``alone``."""
+    views = segments.views(buffer)
+    for payload, ctx in zip(payloads, contexts, strict=True):
+        if isinstance(ctx, AloneMeta):
+            alone(payload, ctx.inner, out=views[ctx.index])
+        else:
+            grouped.sum_group([payload], ctx, buffer, write_first=True)

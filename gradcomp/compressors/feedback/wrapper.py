@@ -31,7 +31,7 @@ from gradcomp.compressors.feedback.residual import Residuals
 from gradcomp.compressors.finite import finite
 from gradcomp.compressors.rows import ByRows, RowsMeta
 from gradcomp.compressors.segments import Segments
-from gradcomp.compressors.sizes import AloneMeta, BySize, GroupMeta, sum_into
+from gradcomp.compressors.sizes import AloneMeta, BySize, GroupMeta, decode_parts, sum_into
 
 
 class ErrorFeedback(Compressor):
@@ -255,7 +255,8 @@ class ErrorFeedback(Compressor):
         if contexts and isinstance(contexts[0], RowsMeta):  # classic error feedback hands the aggregate on
             self.inner.decompress_part(payloads, contexts, buffer, segments)
         elif contexts and isinstance(contexts[0], (GroupMeta, AloneMeta)):
-            self.decompress_sum_part([[p] for p in payloads], contexts, buffer, segments)
+            assert isinstance(self.inner, BySize)
+            decode_parts(payloads, contexts, buffer, segments, self.inner, self.decompress)
         else:
             super().decompress_part(payloads, contexts, buffer, segments)
 
