@@ -129,8 +129,10 @@ class Counters:
     in which order (DDP's buckets change between its first and later iterations); a checkpoint holds
     the counts (plain keys: they load with ``weights_only=True``), and a resumed run draws on."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, drawn: str = "stochastic rounding's noise") -> None:
         self.seed = seed
+        self.drawn = drawn
+        """What the counters draw, for the messages."""
         self._counts: dict[Hashable, int] = {}
         self._starts: dict[Hashable, int] = {}
 
@@ -153,8 +155,8 @@ class Counters:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "counts" not in state:
             raise ValueError(
-                "this noise state holds torch.Generator states (a checkpoint of gradcomp before stochastic "
-                "rounding drew from counters): it cannot continue the same streams; resume from a newer "
+                f"this state of {self.drawn} holds torch.Generator states (a checkpoint of gradcomp before "
+                f"{self.drawn} came from counters): it cannot continue the same streams; resume from a newer "
                 "checkpoint, or load the model and optimizer alone"
             )
         if state["seed"] != self.seed:

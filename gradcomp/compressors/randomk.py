@@ -72,7 +72,7 @@ class RandomK(BySize, Compressor):
 
     def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
         super().__init__(config, seed=seed, rank=rank)
-        self.counters = Counters(seed)  # the seed alone: the same indices on every rank
+        self.counters = Counters(seed, "random-k's indices")  # the seed alone: the same indices on every rank
 
     @classmethod
     def declare(cls, config: CompressorConfig) -> Capabilities:
@@ -136,11 +136,9 @@ class RandomK(BySize, Compressor):
             values.add_((high * 0).add_(low * 0)[:, None])
         return values
 
-    @property
-    def largest_batched(self) -> int:
-        """Tensors of up to this many elements go by size groups in a part (:meth:`compress_part`);
-        larger ones alone (stacking them would add a pass)."""
-        return SMALL
+    largest_batched = 1 << 16
+    """Tensors of up to this many elements go by size groups in a part (as top-k's); larger ones
+    alone (stacking them would add a pass)."""
 
     first_written = True  # as decompress_sum writes the first rank's values
 
@@ -175,17 +173,7 @@ class RandomK(BySize, Compressor):
         return {"counters": self.counters.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "counters" not in state:
-            raise ValueError(
-                "this random-k state holds torch.Generator states (a checkpoint of gradcomp before random-k drew "
-                "its indices from counters): it cannot continue the same indices; resume from a newer checkpoint, "
-                "or load the model and optimizer alone"
-            )
-        self.counters.load_state_dict(state["counters"])
-
-
-SMALL = 1 << 16
-"""The largest tensors a part stacks by size (as top-k's)."""
+        self.counters.load_state_dict(state.get("counters", state.get("shared", {})))  # "shared": generator states
 
 
 @functools.lru_cache(maxsize=256)

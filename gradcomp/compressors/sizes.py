@@ -29,7 +29,6 @@ from torch import Tensor
 from gradcomp.compressors.base import Payload
 from gradcomp.compressors.capabilities import ratio_option
 from gradcomp.compressors.segments import Segments
-from gradcomp.compressors.sparse import index_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,26 +91,15 @@ class AloneMeta:
 class BySize:
     """Part-level compression for a compressor whose selection is per tensor (``Compressor.compress_part``
     and the methods beside it), by size groups (the module's notes). A compressor mixes it in before
-    its base class and provides :attr:`largest_batched` and :meth:`encode_group` (top-k: through
-    :meth:`kept_of` and :meth:`select_rows`), and :meth:`sent_rows` where its payload is not
-    ``(values, indices)``; classic error feedback follows it (:mod:`gradcomp.compressors.feedback.sizes`)."""
+    its base class and provides :attr:`largest_batched` and :meth:`encode_group`; classic error
+    feedback follows it (:mod:`gradcomp.compressors.feedback.sizes`)."""
 
     first_written: bool = False
     """Whether its ``decompress_sum`` writes the first rank's values (a -0.0 stays) rather than
     adding them to zeros (:meth:`sum_group` does the same)."""
 
-    @property
-    def largest_batched(self) -> int:
-        """The largest tensors that go in size groups (0: none, every tensor alone)."""
-        raise NotImplementedError
-
-    def kept_of(self, numel: int, ratio: float | None) -> int:
-        """k of a tensor of ``numel`` elements at ``ratio`` (a warm-up's) or the configuration's."""
-        raise NotImplementedError
-
-    def select_rows(self, rows: Tensor, k: int) -> Tensor:
-        """int64 indices (tensors, k) of each row's selection: what each tensor selects alone."""
-        raise NotImplementedError
+    largest_batched: int
+    """The largest tensors that go in size groups (0: none, every tensor alone)."""
 
     def size_groups(self, segments: Segments) -> SizeGroups:
         return SizeGroups.of(segments, self.largest_batched)
@@ -126,11 +114,8 @@ class BySize:
         self, rows: Tensor, group: SizeGroup, ratio: float | None, keys: Sequence[Any]
     ) -> tuple[Payload, GroupMeta]:
         """The payload of the stacked ``rows`` of ``group`` (divided already; its tensors' ``keys``)
-        and its context; by default ``(values, indices)`` of :meth:`select_rows`."""
-        k = self.kept_of(group.numel, ratio)
-        indices = self.select_rows(rows, k)
-        payload = (torch.gather(rows, 1, indices), indices.to(index_dtype(group.numel)))
-        return payload, GroupMeta(group, k, rows.dtype)
+        and its context: each row's payload, bitwise what its tensor's alone would be."""
+        raise NotImplementedError
 
     def sent_rows(self, payload: Payload, ctx: GroupMeta) -> Tensor:
         """int64 (tensors, k): where each row's values go."""

@@ -14,8 +14,8 @@ from gradcomp import host
 from gradcomp.compressors.base import Capabilities, CompressorConfig, Key, Measured, Meta, Payload, check_gradient
 from gradcomp.compressors.randomness import Generators, rank_seed
 from gradcomp.compressors.registry import register
-from gradcomp.compressors.sizes import BySize
-from gradcomp.compressors.sparse import SparseCompressor, kept, ratio_error
+from gradcomp.compressors.sizes import BySize, GroupMeta, SizeGroup
+from gradcomp.compressors.sparse import SparseCompressor, index_dtype, kept, ratio_error
 
 Method = Literal["exact", "sampled"]
 
@@ -89,6 +89,10 @@ class TopK(BySize, SparseCompressor):
     def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
         super().__init__(config, seed=seed, rank=rank)
         self.sampler = Generators(rank_seed(seed, rank))
+        # ``exact`` takes a part's tensors of up to SMALL elements by size groups (each a plain
+        # torch.topk alone, a row of one there); ``sampled`` sends as many as pass its threshold,
+        # which a group's payload shape cannot say
+        self.largest_batched = SMALL if self.config.method == "exact" else 0
 
     def compress(
         self,
@@ -104,22 +108,19 @@ class TopK(BySize, SparseCompressor):
         indices = self.select(magnitudes, kept(self.config.ratio if ratio is None else ratio, flat.numel()), key)
         return self.sparse_payload(flat, indices), Meta.of(tensor)
 
-    @property
-    def largest_batched(self) -> int:
-        """``exact`` takes a part's tensors of up to :data:`SMALL` elements by size groups
-        (:mod:`gradcomp.compressors.sizes`): each a plain ``torch.topk`` alone, a row of one here.
-        ``sampled`` sends as many as pass its threshold, which a group's payload shape cannot say."""
-        return SMALL if self.config.method == "exact" else 0
-
-    def kept_of(self, numel: int, ratio: float | None) -> int:
-        return kept(self.config.ratio if ratio is None else ratio, numel)
-
-    def select_rows(self, rows: Tensor, k: int) -> Tensor:
-        magnitudes = self.workspace.take("abs.rows", rows.numel(), rows.dtype, rows.device).view(rows.shape)
-        torch.abs(rows, out=magnitudes)
-        if k == rows.shape[1]:  # everything, in order, as a tensor alone sends it
-            return torch.arange(k, device=rows.device).expand(rows.shape[0], k)
-        return torch.topk(magnitudes, k, dim=1, sorted=False).indices
+    def encode_group(
+        self, rows: Tensor, group: SizeGroup, ratio: float | None, keys: Sequence[Any]
+    ) -> tuple[Payload, GroupMeta]:
+        """Each row's k largest |x| (a plain ``torch.topk`` alone, a row of one here): values and
+        indices, (tensors, k), indices in the type a tensor alone sends."""
+        k = kept(self.config.ratio if ratio is None else ratio, group.numel)
+        if k == group.numel:  # everything, in order, as a tensor alone sends it
+            indices = torch.arange(k, device=rows.device).expand(rows.shape[0], k)
+        else:
+            magnitudes = self.workspace.take("abs.rows", rows.numel(), rows.dtype, rows.device).view(rows.shape)
+            indices = torch.topk(torch.abs(rows, out=magnitudes), k, dim=1, sorted=False).indices
+        payload = (torch.gather(rows, 1, indices), indices.to(index_dtype(group.numel)))
+        return payload, GroupMeta(group, k, rows.dtype)
 
     def select(self, magnitudes: Tensor, k: int, key: Key = None) -> Tensor:
         """int64 indices of (about, for ``sampled``) the k largest ``magnitudes``."""
