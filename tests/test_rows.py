@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gradcomp.bench.launches import compare
-from gradcomp.compressors import Segments, make_compressor
+from gradcomp.compressors import Compressor, Meta, Segments, make_compressor
 from gradcomp.compressors.bitpack import packed_size
 from gradcomp.compressors.rows import ChunkRows, RowsMeta
 
@@ -140,7 +140,8 @@ def test_qsgd_by_rows_moves_a_short_chunks_norm_by_a_rounding_at_most() -> None:
 @pytest.mark.parametrize(
     "spec",
     ["sign", "sign:ef=true", "quantize:bits=4,rounding=nearest", "fp8:format=e4m3,ef=true", "quantize:bits=4",
-     "quantize:bits=2,ef=true", "qsgd", "terngrad", "fp16:ef=true", "bf16:ef=true", "sign:ef=true,momentum=0.9"],
+     "quantize:bits=2,ef=true", "qsgd", "terngrad", "fp16:ef=true", "bf16:ef=true", "sign:ef=true,momentum=0.9",
+     "threshold:tau=2.5", "threshold:tau=2.5,ef=true", "threshold:tau=2.5,ef=true,momentum=0.9,mask=true"],
 )  # fmt: skip
 def test_operators_per_bucket_do_not_grow_with_its_tensors(spec: str) -> None:
     """Within 5: the operators on short last chunks (gathered, padded, their pads zeroed), which a
@@ -166,7 +167,8 @@ def _steps(compressor: object, part: Segments, inputs: list[torch.Tensor], per_t
 
 
 @pytest.mark.parametrize("spec", ["quantize:bits=4,rounding=nearest,ef=true", "fp8:format=e4m3,ef=true", "sign:ef=true",
-                                  "fp16:ef=true", "bf16:ef=true", "quantize:bits=2,ef=true"])  # fmt: skip
+                                  "fp16:ef=true", "bf16:ef=true", "quantize:bits=2,ef=true",
+                                  "threshold:tau=1.0,ef=true"])  # fmt: skip
 def test_error_feedback_by_rows_keeps_each_tensors_residual_as_tensor_by_tensor(spec: str) -> None:
     """Four steps, the third with a NaN in one tensor (its residual stays, the others move on):
     outputs and residuals bitwise those of error feedback tensor by tensor (sign: within a rounding
@@ -235,7 +237,8 @@ def test_a_regrouped_bucket_takes_its_tensors_residuals_along() -> None:
 
 
 MOMENTUM_SPECS = ["quantize:bits=4,rounding=nearest,ef=true,momentum=0.9", "fp16:ef=true,momentum=0.9,nesterov=true",
-                  "quantize:bits=2,ef=true,momentum=0.5"]  # fmt: skip
+                  "quantize:bits=2,ef=true,momentum=0.5",
+                  "threshold:tau=1.0,ef=true,momentum=0.9,mask=true"]  # fmt: skip
 
 
 @pytest.mark.parametrize("spec", MOMENTUM_SPECS)
@@ -262,3 +265,58 @@ def test_momentum_correction_by_rows_keeps_each_tensors_velocity_as_tensor_by_te
     assert torch.equal(again[0], straight[0])
     by_rows.take_residual(4)
     assert 4 not in by_rows.velocities and 4 not in by_rows.residuals
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tau", [0.0, 1.0, 50.0])
+def test_threshold_selects_a_part_at_once_as_each_tensor_alone(tau: float, dtype: torch.dtype) -> None:
+    """One selection for the part: the elements each tensor alone sends (NaN included, a pad never,
+    even at tau = 0, where everything else travels), two ranks' values summed bitwise as tensor by
+    tensor; the indices run over the part's rows."""
+    part = segments(SHAPES)
+    numel = sum(math.prod(s) for s in SHAPES)
+    x, y = bucket(numel, 1, dtype), bucket(numel, 2, dtype)
+    x[5] = float("nan")
+    compressor, one = make_compressor(f"threshold:tau={tau}"), make_compressor(f"threshold:tau={tau}")
+    states = [compressor.compress_part(t.clone(), part, 2.0) for t in (x, y)]
+    ((payload, meta),) = states[0]
+    assert isinstance(meta, RowsMeta) and payload[1].dtype == torch.int16  # 17 rows of 256 elements
+    alone = [one.compress_divided(x[o : o + math.prod(s)].clone().view(s), 2.0)[0]
+             for o, s in zip(part.offsets, part.shapes, strict=True)]  # fmt: skip
+    assert payload[0].numel() == sum(p[0].numel() for p in alone) == (numel if tau == 0 else payload[0].numel())
+    out, reference = torch.empty_like(x), torch.empty_like(x)
+    compressor.decompress_sum_part([[states[0][0][0], states[1][0][0]]], [meta], out, part)
+    Compressor.decompress_sum_part(one, [[one.compress_divided(t[o : o + math.prod(s)].clone().view(s), 2.0)[0]
+                                          for t in (x, y)] for o, s in zip(part.offsets, part.shapes, strict=True)],
+                                   [Meta.of(v) for v in part.views(x)], reference, part)  # fmt: skip
+    assert torch.equal(out.isnan(), reference.isnan()) and bool(out[5].isnan())
+    assert torch.equal(torch.nan_to_num(out), torch.nan_to_num(reference))
+
+
+@pytest.mark.parametrize("spec", ["threshold:tau=1.0", "threshold:tau=1.0,ef=true",
+                                  "threshold:tau=0.5,ef=true,momentum=0.9,mask=true"])  # fmt: skip
+def test_a_measured_part_compresses_on_another_thread_as_the_part_at_once(spec: str) -> None:
+    """The accelerator's path: a part measured on one thread (backward's) and compressed at its count
+    on another (the executor's) sends and keeps what compressing it at once does, over four steps,
+    the third with a NaN in one tensor; one record for the whole part."""
+    import concurrent.futures
+
+    part = segments(SHAPES)
+    numel = sum(math.prod(s) for s in SHAPES)
+    inputs = [bucket(numel, step) for step in range(4)]
+    inputs[2][1240] = float("nan")
+    at_once, measured = make_compressor(spec), make_compressor(spec)
+    executor = concurrent.futures.ThreadPoolExecutor(1)
+    for x in inputs:
+        ((expected, _),) = at_once.compress_part(x.clone(), part, 2.0)
+        records = measured.measure_part(x.clone(), part, 2.0)
+        assert len(records) == 1
+        counts = [int(record.count) for record in records]
+        ((payload, meta),) = executor.submit(measured.compress_measured_part, records, counts, part).result()
+        assert isinstance(meta, RowsMeta) and payload[0].numel() == counts[0]
+        pairs = zip(payload, expected, strict=True)
+        assert all(torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)) for a, b in pairs)
+    executor.shutdown()
+    if hasattr(at_once, "residuals"):
+        assert all(torch.equal(measured.residuals[k], r) for k, r in at_once.residuals.items())
+        assert all(torch.equal(measured.velocities[k], v) for k, v in at_once.velocities.items())

@@ -341,6 +341,15 @@ class Compressor(ABC):
         tensors are 1-D, of :meth:`payload_length` elements."""
         raise TypeError(f"{self.name}'s payload has a size the tensor alone decides: nothing to measure")
 
+    def compress_measured_part(
+        self, measured: Sequence[Measured], counts: Sequence[int], segments: Segments
+    ) -> list[tuple[Payload, Any]]:
+        """:meth:`compress_measured` of everything :meth:`measure_part` measured of a part, each at
+        its count now read on the host (the engine's one call per part). The default takes one
+        record per tensor; a compressor that measures a part in fewer records overrides both."""
+        counted = zip(measured, counts, segments.keys, strict=True)
+        return [self.compress_measured(record, count, key) for record, count, key in counted]
+
     def payload_length(self, count: int, measured: Measured) -> int:
         """The length of each payload tensor of a tensor measured ``count`` on any rank, from this
         rank's ``measured`` of the same tensor (the same key: its shape, and so its cap, agree)."""
@@ -380,6 +389,13 @@ class Measured:
     threshold: Tensor | None = None
     """The cut the count was taken at, for a compressor that estimated one (sampled top-k's, 0-d);
     None for the others."""
+    rows: int | None = None
+    """Payload tensors of ``rows`` rows of :meth:`Compressor.payload_length` elements each (a size
+    group's: :mod:`gradcomp.compressors.sizes`); None: 1-D."""
+
+    def shape(self, length: int) -> tuple[int, ...]:
+        """The shape of each payload tensor of ``length`` (:meth:`Compressor.payload_length`)."""
+        return (length,) if self.rows is None else (self.rows, length)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -170,6 +170,25 @@ def _starts(sizes: list[int], first: int = 0) -> list[int]:
     return starts
 
 
+class PartBuffers:
+    """Buffers in a part's layout kept per part (its keys) and name, for what one thread fills and
+    another reads (a measured part: measured on backward's thread, compressed on the executor's),
+    where a thread's :class:`~gradcomp.workspace.Workspace` would not do. Memory: one buffer of the
+    part's rows per name and part, for the holder's life."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[str, tuple[Any, ...]], Tensor] = {}
+
+    def take(self, name: str, keys: tuple[Any, ...], layout: ChunkRows, dtype: torch.dtype,
+             device: torch.device) -> Tensor:  # fmt: skip
+        """The (rows, chunk) buffer of ``name`` for the part of ``keys`` (uninitialised when new)."""
+        held = self._held.get((name, keys))
+        shape = (layout.rows, layout.chunk)
+        if held is None or held.shape != shape or held.dtype != dtype or held.device != torch.device(device):
+            held = self._held[(name, keys)] = torch.empty(shape, dtype=dtype, device=device)
+        return held
+
+
 @dataclasses.dataclass(frozen=True)
 class RowsMeta:
     """The context of a part compressed by rows: its layout and the gradients' dtype."""
@@ -207,6 +226,11 @@ class ByRows:
     def decode_rows(self, payload: tuple[Tensor, ...], layout: ChunkRows, out: Tensor) -> None:
         """Decode ``payload`` into the layout ``out`` ((rows, chunk); the pads' values are anything)."""
         raise NotImplementedError
+
+    def sent_in_rows(self, payload: tuple[Tensor, ...]) -> Tensor | None:
+        """Where a sparse payload was taken from (flat int64 indices of the rows: DGC's momentum
+        masking clears them); None for a dense one."""
+        return None
 
     def compress_part(
         self, buffer: Tensor, segments: Segments, divisor: float, *, ratio: float | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -12,7 +13,13 @@ from torch import Tensor
 from gradcomp import host
 from gradcomp.compressors.base import Capabilities, CompressorConfig, Key, Measured, Meta, Payload, check_gradient
 from gradcomp.compressors.registry import register
-from gradcomp.compressors.sparse import SparseCompressor
+from gradcomp.compressors.rows import ByRows, ChunkRows, PartBuffers, RowsMeta
+from gradcomp.compressors.segments import Segments
+from gradcomp.compressors.sparse import SparseCompressor, index_dtype
+
+ROW = 256
+"""Elements per row when a part is compressed at once: a tensor's last row is padded to it (at most
+ROW - 1 zeros per tensor), and nothing else depends on it (the selection is element by element)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +33,7 @@ class ThresholdConfig(CompressorConfig):
 
 
 @register
-class Threshold(SparseCompressor):
+class Threshold(ByRows, SparseCompressor):
     """Hard-threshold sparsification (Strom, Interspeech 2015): x_i travels if |x_i| >= tau.
 
     Wire: m * (value bytes + index bytes) for the m selected elements; m depends on the data and can
@@ -34,15 +41,27 @@ class Threshold(SparseCompressor):
     selected (so they reach every rank). Biased: use with error feedback, which lets the small
     elements accumulate until they cross tau.
     When: gradients whose scale is known and stable; otherwise prefer ``topk``, which fixes the size.
+
+    A part of a bucket is selected at once (the selection is element by element, so each tensor's
+    is its own): its tensors in rows of :data:`ROW` elements (:class:`~gradcomp.compressors.rows.ChunkRows`),
+    one compare, one ``nonzero``, one payload whose indices run over the rows (int32 for parts of
+    up to 2**31 elements, where small tensors alone would send smaller index types).
     """
 
     name = "threshold"
     Config = ThresholdConfig
     config: ThresholdConfig
+    chunk = ROW
 
     @classmethod
     def declare(cls, config: CompressorConfig) -> Capabilities:
-        return dataclasses.replace(super().declare(config), measures=True)  # as many as pass tau
+        return dataclasses.replace(super().declare(config), measures=True, whole_part=True)  # as many as pass tau
+
+    def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
+        super().__init__(config, seed=seed, rank=rank)
+        self.measured_rows = PartBuffers()
+        """A part's rows between :meth:`measure_part` (backward's thread) and
+        :meth:`compress_measured_part` (the executor's), where a thread's workspace would not do."""
 
     def compress(
         self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
@@ -59,6 +78,70 @@ class Threshold(SparseCompressor):
         flat = check_gradient(measured.tensor)
         indices = torch.nonzero_static(self._selected(flat), size=count).view(-1)
         return self.sparse_payload(flat, indices), Meta.of(measured.tensor)
+
+    # -- a part at once, by rows ------------------------------------------------------------------------
+
+    def encode_rows(self, rows: Tensor, layout: ChunkRows, segments: Segments) -> tuple[Tensor, ...]:
+        flat = rows.view(-1)
+        return self._rows_payload(flat, host.nonzero(self._selected_rows(rows, layout).view(-1)))
+
+    def decode_rows(self, payload: tuple[Tensor, ...], layout: ChunkRows, out: Tensor) -> None:
+        values, indices = payload
+        out.zero_().view(-1)[indices.long()] = values.to(out.dtype)
+
+    def sent_in_rows(self, payload: tuple[Tensor, ...]) -> Tensor:
+        """Where the part's payload was taken from, as flat int64 indices of its rows."""
+        return payload[1].long()
+
+    def measure_part(
+        self, buffer: Tensor, segments: Segments, divisor: float, *, ratio: float | None = None
+    ) -> list[Measured]:
+        """One record for the whole part: its rows (kept per part) and their count above tau."""
+        if not self.by_rows:
+            return super().measure_part(buffer, segments, divisor)
+        layout = ChunkRows.of(segments, ROW)
+        rows = self.measured_rows.take("rows", segments.keys, layout, buffer.dtype, buffer.device)
+        return self.measure_rows(layout.gather(buffer, rows, "zero").div_(divisor), layout)
+
+    def measure_rows(self, rows: Tensor, layout: ChunkRows) -> list[Measured]:
+        """The record of a part's ``rows`` (divided already; kept until they are compressed)."""
+        return [Measured(self._selected_rows(rows, layout).sum(), rows)]
+
+    def compress_measured_part(
+        self, measured: Sequence[Measured], counts: Sequence[int], segments: Segments
+    ) -> list[tuple[Payload, Any]]:
+        if not self.by_rows:
+            return super().compress_measured_part(measured, counts, segments)
+        ((record,), (count,)) = (measured, counts)
+        layout = ChunkRows.of(segments, ROW)
+        indices = torch.nonzero_static(self._selected_rows(record.tensor, layout).view(-1), size=count).view(-1)
+        return [(self._rows_payload(record.tensor.view(-1), indices), RowsMeta(layout, record.tensor.dtype))]
+
+    def decompress_sum_part(self, gathered: Sequence[Sequence[Payload]], contexts: Sequence[Any], buffer: Tensor,
+                            segments: Segments) -> None:  # fmt: skip
+        """Every rank's values added into zero rows in rank order, as :meth:`decompress_sum` adds a
+        tensor's (in float32 for half precision), then the rows back in place."""
+        if not isinstance(contexts[0], RowsMeta):  # compressed tensor by tensor
+            super().decompress_sum_part(gathered, contexts, buffer, segments)
+            return
+        ((everyone,), (meta,)) = (gathered, contexts)
+        half = buffer.dtype in (torch.float16, torch.bfloat16)
+        total = self._take("rows.total", meta.layout, torch.float32 if half else buffer.dtype, buffer.device)
+        flat = total.zero_().view(-1)
+        for values, indices in everyone:
+            flat.index_add_(0, indices.long(), values.to(flat.dtype))
+        meta.layout.scatter(total, buffer)
+
+    def _rows_payload(self, flat: Tensor, indices: Tensor) -> Payload:
+        return flat[indices], indices.to(index_dtype(flat.numel()))
+
+    def _selected_rows(self, rows: Tensor, layout: ChunkRows) -> Tensor:
+        """:meth:`_selected` of a part's rows, shaped as them, their pads never selected (zeros:
+        only tau = 0 would take them)."""
+        selected = self._selected(rows.view(-1)).view(rows.shape)
+        if self.config.tau == 0 and layout.tails:
+            selected[layout.full_rows :].masked_fill_(layout.tail_pads(rows.device), False)
+        return selected
 
     def _selected(self, flat: Tensor) -> Tensor:
         """Where |x| >= tau, as a workspace mask (valid until the next call)."""

@@ -248,8 +248,9 @@ class GatherRoute(_Compressed):
 
     def _send_measured(self, prepared: Prepared) -> None:
         """Every rank's counts in one small all-gather and one host read for the part; then each
-        segment compressed at its size, and the payloads gathered at sizes every rank knows."""
-        compressor, record, keys = self.compressor, prepared.record, prepared.part.keys
+        record compressed at its count (``compress_measured_part``), and the payloads gathered at shapes
+        every rank knows."""
+        compressor, record = self.compressor, prepared.record
         exchange = transport.GroupTransport(self.group, record.add_traffic)
         with record.phase("communicate"):
             counts = torch.stack([measured.count for measured in prepared.measured])
@@ -259,14 +260,14 @@ class GatherRoute(_Compressed):
                 gathered = exchange.all_gatherv(counts, [counts.numel()] * self.world)
             everyone = host.values(torch.stack(gathered))  # the part's one read
         with record.phase("compress"):
-            counted = zip(prepared.measured, everyone[self.rank], keys, strict=True)
-            states = [compressor.compress_measured(measured, count, key) for measured, count, key in counted]
+            states = compressor.compress_measured_part(prepared.measured, everyone[self.rank], prepared.part.layout)
         finals, contexts = [p for p, _ in states], [c for _, c in states]
         record.payload_bytes += sum(compressor.wire_bytes(p) for p in finals)
         measured = prepared.measured
-        lengths = [[compressor.payload_length(c, m) for c, m in zip(row, measured, strict=True)] for row in everyone]
+        shapes = [[m.shape(compressor.payload_length(c, m)) for c, m in zip(row, measured, strict=True)]
+                  for row in everyone]  # fmt: skip
         with record.phase("communicate"):
-            per_rank = transport.all_gather_sized(finals, lengths, prepared.buffer.device, exchange)
+            per_rank = transport.all_gather_sized(finals, shapes, prepared.buffer.device, exchange)
         self._decompress_sum([list(parts) for parts in zip(*per_rank, strict=True)], contexts, prepared)
 
     def _decompress_sum(self, gathered: list[list[Payload]], contexts: list[Any], prepared: Prepared) -> None:

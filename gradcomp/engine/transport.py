@@ -182,13 +182,14 @@ def unpack_alike(frames: list[Tensor], payloads: list[Payload]) -> list[list[Pay
 
 
 def all_gather_sized(
-    payloads: list[Payload], lengths: Sequence[Sequence[int]], device: torch.device, exchange: Transport
-) -> list[list[Payload]]:
-    """:func:`all_gather_payloads` for payloads of 1-D tensors whose lengths every rank knows
-    already (``lengths[rank][i]``: the length of each tensor of rank's i-th payload, from counts
+    payloads: list[Payload], shapes_known: Sequence[Sequence[tuple[int, ...]]], device: torch.device,
+    exchange: Transport,
+) -> list[list[Payload]]:  # fmt: skip
+    """:func:`all_gather_payloads` for payloads whose shapes every rank knows already
+    (``shapes_known[rank][i]``: the shape of each tensor of rank's i-th payload, from counts
     exchanged before, ``Compressor.measure``): one all-gather at those sizes, nothing read on the host."""
     tensors = [t for payload in payloads for t in payload]
-    shapes = [[(length,) for length, payload in zip(row, payloads, strict=True) for _ in payload] for row in lengths]
+    shapes = [[shape for shape, payload in zip(row, payloads, strict=True) for _ in payload] for row in shapes_known]
     sizes = [packing.packed_bytes(s, tensors) for s in shapes]
     frames = exchange.all_gatherv(packing.pack(tensors, device), sizes)
     return [regroup(payloads, packing.unpack(frame, s, tensors)) for frame, s in zip(frames, shapes, strict=True)]

@@ -17,15 +17,17 @@ tensor with the residuals), for single-round compressors; ``clip`` (a norm per t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from gradcomp import host
-from gradcomp.compressors.base import Key
+from gradcomp.compressors.base import Key, Measured
 from gradcomp.compressors.rows import ChunkRows, RowsMeta
 from gradcomp.compressors.segments import Segments
 
@@ -79,23 +81,70 @@ class ResidualRows:
         return [rows for _, _, rows in self.parts.values()]
 
 
+@dataclasses.dataclass(frozen=True)
+class Compensated:
+    """A part's step between its compensated gradient and its settling: the compensated rows
+    (residual + g / p, momentum-corrected), the residual rows, and with momentum correction the
+    velocity rows and the step's new ones."""
+
+    segments: Segments
+    layout: ChunkRows
+    rows: Tensor
+    residual: Tensor
+    velocity: Tensor | None = None
+    following: Tensor | None = None
+
+
 def compress_part(ef: ErrorFeedback, buffer: Tensor, segments: Segments, divisor: float) -> list[tuple[Any, Any]]:
     """:meth:`ErrorFeedback.compress_part` by rows: residual + g / p for the whole part, compressed
     as one, the residual settled per tensor (the module's notes). Bitwise the per-tensor steps'
     compensated gradients and residuals, for a wrapped compressor whose rows decode bitwise."""
+    step = compensate(ef, buffer, segments, divisor, lambda name, layout: _scratch(ef, name, layout, buffer))
+    payload = ef.inner.encode_rows(step.rows, step.layout, segments)  # type: ignore[attr-defined]
+    settle(ef, payload, step)
+    return [(payload, RowsMeta(step.layout, buffer.dtype))]
+
+
+def measure_part(ef: ErrorFeedback, buffer: Tensor, segments: Segments, divisor: float) -> list[Measured]:
+    """:meth:`ErrorFeedback.measure_part` by rows: the compensated rows formed as
+    :func:`compress_part` forms them, in buffers kept per part (they are compressed on another
+    thread), and measured by the wrapped compressor; the step waits in ``ef.measuring``."""
+    held = ef.measuring_rows
+
+    def take(name: str, layout: ChunkRows) -> Tensor:
+        return held.take(name, segments.keys, layout, buffer.dtype, buffer.device)
+
+    step = compensate(ef, buffer, segments, divisor, take)
+    ef.measuring[segments.keys] = step
+    return ef.inner.measure_rows(step.rows, step.layout)  # type: ignore[attr-defined]
+
+
+def compress_measured_part(
+    ef: ErrorFeedback, measured: Sequence[Measured], counts: Sequence[int], segments: Segments
+) -> list[tuple[Any, Any]]:
+    """:meth:`ErrorFeedback.compress_measured_part` by rows: the wrapped compressor's payload of the
+    measured rows, then the step settled as :func:`compress_part` settles it."""
+    step = ef.measuring.pop(segments.keys)
+    states = ef.inner.compress_measured_part(measured, counts, segments)
+    ((payload, _),) = states
+    settle(ef, payload, step)
+    return states
+
+
+def compensate(ef: ErrorFeedback, buffer: Tensor, segments: Segments, divisor: float,
+               take: Callable[[str, ChunkRows], Tensor]) -> Compensated:  # fmt: skip
+    """The part's compensated rows (in ``take``'s buffers), with the state they came from."""
     inner, memory = ef.inner, ef.memory
     layout = ChunkRows.of(segments, inner.chunk)  # type: ignore[attr-defined]
     residual = memory.by_rows.rows(memory.residuals, segments, layout, buffer)  # type: ignore[attr-defined]
-    shape = (layout.rows, layout.chunk)
-    compensated = ef.workspace.take("ef.rows", residual.numel(), buffer.dtype, buffer.device).view(shape)
-    layout.gather(buffer, compensated, "zero")
+    compensated = layout.gather(buffer, take("ef.rows", layout), "zero")
     momentum, following, velocity = ef.momentum, None, None
     if momentum is None:
         torch.addcdiv(residual, compensated, ef._divisor(divisor, buffer), out=compensated)  # as the per-tensor add
     else:  # the per-tensor steps' operators: the share, u = m u + g (Nesterov: g + m u), the fold
         compensated.div_(ef._divisor(divisor, buffer))
         velocity = momentum.rows(segments, layout, buffer)
-        following = ef.workspace.take("ef.rows.following", residual.numel(), buffer.dtype, buffer.device).view(shape)
+        following = take("ef.rows.following", layout)
         torch.add(compensated, velocity, alpha=momentum.momentum, out=following)  # pads: zero and zero
         if momentum.nesterov:
             compensated.add_(following, alpha=momentum.momentum)
@@ -104,16 +153,27 @@ def compress_part(ef: ErrorFeedback, buffer: Tensor, segments: Segments, divisor
         compensated.add_(residual)
     if inner.pad == "first":  # type: ignore[attr-defined]
         layout.repad_first(compensated)
-    payload = inner.encode_rows(compensated, layout, segments)  # type: ignore[attr-defined]
-    contribution = ef.workspace.take("ef.contribution", residual.numel(), buffer.dtype, buffer.device).view(shape)
-    inner.decode_rows(payload, layout, contribution)  # type: ignore[attr-defined]
+    return Compensated(segments, layout, compensated, residual, velocity, following)
+
+
+def settle(ef: ErrorFeedback, payload: tuple[Tensor, ...], step: Compensated) -> None:
+    """The residual (and velocity) rows moved by this rank's ``payload`` of ``step``, each tensor
+    kept as it was where its own step was not finite."""
+    layout, compensated, residual = step.layout, step.rows, step.residual
+    velocity, following = step.velocity, step.following
+    contribution = _scratch(ef, "ef.contribution", layout, compensated)
+    ef.inner.decode_rows(payload, layout, contribution)  # type: ignore[attr-defined]
     # A pad's code never travelled: what it decodes to is nothing (its bytes are whatever the
     # workspace held: for fp8 a NaN's code, which would make its tensor's step look non-finite).
     layout.zero_pads(contribution)
     torch.sub(compensated, contribution, out=compensated)
     layout.zero_pads(compensated)  # the residual's pads stay zero
-    ok = _finite_per_tensor(contribution, layout, len(segments))
-    if host.reads_are_free(buffer.device) and host.flag(ok.all()):
+    if following is not None and ef.momentum is not None and ef.momentum.mask:
+        sent = ef.inner.sent_in_rows(payload)  # type: ignore[attr-defined]
+        if sent is not None:  # DGC's momentum factor masking, where a sparsifier sent
+            following.view(-1)[sent] = 0
+    ok = _finite_per_tensor(contribution, layout, len(step.segments))
+    if host.reads_are_free(compensated.device) and host.flag(ok.all()):
         residual.copy_(compensated)
         if velocity is not None and following is not None:
             velocity.copy_(following)
@@ -121,7 +181,12 @@ def compress_part(ef: ErrorFeedback, buffer: Tensor, segments: Segments, divisor
         torch.where(ok[:, None], compensated, residual, out=residual)
         if velocity is not None and following is not None:
             torch.where(ok[:, None], following, velocity, out=velocity)
-    return [(payload, RowsMeta(layout, buffer.dtype))]
+
+
+def _scratch(ef: ErrorFeedback, name: str, layout: ChunkRows, like: Tensor) -> Tensor:
+    """A workspace buffer of ``layout``'s shape (this thread's)."""
+    numel = layout.rows * layout.chunk
+    return ef.workspace.take(name, numel, like.dtype, like.device).view(layout.rows, layout.chunk)
 
 
 def _finite_per_tensor(contribution: Tensor, layout: ChunkRows, tensors: int) -> Tensor:

@@ -29,7 +29,7 @@ from gradcomp.compressors.feedback.momentum import MomentumCorrection
 from gradcomp.compressors.feedback.options import Feedback
 from gradcomp.compressors.feedback.residual import Residuals
 from gradcomp.compressors.finite import finite
-from gradcomp.compressors.rows import ByRows, RowsMeta
+from gradcomp.compressors.rows import ByRows, PartBuffers, RowsMeta
 from gradcomp.compressors.segments import Segments
 from gradcomp.compressors.sizes import AloneMeta, BySize, GroupMeta, decode_parts, sum_into
 
@@ -78,6 +78,10 @@ class ErrorFeedback(Compressor):
         self._fused = isinstance(self.memory, Residuals) and self.momentum is None and self.clipping is None
         self._compensated: dict[Key, Tensor] = {}  # per key, the buffer its compensated gradient is formed in
         self._divisors: dict[tuple[float, torch.dtype, torch.device], Tensor] = {}
+        self.measuring: dict[tuple[Key, ...], by_rows.Compensated] = {}
+        """Per part measured by rows, its step until it is compressed (:mod:`.rows`)."""
+        self.measuring_rows = PartBuffers()
+        """The rows of those steps, kept per part: measured and compressed on different threads."""
 
     def __repr__(self) -> str:
         return ",".join([repr(self.inner), *self.feedback.words()])
@@ -249,6 +253,20 @@ class ErrorFeedback(Compressor):
         if self._by_size:
             return by_size.compress_part(self, buffer, segments, divisor, ratio)
         return super().compress_part(buffer, segments, divisor, ratio=ratio)
+
+    def measure_part(
+        self, buffer: Tensor, segments: Segments, divisor: float, *, ratio: float | None = None
+    ) -> list[Measured]:
+        if self._by_rows:
+            return by_rows.measure_part(self, buffer, segments, divisor)
+        return super().measure_part(buffer, segments, divisor, ratio=ratio)
+
+    def compress_measured_part(
+        self, measured: Sequence[Measured], counts: Sequence[int], segments: Segments
+    ) -> list[tuple[Payload, Any]]:
+        if self._by_rows:
+            return by_rows.compress_measured_part(self, measured, counts, segments)
+        return super().compress_measured_part(measured, counts, segments)
 
     def decompress_part(self, payloads: Sequence[Payload], contexts: Sequence[Any], buffer: Tensor,
                         segments: Segments) -> None:  # fmt: skip
