@@ -51,8 +51,9 @@ def _steps(spec: str, per_tensor: bool, dtype: torch.dtype = torch.float32, rati
 
 @pytest.mark.parametrize(
     "spec",
-    ["topk:ratio=0.1", "topk:ratio=0.1,ef=true", "topk:ratio=0.02,ef=true", "randomk:ratio=0.05,scale=false,ef=true"],
-)
+    ["topk:ratio=0.1", "topk:ratio=0.1,ef=true", "topk:ratio=0.02,ef=true", "randomk:ratio=0.05,scale=false,ef=true",
+     "topk:ratio=0.1,method=sampled", "topk:ratio=0.02,method=sampled,ef=true"],
+)  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_size_groups_give_each_tensors_own_result(spec: str, dtype: torch.dtype) -> None:
     ours, grouped = _steps(spec, per_tensor=False, dtype=dtype)
@@ -81,10 +82,11 @@ def test_the_groups_hold_every_tensor_once() -> None:
     compressor = make_compressor("topk:ratio=0.1")
     states = compressor.compress_part(torch.randn(part.offsets[-1] + 7), part, 1.0)
     assert [type(c) for _, c in states] == [GroupMeta] * 5 + [AloneMeta]
-    assert make_compressor("topk:ratio=0.1,method=sampled").largest_batched == 0  # type: ignore[attr-defined]
+    assert make_compressor("topk:ratio=0.1,method=sampled").largest_batched == 65536  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("spec", ["topk:ratio=0.01", "topk:ratio=0.01,ef=true"])
+@pytest.mark.parametrize("spec", ["topk:ratio=0.01", "topk:ratio=0.01,ef=true",
+                                  "topk:ratio=0.01,method=sampled,ef=true"])  # fmt: skip
 def test_operators_grow_with_sizes_not_tensors(spec: str) -> None:
     """150 GPT-shaped tensors in 9 sizes cost what 9 tensors of those sizes cost."""
     shapes = gpt_shapes()
@@ -96,8 +98,10 @@ def test_operators_grow_with_sizes_not_tensors(spec: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "spec", ["topk:ratio=0.1,ef=true,momentum=0.9,nesterov=true", "topk:ratio=0.05,ef=true,momentum=0.9,mask=true"]
-)
+    "spec",
+    ["topk:ratio=0.1,ef=true,momentum=0.9,nesterov=true", "topk:ratio=0.05,ef=true,momentum=0.9,mask=true",
+     "topk:ratio=0.05,method=sampled,ef=true,momentum=0.9,mask=true"],
+)  # fmt: skip
 def test_momentum_correction_by_size_keeps_each_tensors_velocity(spec: str) -> None:
     """DGC's configuration (top-k, momentum correction, masking): sums, residuals and velocities
     bitwise tensor by tensor, a NaN step keeping that tensor's velocity."""
@@ -151,3 +155,37 @@ def test_random_k_by_size_decodes_a_sum_as_each_tensor_alone() -> None:
     states = Compressor.compress_part(theirs, x.clone(), part, 1.0)
     Compressor.decompress_part(theirs, [p for p, _ in states], [c for _, c in states], yours, part)
     assert torch.equal(mine.view(torch.int32), yours.view(torch.int32))
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05,method=sampled", "topk:ratio=0.05,method=sampled,ef=true",
+                                  "topk:ratio=0.05,method=sampled,ef=true,momentum=0.9,mask=true"])  # fmt: skip
+def test_a_measured_part_goes_by_size_groups_as_the_part_at_once(spec: str) -> None:
+    """The accelerator's path for sampled top-k: a part measured on one thread (backward's), one
+    record per size group (its payload's rows) and one per tensor alone, then compressed at the
+    counts on another (the executor's), sends and keeps what compressing it at once does, over
+    three steps, the last with a NaN."""
+    import concurrent.futures
+
+    part = segments(SHAPES)
+    numel = part.offsets[-1] + math.prod(SHAPES[-1])
+    at_once, measured = make_compressor(spec, seed=1), make_compressor(spec, seed=1)
+    generator = torch.Generator().manual_seed(4)
+    with concurrent.futures.ThreadPoolExecutor(1) as executor:
+        for step in range(3):
+            x = torch.randn(numel, generator=generator)
+            if step == 2:
+                x[part.offsets[1] + 3] = float("nan")
+            expected = at_once.compress_part(x.clone(), part, 2.0)
+            records = measured.measure_part(x.clone(), part, 2.0)
+            assert [r.rows for r in records] == [2, 3, 1, 2, 1, None]  # 5 size groups, then (300, 300) alone
+            counts = [int(r.count) for r in records]
+            states = executor.submit(measured.compress_measured_part, records, counts, part).result()
+            assert [type(c) for _, c in states] == [type(c) for _, c in expected]
+            for (payload, _), (theirs, _), record, count in zip(states, expected, records, counts, strict=True):
+                assert all(t.shape == record.shape(measured.payload_length(count, record)) for t in payload)
+                pairs = zip(payload, theirs, strict=True)
+                assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in pairs)
+    if "ef=true" in spec:
+        for states in ("residuals", "velocities"):
+            mine, yours = getattr(measured, states), getattr(at_once, states)
+            assert mine.keys() == yours.keys() and all(torch.equal(mine[k], yours[k]) for k in yours), states

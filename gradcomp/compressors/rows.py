@@ -68,6 +68,11 @@ class ChunkRows:
         """Rows of the layout: every chunk of every tensor."""
         return self.full_rows + len(self.tails)
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(rows, chunk): the layout's matrix."""
+        return (self.rows, self.chunk)
+
     @functools.cached_property
     def numel(self) -> int:
         """Elements of the tensors (the pads left out)."""
@@ -171,19 +176,18 @@ def _starts(sizes: list[int], first: int = 0) -> list[int]:
 
 
 class PartBuffers:
-    """Buffers in a part's layout kept per part (its keys) and name, for what one thread fills and
+    """Buffers kept per part (its keys) and name, for what one thread fills and
     another reads (a measured part: measured on backward's thread, compressed on the executor's),
-    where a thread's :class:`~gradcomp.workspace.Workspace` would not do. Memory: one buffer of the
-    part's rows per name and part, for the holder's life."""
+    where a thread's :class:`~gradcomp.workspace.Workspace` would not do. Memory: one buffer per
+    name and part, for the holder's life."""
 
     def __init__(self) -> None:
         self._held: dict[tuple[str, tuple[Any, ...]], Tensor] = {}
 
-    def take(self, name: str, keys: tuple[Any, ...], layout: ChunkRows, dtype: torch.dtype,
+    def take(self, name: str, keys: tuple[Any, ...], shape: tuple[int, ...], dtype: torch.dtype,
              device: torch.device) -> Tensor:  # fmt: skip
-        """The (rows, chunk) buffer of ``name`` for the part of ``keys`` (uninitialised when new)."""
+        """The buffer of ``name`` and ``shape`` for the part of ``keys`` (uninitialised when new)."""
         held = self._held.get((name, keys))
-        shape = (layout.rows, layout.chunk)
         if held is None or held.shape != shape or held.dtype != dtype or held.device != torch.device(device):
             held = self._held[(name, keys)] = torch.empty(shape, dtype=dtype, device=device)
         return held

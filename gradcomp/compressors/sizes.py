@@ -26,8 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradcomp.compressors.base import Payload
+from gradcomp.compressors.base import Measured, Payload
 from gradcomp.compressors.capabilities import ratio_option
+from gradcomp.compressors.rows import PartBuffers
 from gradcomp.compressors.segments import Segments
 
 
@@ -116,6 +117,55 @@ class BySize:
         """The payload of the stacked ``rows`` of ``group`` (divided already; its tensors' ``keys``)
         and its context: each row's payload, bitwise what its tensor's alone would be."""
         raise NotImplementedError
+
+    def measure_group(self, rows: Tensor, group: SizeGroup, ratio: float | None) -> Measured:
+        """For a compressor whose payloads are measured (``Capabilities.measures``): the record of
+        the stacked ``rows`` of ``group`` (divided already, kept until compressed), ``rows`` set."""
+        raise NotImplementedError
+
+    def compress_measured_group(
+        self, measured: Measured, group: SizeGroup, keys: Sequence[Any]
+    ) -> tuple[Payload, GroupMeta]:
+        """:meth:`encode_group` of what :meth:`measure_group` recorded."""
+        raise NotImplementedError
+
+    @functools.cached_property
+    def measured_rows(self) -> PartBuffers:
+        """A part's stacked rows between :meth:`measure_part` (backward's thread) and
+        :meth:`compress_measured_part` (the executor's), where a thread's workspace would not do."""
+        return PartBuffers()
+
+    def held_rows(self, buffer: Tensor, group: SizeGroup, segments: Segments, name: str) -> Tensor:
+        """The group's tensors stacked as rows into a buffer kept per part (:attr:`measured_rows`)."""
+        shape = (len(group.members), group.numel)
+        rows = self.measured_rows.take(f"{name}.{group.numel}", segments.keys, shape, buffer.dtype, buffer.device)
+        return torch.stack(group.rows(buffer), out=rows)
+
+    def measure_part(
+        self, buffer: Tensor, segments: Segments, divisor: float, *, ratio: float | None = None
+    ) -> list[Measured]:
+        """One record per size group (its rows: :meth:`measure_group`), then one per tensor alone."""
+        groups = self.size_groups(segments)
+        records = [self.measure_group(self.held_rows(buffer, group, segments, "groups.measured").div_(divisor),
+                                      group, ratio) for group in groups.groups]  # fmt: skip
+        views, options = segments.views(buffer), ratio_option(ratio)
+        measure = self.measure_divided  # type: ignore[attr-defined]
+        return records + [measure(views[i], divisor, segments.keys[i], **options) for i in groups.alone]
+
+    def compress_measured_part(
+        self, measured: Sequence[Measured], counts: Sequence[int], segments: Segments
+    ) -> list[tuple[Payload, Any]]:
+        groups = self.size_groups(segments)
+        grouped = len(groups.groups)
+        states: list[tuple[Payload, Any]] = [
+            self.compress_measured_group(record, group, [segments.keys[i] for i in group.members])
+            for record, group in zip(measured[:grouped], groups.groups, strict=True)
+        ]
+        compress = self.compress_measured  # type: ignore[attr-defined]
+        for record, count, index in zip(measured[grouped:], counts[grouped:], groups.alone, strict=True):
+            payload, ctx = compress(record, count, segments.keys[index])
+            states.append((payload, AloneMeta(index, ctx)))
+        return states
 
     def sent_rows(self, payload: Payload, ctx: GroupMeta) -> Tensor:
         """int64 (tensors, k): where each row's values go."""

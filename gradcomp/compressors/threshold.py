@@ -100,7 +100,7 @@ class Threshold(ByRows, SparseCompressor):
         if not self.by_rows:
             return super().measure_part(buffer, segments, divisor)
         layout = ChunkRows.of(segments, ROW)
-        rows = self.measured_rows.take("rows", segments.keys, layout, buffer.dtype, buffer.device)
+        rows = self.measured_rows.take("rows", segments.keys, layout.shape, buffer.dtype, buffer.device)
         return self.measure_rows(layout.gather(buffer, rows, "zero").div_(divisor), layout)
 
     def measure_rows(self, rows: Tensor, layout: ChunkRows) -> list[Measured]:

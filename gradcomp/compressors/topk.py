@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -89,10 +90,9 @@ class TopK(BySize, SparseCompressor):
     def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
         super().__init__(config, seed=seed, rank=rank)
         self.sampler = Generators(rank_seed(seed, rank))
-        # ``exact`` takes a part's tensors of up to SMALL elements by size groups (each a plain
-        # torch.topk alone, a row of one there); ``sampled`` sends as many as pass its threshold,
-        # which a group's payload shape cannot say
-        self.largest_batched = SMALL if self.config.method == "exact" else 0
+        # a part's tensors of up to SMALL elements go by size groups: either method selects them by
+        # a plain torch.topk alone (no sample: :meth:`_threshold`), a row of one there
+        self.largest_batched = SMALL
 
     def compress(
         self,
@@ -113,7 +113,19 @@ class TopK(BySize, SparseCompressor):
     ) -> tuple[Payload, GroupMeta]:
         """Each row's k largest |x| (a plain ``torch.topk`` alone, a row of one here): values and
         indices, (tensors, k), indices in the type a tensor alone sends."""
+        return self._group_payload(rows, group, kept(self.config.ratio if ratio is None else ratio, group.numel))
+
+    def measure_group(self, rows: Tensor, group: SizeGroup, ratio: float | None) -> Measured:
+        """A group's k is its count (no sample below SMALL elements: exactly k travel)."""
         k = kept(self.config.ratio if ratio is None else ratio, group.numel)
+        return Measured(_count(k, rows.device), rows, k, rows=len(group.members))
+
+    def compress_measured_group(
+        self, measured: Measured, group: SizeGroup, keys: Sequence[Any]
+    ) -> tuple[Payload, GroupMeta]:
+        return self._group_payload(measured.tensor, group, measured.k)
+
+    def _group_payload(self, rows: Tensor, group: SizeGroup, k: int) -> tuple[Payload, GroupMeta]:
         if k == group.numel:  # everything, in order, as a tensor alone sends it
             indices = torch.arange(k, device=rows.device).expand(rows.shape[0], k)
         else:
@@ -211,3 +223,9 @@ class TopK(BySize, SparseCompressor):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state["sampler"])
+
+
+@functools.lru_cache(maxsize=64)
+def _count(k: int, device: torch.device) -> Tensor:
+    """``k`` as a 0-d int64 tensor on ``device``, made once (a record's count, read with the others)."""
+    return torch.tensor(k, dtype=torch.int64, device=device)

@@ -112,7 +112,7 @@ def measure_part(ef: ErrorFeedback, buffer: Tensor, segments: Segments, divisor:
     held = ef.measuring_rows
 
     def take(name: str, layout: ChunkRows) -> Tensor:
-        return held.take(name, segments.keys, layout, buffer.dtype, buffer.device)
+        return held.take(name, segments.keys, layout.shape, buffer.dtype, buffer.device)
 
     step = compensate(ef, buffer, segments, divisor, take)
     ef.measuring[segments.keys] = step

@@ -78,8 +78,8 @@ class ErrorFeedback(Compressor):
         self._fused = isinstance(self.memory, Residuals) and self.momentum is None and self.clipping is None
         self._compensated: dict[Key, Tensor] = {}  # per key, the buffer its compensated gradient is formed in
         self._divisors: dict[tuple[float, torch.dtype, torch.device], Tensor] = {}
-        self.measuring: dict[tuple[Key, ...], by_rows.Compensated] = {}
-        """Per part measured by rows, its step until it is compressed (:mod:`.rows`)."""
+        self.measuring: dict[tuple[Key, ...], Any] = {}
+        """Per part measured, its step until it is compressed (:mod:`.rows`, :mod:`.sizes`)."""
         self.measuring_rows = PartBuffers()
         """The rows of those steps, kept per part: measured and compressed on different threads."""
 
@@ -259,6 +259,8 @@ class ErrorFeedback(Compressor):
     ) -> list[Measured]:
         if self._by_rows:
             return by_rows.measure_part(self, buffer, segments, divisor)
+        if self._by_size:
+            return by_size.measure_part(self, buffer, segments, divisor, ratio)
         return super().measure_part(buffer, segments, divisor, ratio=ratio)
 
     def compress_measured_part(
@@ -266,6 +268,8 @@ class ErrorFeedback(Compressor):
     ) -> list[tuple[Payload, Any]]:
         if self._by_rows:
             return by_rows.compress_measured_part(self, measured, counts, segments)
+        if self._by_size:
+            return by_size.compress_measured_part(self, measured, counts, segments)
         return super().compress_measured_part(measured, counts, segments)
 
     def decompress_part(self, payloads: Sequence[Payload], contexts: Sequence[Any], buffer: Tensor,
