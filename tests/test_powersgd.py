@@ -20,8 +20,11 @@ def low_rank(rows: int, cols: int, rank: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("rank", [1, 2, 4])
 def test_reconstructs_matrices_of_rank_at_most_r(rank: int) -> None:
+    """Exact but for float32's roundings, which a random start with little of the matrix's row space
+    amplifies (by 1 / cos of its angle): over 8 seeds, typically 1e-7, at worst 1e-4."""
     m = low_rank(64, 48, rank)
-    assert relative_error(roundtrip(make_compressor(f"powersgd:rank={rank}"), m), m) < 1e-5
+    errors = sorted(relative_error(roundtrip(make_compressor(f"powersgd:rank={rank}", seed=s), m), m) for s in range(8))
+    assert errors[4] < 1e-6 and errors[-1] < 1e-4, errors
 
 
 def test_aggregate_of_ranks_is_exact_when_the_sum_is_low_rank() -> None:
@@ -119,3 +122,79 @@ def test_decompress_before_the_second_round_is_an_error() -> None:
     payload, ctx = compressor.compress(torch.randn(20, 30))
     with pytest.raises(RuntimeError, match="needs two rounds"):
         compressor.decompress(payload, ctx)
+
+
+PART_SHAPES = [torch.Size(s) for s in [(32, 16), (8, 16)] + [(48, 16), (48,), (16, 16), (16,), (16,), (64, 16)] * 3
+               + [(5, 7, 3), (0,), (1, 9), (32, 16), (32,)]]  # fmt: skip
+"""A small GPT's shapes (a layer's four matrices at a constant distance, three layers), a 3-D tensor,
+an empty one, a matrix that would not shrink (travels whole), the head of the embedding's shape."""
+
+
+def _part_steps(spec: str, per_tensor: bool, steps: int = 4) -> tuple[list[torch.Tensor], PowerSGD]:
+    """Each step's part through compress_part, the second round and decompress_part (one rank), as a
+    part or by the base class's tensor by tensor; a NaN in the first tensor at the third step."""
+    import math
+
+    from gradcomp.compressors import Compressor, Segments
+
+    sizes = [math.prod(s) for s in PART_SHAPES]
+    offsets = tuple(3 + sum(sizes[:i]) for i in range(len(sizes)))  # the part starts inside its buffer
+    part = Segments(offsets, tuple(PART_SHAPES), tuple(f"t{i}" for i in range(len(sizes))))
+    compressor = make_compressor(spec, seed=3)
+    assert isinstance(compressor, PowerSGD)
+    owner = Compressor if per_tensor else PowerSGD
+    generator, outputs = torch.Generator().manual_seed(5), []
+    for step in range(steps):
+        x = torch.randn(3 + sum(sizes), generator=generator)
+        if step == 2:
+            x[3] = float("nan")
+        states = owner.compress_part(compressor, x.clone(), part, 2.0)
+        assert len(states) == (len(sizes) if per_tensor else 1)
+        states = [compressor.next_round(p, c) for p, c in states]
+        out = torch.zeros_like(x)
+        owner.decompress_part(compressor, [p for p, _ in states], [c for _, c in states], out, part)
+        outputs.append(out)
+    return outputs, compressor
+
+
+@pytest.mark.parametrize("spec", ["powersgd:rank=2", "powersgd:rank=4", "powersgd:rank=2,warm_start=false"])
+def test_a_part_at_once_gives_each_tensor_its_own_result_and_state(spec: str) -> None:
+    """Matrices batched by shape across a part's tensors, each starting from its own key's Q: the
+    outputs, every key's Q and the draws counted bitwise tensor by tensor, a NaN step keeping that
+    tensor's Q as it was."""
+    ours, grouped = _part_steps(spec, per_tensor=False)
+    theirs, alone = _part_steps(spec, per_tensor=True)
+    assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(ours, theirs, strict=True))
+    assert torch.isnan(ours[2][3 : 3 + 512]).all() and torch.isfinite(ours[2][3 + 512 :]).all()
+    assert grouped.memory.keys() == alone.memory.keys()
+    assert all(torch.equal(grouped.memory[k], q) and torch.isfinite(q).all() for k, q in alone.memory.items())
+    counts = [sorted((e["key"], e["count"]) for e in c.counters.state_dict()["counts"]) for c in (grouped, alone)]
+    assert counts[0] == counts[1] and counts[0]
+
+
+def test_rank_one_batched_moves_a_result_by_a_few_roundings() -> None:
+    """At rank 1 the factors are vector products, which BLAS computes for a batch in another order
+    than for one matrix: within 16 float32 roundings of each tensor's largest value, over 4 steps."""
+    ours, _ = _part_steps("powersgd:rank=1", per_tensor=False)
+    theirs, _ = _part_steps("powersgd:rank=1", per_tensor=True)
+    for a, b in zip(ours, theirs, strict=True):
+        a, b = a.nan_to_num(0.0), b.nan_to_num(0.0)
+        assert float((a - b).abs().max()) <= 16 * torch.finfo(torch.float32).eps * float(b.abs().max())
+
+
+def test_operators_per_part_grow_with_its_shapes_not_its_tensors() -> None:
+    """150 GPT-shaped tensors cost what one tensor of each of their shapes costs (within 2: a batch
+    of two embeddings' shape against one), a batch per shape."""
+    from gradcomp.bench.launches import compare, gpt_shapes
+
+    shapes = gpt_shapes()
+    _, many = compare("powersgd:rank=4", shapes)
+    _, few = compare("powersgd:rank=4", list({tuple(s): s for s in shapes}.values()))
+    assert many.tensors == 150 and few.tensors == 10 and abs(many.total - few.total) <= 2, (many, few)
+    assert many.total < 600  # 4,066 tensor by tensor
+
+
+def test_a_checkpoint_of_generator_states_is_refused_with_the_reason() -> None:
+    compressor = make_compressor("powersgd:rank=2")
+    with pytest.raises(ValueError, match=r"PowerSGD's initial factors.*torch\.Generator states"):
+        compressor.load_state_dict({"shared": {"seed": 0, "generators": []}, "memory": []})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 from torch import Tensor
 
 from gradcomp import host
+from gradcomp.compressors import counter
 from gradcomp.compressors.base import (
     Aggregation,
     Capabilities,
@@ -22,10 +24,11 @@ from gradcomp.compressors.base import (
     check_gradient,
     flat_out,
 )
+from gradcomp.compressors.counter import Counters
 from gradcomp.compressors.finite import finite
 from gradcomp.compressors.keys import plain
-from gradcomp.compressors.randomness import Generators
 from gradcomp.compressors.registry import register
+from gradcomp.compressors.segments import Segments
 from gradcomp.flat import views
 
 
@@ -84,6 +87,7 @@ class PowerSGDContext:
     raw_sum: Tensor | None = None  # the aggregated uncompressed part, after round one
     raw_local: Tensor | None = None  # this rank's uncompressed part, once ``flat`` was overwritten
     ranks: float = 1.0  # how many ranks' payloads are summed (the divisor of compress_divided)
+    keys: list[list[Key]] | None = None  # a part's (compress_part): per group, each matrix's own key
 
 
 @register
@@ -97,7 +101,11 @@ class PowerSGD(Compressor):
     one. Q is remembered per key for a warm start (the previous step's aggregate); a column that
     came back zero restarts from a random one. Matrices of one shape at a constant distance in a
     bucket (a transformer's layers) are computed as one batch: one ``bmm`` and one batched QR for
-    them all (as torch's ``batch_tensors_with_same_shape``, without its copy).
+    them all (as torch's ``batch_tensors_with_same_shape``, without its copy). A part of a bucket
+    (``compress_part``) is compressed so, each tensor's Q its own (its key's), in operators that
+    grow with the part's shapes, not its tensors. Initial and restarted columns are Gaussian, drawn
+    from counters of (seed, key, draw) (:mod:`~gradcomp.compressors.counter`): the same on every
+    rank and device, however the tensors are grouped.
 
     Wire: 4 * r * (n + m) bytes per compressed matrix, the raw bytes of the rest. Biased (a low-rank
     projection): use with error feedback, as the paper does. Finite inputs give finite results at
@@ -120,7 +128,7 @@ class PowerSGD(Compressor):
 
     def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
         super().__init__(config, seed=seed, rank=rank)
-        self.shared = Generators(seed)  # initial Q: the same on every rank
+        self.counters = Counters(seed, "PowerSGD's initial factors")  # the seed alone: the same on every rank
         self.memory: dict[Key, Tensor] = {}
         """Per key, the last aggregate Q of every compressed matrix, flat in the order of the groups."""
 
@@ -148,14 +156,19 @@ class PowerSGD(Compressor):
         flat = check_gradient(tensor)
         segments = self.layout(flat.numel(), tensor.shape, shapes)
         groups = batches(segments)
-        qs = self._initial_qs(key, groups, flat.device)
+        return self._compressed(flat, self._initial_qs(key, groups, flat.device), segments, groups, key, tensor)
+
+    def _compressed(self, flat: Tensor, qs: list[Tensor], segments: list[Segment], groups: list[Group], key: Key,
+                    tensor: Tensor | None = None) -> tuple[Payload, PowerSGDContext]:  # fmt: skip
+        """Round one's payload (P = M Q per matrix, the uncompressed pieces) and the context."""
         matrices = [g.matrices(flat).float() for g in groups]
         firsts = [_first_factor(m, q) for m, q in zip(matrices, qs, strict=True)]
         p_local = _cat([p for p, _ in firsts], torch.float32, flat.device)
         prescales = [scale for _, scale in firsts]
         raw = [flat[s.start : s.stop] for s in segments if not s.rank]
         payload = (p_local, _cat(raw, flat.dtype, flat.device))
-        return payload, PowerSGDContext(Meta.of(tensor), key, segments, groups, flat, prescales)
+        meta = Meta.of(flat if tensor is None else tensor)
+        return payload, PowerSGDContext(meta, key, segments, groups, flat, prescales)
 
     def compress_divided(
         self,
@@ -183,11 +196,76 @@ class PowerSGD(Compressor):
             q_local.append(torch.clamp_(q if scale is None else q / scale, -limit, limit))
         return (_cat(q_local, torch.float32, ctx.flat.device),), ctx
 
+    # -- a part of a bucket at once ----------------------------------------------------------------------
+
+    def compress_part(
+        self, buffer: Tensor, segments: Segments, divisor: float, *, ratio: float | None = None
+    ) -> list[tuple[Payload, Any]]:
+        """The part as one flat tensor of its tensors' shapes: its matrices batched by shape (one
+        ``bmm`` and one QR per shape), each starting from its own key's Q; one payload per round.
+        Tensor by tensor where the part's tensors do not lie end to end in ``buffer``."""
+        span = _span(segments)
+        if span is None:
+            return super().compress_part(buffer, segments, divisor, ratio=ratio)
+        flat = buffer[span[0] : span[1]].div_(divisor)
+        layout = self.layout(flat.numel(), flat.shape, segments.shapes)
+        groups = batches(layout)
+        starts = {segment.start: index for index, segment in enumerate(layout)}
+        keys = [[segments.keys[starts[g.start + j * g.stride]] for j in range(g.count)] for g in groups]
+        payload, ctx = self._compressed(flat, self._part_qs(keys, groups, flat.device), layout, groups, None)
+        ctx.keys, ctx.ranks = keys, max(divisor, 1.0)
+        return [(payload, ctx)]
+
+    def decompress_part(self, payloads: Sequence[Payload], contexts: Sequence[Any], buffer: Tensor,
+                        segments: Segments) -> None:  # fmt: skip
+        ctx = contexts[0] if len(contexts) == 1 else None
+        if not isinstance(ctx, PowerSGDContext) or ctx.keys is None:  # compressed tensor by tensor
+            super().decompress_part(payloads, contexts, buffer, segments)
+            return
+        span = _span(segments)
+        assert span is not None
+        self.decompress(payloads[0], ctx, out=buffer[span[0] : span[1]])
+
+    def _part_qs(self, keys: list[list[Key]], groups: list[Group], device: torch.device) -> list[Tensor]:
+        """Per group, each matrix's initial Q, as its key alone would start (:meth:`_initial_qs`)."""
+        qs = []
+        for g, members in zip(groups, keys, strict=True):
+            fresh = self._fresh(g, [self._first(key, 0) for key in members], device)
+            held = [self.memory.get(key) for key in members]
+            if all(q is None or q.numel() != g.cols * g.rank for q in held):
+                qs.append(fresh)
+                continue
+            zero = _zeros(g.cols * g.rank, device)  # a key with no Q: unusable columns, so fresh ones
+            remembered = torch.stack([q if q is not None and q.numel() == zero.numel() else zero for q in held])
+            remembered = remembered.view(g.count, g.cols, g.rank)
+            qs.append(torch.where(_usable(remembered), _unit_columns(remembered), fresh))
+        return qs
+
+    def _remember_part(self, q_sum: Tensor, ctx: PowerSGDContext) -> None:
+        """Each matrix's summed Q into its key's memory where finite (each key's own decision)."""
+        assert ctx.keys is not None
+        shapes = [(g.count, g.cols * g.rank) for g in ctx.groups]
+        for q, members in zip(views(q_sum, shapes), ctx.keys, strict=True):
+            held = [self.memory.get(key) for key in members]
+            if any(h is None or h.shape != q.shape[1:] for h in held):  # a first step: key by key
+                for key, row, h in zip(members, q, held, strict=True):
+                    if h is None or h.shape != row.shape:
+                        self.memory[key] = row.clone()
+                    else:
+                        torch.where(finite(row), row, h, out=h)
+                continue
+            stacked = torch.stack(held)  # type: ignore[arg-type]
+            ok = torch.isfinite(torch.stack(torch.aminmax(q, dim=1))).all(dim=0)
+            torch.where(ok[:, None], q, stacked, out=stacked)
+            torch._foreach_copy_(held, list(stacked.unbind(0)))  # type: ignore[arg-type]
+
     def decompress(self, payload: Payload, ctx: PowerSGDContext, out: Tensor | None = None) -> Tensor:
         """The aggregate from the summed Qs; remembers them for the next step's warm start."""
         if ctx.raw_sum is None:
             raise RuntimeError("powersgd: decompress called before next_round (it needs two rounds)")
-        if self.config.warm_start:
+        if self.config.warm_start and ctx.keys is not None:
+            self._remember_part(payload[0], ctx)
+        elif self.config.warm_start and ctx.groups:  # a tensor with no matrix has no Q to keep
             q_sum, remembered = payload[0], self.memory.get(ctx.key)
             if remembered is None or remembered.shape != q_sum.shape:
                 self.memory[ctx.key] = q_sum.clone()
@@ -228,11 +306,10 @@ class PowerSGD(Compressor):
                 torch.bmm(p, q.transpose(1, 2), out=target)
             else:
                 target.copy_(torch.bmm(p, q.transpose(1, 2)))
-        raw_at = 0
-        for s in ctx.segments:
-            if not s.rank:
-                result[s.start : s.stop].copy_(raw[raw_at : raw_at + s.stop - s.start])
-                raw_at += s.stop - s.start
+        pieces = [s for s in ctx.segments if not s.rank]
+        if pieces:  # one foreach copy (one launch on a GPU) for every uncompressed piece
+            homes = [result[s.start : s.stop] for s in pieces]
+            torch._foreach_copy_(homes, list(raw.split([s.stop - s.start for s in pieces])))
         return result.view(ctx.meta.shape)
 
     def _safe_qs(self, q_flat: Tensor, ctx: PowerSGDContext, dtype: torch.dtype) -> list[Tensor]:
@@ -249,8 +326,12 @@ class PowerSGD(Compressor):
         return safe
 
     def _initial_qs(self, key: Key, groups: list[Group], device: torch.device) -> list[Tensor]:
-        generator = self.shared.on(device, key)
-        fresh = [torch.randn(g.count, g.cols, g.rank, generator=generator, device=device) for g in groups]
+        draw, fresh, at = self.counters.draw(key) if groups else 0, [], 0  # drawn where it has a matrix
+        for g in groups:  # each matrix's draws start at its Q's place in the key's memory
+            width = g.cols * g.rank
+            firsts = [self._first(key, at + j * width, draw) for j in range(g.count)]
+            fresh.append(self._fresh(g, firsts, device))
+            at += g.count * width
         remembered = self.memory.get(key)
         if remembered is None or remembered.numel() != sum(f.numel() for f in fresh):
             return fresh
@@ -261,19 +342,53 @@ class PowerSGD(Compressor):
         qs = views(remembered, [f.shape for f in fresh])
         return [torch.where(_usable(q), _unit_columns(q), f) for q, f in zip(qs, fresh, strict=True)]
 
+    def _first(self, key: Key, position: int, draw: int | None = None) -> int:
+        """The first counter of the normals of ``key``'s Q from ``position`` (its memory's element)
+        on, at ``draw`` (None: the key's next draw, counted as drawn)."""
+        draw = self.counters.draw(key) if draw is None else draw
+        return counter.counter(self.counters.start(key), draw, 2 * position)
+
+    @staticmethod
+    def _fresh(g: Group, firsts: list[int], device: torch.device) -> Tensor:
+        """(count, cols, rank) standard normals, matrix j's from the counters after ``firsts[j]``:
+        Box-Muller of two uniforms each, in float64 (exact uniforms: a log's argument never 0)."""
+        width = g.cols * g.rank
+        starts = torch.tensor(firsts, dtype=torch.int64, device=device)
+        uniform = counter.uniform_of(counter.mix(starts[:, None] + counter.steps(2 * width, device)[None, :]))
+        radius = torch.log1p(-uniform[:, :width]).mul_(-2.0).sqrt_()
+        normal = radius.mul_(torch.cos(uniform[:, width:].mul_(2 * math.pi)))
+        return normal.float().view(g.count, g.cols, g.rank)
+
     def state_dict(self) -> dict[str, Any]:
         return {
-            "shared": self.shared.state_dict(),
+            "counters": self.counters.state_dict(),
             "memory": [{"key": plain(key), "q": q} for key, q in self.memory.items()],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.shared.load_state_dict(state["shared"])
+        self.counters.load_state_dict(state.get("counters", state.get("shared", {})))  # "shared": generator states
         self.memory = {}
         for entry in state["memory"]:
             if "q" in entry:
                 self.memory[entry["key"]] = entry["q"]
             # an older checkpoint's per-matrix list ("qs") is in another order: that key starts afresh
+
+
+@functools.lru_cache(maxsize=256)
+def _span(segments: Segments) -> tuple[int, int] | None:
+    """Where a part's tensors lie in its buffer, when they lie end to end; else None."""
+    at = segments.offsets[0] if len(segments) else 0
+    for offset, shape in zip(segments.offsets, segments.shapes, strict=True):
+        if offset != at:
+            return None
+        at += math.prod(shape)
+    return (segments.offsets[0], at) if len(segments) else None
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(numel: int, device: torch.device) -> Tensor:
+    """A zero Q (never written): what a key with no Q stacks as."""
+    return torch.zeros(numel, device=device)
 
 
 def batches(segments: list[Segment]) -> list[Group]:
