@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from gradcomp.compressors import make_compressor, roundtrip, simulate
+from gradcomp.compressors import Compressor, Segments, make_compressor, roundtrip, simulate
 from gradcomp.compressors.powersgd import PowerSGD, batches
 from gradcomp.compressors.simulate import compress_all
 from tests.helpers import relative_error
@@ -130,19 +132,20 @@ PART_SHAPES = [torch.Size(s) for s in [(32, 16), (8, 16)] + [(48, 16), (48,), (1
 an empty one, a matrix that would not shrink (travels whole), the head of the embedding's shape."""
 
 
-def _part_steps(spec: str, per_tensor: bool, steps: int = 4) -> tuple[list[torch.Tensor], PowerSGD]:
+def _part(shapes: list[torch.Size], start: int = 3, first: int = 0) -> Segments:
+    """A part of ``shapes`` end to end from ``start`` in its buffer, keyed ``t{first}`` on."""
+    sizes = [math.prod(s) for s in shapes]
+    offsets = tuple(start + sum(sizes[:i]) for i in range(len(sizes)))
+    return Segments(offsets, tuple(shapes), tuple(f"t{first + i}" for i in range(len(sizes))))
+
+
+def _part_steps(spec: str, per_tensor: bool, steps: int = 4) -> tuple[list[torch.Tensor], Compressor]:
     """Each step's part through compress_part, the second round and decompress_part (one rank), as a
     part or by the base class's tensor by tensor; a NaN in the first tensor at the third step."""
-    import math
-
-    from gradcomp.compressors import Compressor, Segments
-
+    part = _part(PART_SHAPES)
     sizes = [math.prod(s) for s in PART_SHAPES]
-    offsets = tuple(3 + sum(sizes[:i]) for i in range(len(sizes)))  # the part starts inside its buffer
-    part = Segments(offsets, tuple(PART_SHAPES), tuple(f"t{i}" for i in range(len(sizes))))
     compressor = make_compressor(spec, seed=3)
-    assert isinstance(compressor, PowerSGD)
-    owner = Compressor if per_tensor else PowerSGD
+    owner = Compressor if per_tensor else type(compressor)
     generator, outputs = torch.Generator().manual_seed(5), []
     for step in range(steps):
         x = torch.randn(3 + sum(sizes), generator=generator)
@@ -166,10 +169,65 @@ def test_a_part_at_once_gives_each_tensor_its_own_result_and_state(spec: str) ->
     theirs, alone = _part_steps(spec, per_tensor=True)
     assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(ours, theirs, strict=True))
     assert torch.isnan(ours[2][3 : 3 + 512]).all() and torch.isfinite(ours[2][3 + 512 :]).all()
+    assert isinstance(grouped, PowerSGD) and isinstance(alone, PowerSGD)
     assert grouped.memory.keys() == alone.memory.keys()
     assert all(torch.equal(grouped.memory[k], q) and torch.isfinite(q).all() for k, q in alone.memory.items())
     counts = [sorted((e["key"], e["count"]) for e in c.counters.state_dict()["counts"]) for c in (grouped, alone)]
     assert counts[0] == counts[1] and counts[0]
+
+
+@pytest.mark.parametrize("spec", ["powersgd:rank=2,ef=true", "powersgd:rank=3,ef=true,momentum=0.9,nesterov=true"])
+def test_error_feedback_follows_a_part_at_once_as_tensor_by_tensor(spec: str) -> None:
+    """Residuals in the part's span, settled after the second round: outputs, every key's residual,
+    velocity and Q bitwise tensor by tensor over four steps (the NaN step keeps that tensor's state
+    as it was), read back per key, checkpointed and resumed, taken with the tensor."""
+    ours, grouped = _part_steps(spec, per_tensor=False)
+    theirs, alone = _part_steps(spec, per_tensor=True)
+    assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(ours, theirs, strict=True))
+    for states in ("residuals", "velocities"):
+        mine, yours = getattr(grouped, states), getattr(alone, states)
+        assert mine.keys() == yours.keys() and all(torch.equal(mine[k], yours[k]) for k in yours), states
+    assert torch.isfinite(grouped.residuals["t0"]).all()  # type: ignore[attr-defined]
+    inner = [c.inner.memory for c in (grouped, alone)]  # type: ignore[attr-defined]
+    assert all(torch.equal(inner[0][k], q) for k, q in inner[1].items())
+    resumed = make_compressor(spec, seed=3)
+    resumed.load_state_dict(grouped.state_dict())
+    assert resumed.residuals.keys() == alone.residuals.keys()  # type: ignore[attr-defined]
+    taken = grouped.take_residual("t4")
+    assert taken is not None and taken.shape == PART_SHAPES[4] and "t4" not in grouped.residuals  # type: ignore[attr-defined]
+
+
+def test_parts_compressed_before_either_settles_keep_their_own_steps() -> None:
+    """The engine compresses a bucket's next part on backward's thread while the last one's second
+    round runs on the executor: each part's compensated span is its own until it settles."""
+    first, second = _part(PART_SHAPES[:8]), _part(PART_SHAPES[8:], first=8)
+    sizes = [sum(math.prod(s) for s in shapes) for shapes in (PART_SHAPES[:8], PART_SHAPES[8:])]
+    interleaved, one_by_one = make_compressor("powersgd:rank=2,ef=true"), make_compressor("powersgd:rank=2,ef=true")
+    generator = torch.Generator().manual_seed(9)
+    for _ in range(3):
+        xs = [torch.randn(3 + n, generator=generator) for n in sizes]
+        outs = []
+        for compressor, together in ((interleaved, True), (one_by_one, False)):
+            results = []
+            pending = [] if together else None
+            for x, part in zip(xs, (first, second), strict=True):
+                ((payload, ctx),) = compressor.compress_part(x.clone(), part, 2.0)
+                if pending is not None:
+                    pending.append((payload, ctx, part, x))
+                    continue
+                payload, ctx = compressor.next_round(payload, ctx)
+                out = torch.zeros_like(x)
+                compressor.decompress_part([payload], [ctx], out, part)
+                results.append(out)
+            for payload, ctx, part, x in pending or []:
+                payload, ctx = compressor.next_round(payload, ctx)
+                out = torch.zeros_like(x)
+                compressor.decompress_part([payload], [ctx], out, part)
+                results.append(out)
+            outs.append(results)
+        assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+    residuals = [c.residuals for c in (interleaved, one_by_one)]  # type: ignore[attr-defined]
+    assert all(torch.equal(residuals[0][k], r) for k, r in residuals[1].items())
 
 
 def test_rank_one_batched_moves_a_result_by_a_few_roundings() -> None:

@@ -28,7 +28,7 @@ from gradcomp.compressors.counter import Counters
 from gradcomp.compressors.finite import finite
 from gradcomp.compressors.keys import plain
 from gradcomp.compressors.registry import register
-from gradcomp.compressors.segments import Segments
+from gradcomp.compressors.segments import Segments, end_to_end
 from gradcomp.flat import views
 
 
@@ -204,17 +204,22 @@ class PowerSGD(Compressor):
         """The part as one flat tensor of its tensors' shapes: its matrices batched by shape (one
         ``bmm`` and one QR per shape), each starting from its own key's Q; one payload per round.
         Tensor by tensor where the part's tensors do not lie end to end in ``buffer``."""
-        span = _span(segments)
+        span = end_to_end(segments)
         if span is None:
             return super().compress_part(buffer, segments, divisor, ratio=ratio)
         flat = buffer[span[0] : span[1]].div_(divisor)
+        return [self.compress_span(flat, segments, max(divisor, 1.0))]
+
+    def compress_span(self, flat: Tensor, segments: Segments, ranks: float) -> tuple[Payload, PowerSGDContext]:
+        """Round one of a part's tensors lying end to end in ``flat`` (divided already; ``segments``
+        say their shapes and keys, in order; ``ranks``: how many ranks' payloads are summed)."""
         layout = self.layout(flat.numel(), flat.shape, segments.shapes)
         groups = batches(layout)
         starts = {segment.start: index for index, segment in enumerate(layout)}
         keys = [[segments.keys[starts[g.start + j * g.stride]] for j in range(g.count)] for g in groups]
         payload, ctx = self._compressed(flat, self._part_qs(keys, groups, flat.device), layout, groups, None)
-        ctx.keys, ctx.ranks = keys, max(divisor, 1.0)
-        return [(payload, ctx)]
+        ctx.keys, ctx.ranks = keys, ranks
+        return payload, ctx
 
     def decompress_part(self, payloads: Sequence[Payload], contexts: Sequence[Any], buffer: Tensor,
                         segments: Segments) -> None:  # fmt: skip
@@ -222,7 +227,7 @@ class PowerSGD(Compressor):
         if not isinstance(ctx, PowerSGDContext) or ctx.keys is None:  # compressed tensor by tensor
             super().decompress_part(payloads, contexts, buffer, segments)
             return
-        span = _span(segments)
+        span = end_to_end(segments)
         assert span is not None
         self.decompress(payloads[0], ctx, out=buffer[span[0] : span[1]])
 
@@ -292,9 +297,9 @@ class PowerSGD(Compressor):
             ctx.raw_local = self._local_raw(ctx)
         for g, p, q in zip(ctx.groups, ctx.ps, self._safe_qs(payload[0], ctx, torch.float32), strict=True):
             g.matrices(flat).baddbmm_(p, q.transpose(1, 2), alpha=-1)
-        for s in ctx.segments:
-            if not s.rank:
-                flat[s.start : s.stop].zero_()
+        pieces = [flat[s.start : s.stop] for s in ctx.segments if not s.rank]
+        if pieces:
+            torch._foreach_zero_(pieces)
         return True
 
     def _reconstruct(self, q_flat: Tensor, raw: Tensor, ctx: PowerSGDContext, out: Tensor | None) -> Tensor:
@@ -372,17 +377,6 @@ class PowerSGD(Compressor):
             if "q" in entry:
                 self.memory[entry["key"]] = entry["q"]
             # an older checkpoint's per-matrix list ("qs") is in another order: that key starts afresh
-
-
-@functools.lru_cache(maxsize=256)
-def _span(segments: Segments) -> tuple[int, int] | None:
-    """Where a part's tensors lie in its buffer, when they lie end to end; else None."""
-    at = segments.offsets[0] if len(segments) else 0
-    for offset, shape in zip(segments.offsets, segments.shapes, strict=True):
-        if offset != at:
-            return None
-        at += math.prod(shape)
-    return (segments.offsets[0], at) if len(segments) else None
 
 
 @functools.lru_cache(maxsize=64)

@@ -10,6 +10,7 @@ whole part, keeping each tensor's own semantics (its chunks, scales, k and state
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Hashable
 
@@ -39,3 +40,17 @@ class Segments:
             buffer[offset : offset + math.prod(shape)].view(shape)
             for offset, shape in zip(self.offsets, self.shapes, strict=True)
         ]
+
+
+@functools.lru_cache(maxsize=256)
+def end_to_end(segments: Segments) -> tuple[int, int] | None:
+    """Where a part's tensors lie in its buffer, (start, stop), when they lie end to end in order
+    (as the plan cuts a bucket's parts, but for a per-tensor policy's); else None."""
+    if not len(segments):
+        return None
+    at = segments.offsets[0]
+    for offset, shape in zip(segments.offsets, segments.shapes, strict=True):
+        if offset != at:
+            return None
+        at += math.prod(shape)
+    return segments.offsets[0], at

@@ -109,7 +109,7 @@ def measure_part(ef: ErrorFeedback, buffer: Tensor, segments: Segments, divisor:
     """:meth:`ErrorFeedback.measure_part` by rows: the compensated rows formed as
     :func:`compress_part` forms them, in buffers kept per part (they are compressed on another
     thread), and measured by the wrapped compressor; the step waits in ``ef.measuring``."""
-    held = ef.measuring_rows
+    held = ef.part_rows
 
     def take(name: str, layout: ChunkRows) -> Tensor:
         return held.take(name, segments.keys, layout.shape, buffer.dtype, buffer.device)
@@ -132,10 +132,11 @@ def compress_measured_part(
 
 
 def compensate(ef: ErrorFeedback, buffer: Tensor, segments: Segments, divisor: float,
-               take: Callable[[str, ChunkRows], Tensor]) -> Compensated:  # fmt: skip
-    """The part's compensated rows (in ``take``'s buffers), with the state they came from."""
+               take: Callable[[str, ChunkRows], Tensor], chunk: int | None = None) -> Compensated:  # fmt: skip
+    """The part's compensated rows (in ``take``'s buffers), with the state they came from; in rows
+    of the wrapped compressor's chunk, or of ``chunk`` (zero pads)."""
     inner, memory = ef.inner, ef.memory
-    layout = ChunkRows.of(segments, inner.chunk)  # type: ignore[attr-defined]
+    layout = ChunkRows.of(segments, inner.chunk if chunk is None else chunk)  # type: ignore[attr-defined]
     residual = memory.by_rows.rows(memory.residuals, segments, layout, buffer)  # type: ignore[attr-defined]
     compensated = layout.gather(buffer, take("ef.rows", layout), "zero")
     momentum, following, velocity = ef.momentum, None, None
@@ -151,7 +152,7 @@ def compensate(ef: ErrorFeedback, buffer: Tensor, segments: Segments, divisor: f
         else:
             compensated.copy_(following)
         compensated.add_(residual)
-    if inner.pad == "first":  # type: ignore[attr-defined]
+    if chunk is None and inner.pad == "first":  # type: ignore[attr-defined]
         layout.repad_first(compensated)
     return Compensated(segments, layout, compensated, residual, velocity, following)
 
@@ -172,7 +173,7 @@ def settle(ef: ErrorFeedback, payload: tuple[Tensor, ...], step: Compensated) ->
         sent = ef.inner.sent_in_rows(payload)  # type: ignore[attr-defined]
         if sent is not None:  # DGC's momentum factor masking, where a sparsifier sent
             following.view(-1)[sent] = 0
-    ok = _finite_per_tensor(contribution, layout, len(step.segments))
+    ok = finite_per_tensor(contribution, layout, len(step.segments))
     if host.reads_are_free(compensated.device) and host.flag(ok.all()):
         residual.copy_(compensated)
         if velocity is not None and following is not None:
@@ -189,7 +190,7 @@ def _scratch(ef: ErrorFeedback, name: str, layout: ChunkRows, like: Tensor) -> T
     return ef.workspace.take(name, numel, like.dtype, like.device).view(layout.rows, layout.chunk)
 
 
-def _finite_per_tensor(contribution: Tensor, layout: ChunkRows, tensors: int) -> Tensor:
+def finite_per_tensor(contribution: Tensor, layout: ChunkRows, tensors: int) -> Tensor:
     """Per row, whether every element of its tensor's contribution is finite (a NaN or Inf input
     makes its own contribution non-finite, by the input policy), decided on the device. A row's
     sum scaled by 2**-k, 2**k >= chunk, is finite exactly when its elements are: NaN and Inf carry

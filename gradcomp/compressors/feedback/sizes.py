@@ -89,7 +89,7 @@ def measure_part(
     for group in groups.groups:
 
         def take(name: str, shape: tuple[int, int], numel: int = group.numel) -> Tensor:
-            return ef.measuring_rows.take(f"{name}.{numel}", segments.keys, shape, buffer.dtype, buffer.device)
+            return ef.part_rows.take(f"{name}.{numel}", segments.keys, shape, buffer.dtype, buffer.device)
 
         step = compensate(ef, buffer, segments, group, divisor, take)
         steps.append(step)

@@ -22,6 +22,7 @@ from gradcomp.compressors.base import (
 from gradcomp.compressors.capabilities import ratio_option
 from gradcomp.compressors.feedback import rows as by_rows
 from gradcomp.compressors.feedback import sizes as by_size
+from gradcomp.compressors.feedback import spans as by_span
 from gradcomp.compressors.feedback.clipping import Clipping
 from gradcomp.compressors.feedback.ef21 import Estimates
 from gradcomp.compressors.feedback.memory import FeedbackContext, Memory, buffer_for
@@ -80,8 +81,9 @@ class ErrorFeedback(Compressor):
         self._divisors: dict[tuple[float, torch.dtype, torch.device], Tensor] = {}
         self.measuring: dict[tuple[Key, ...], Any] = {}
         """Per part measured, its step until it is compressed (:mod:`.rows`, :mod:`.sizes`)."""
-        self.measuring_rows = PartBuffers()
-        """The rows of those steps, kept per part: measured and compressed on different threads."""
+        self.part_rows = PartBuffers()
+        """The rows of a part's step that ends on another thread (measured on backward's thread and
+        compressed on the executor's, or a span settled at its last round), kept per part."""
 
     def __repr__(self) -> str:
         return ",".join([repr(self.inner), *self.feedback.words()])
@@ -221,6 +223,9 @@ class ErrorFeedback(Compressor):
 
     def _settle(self, payload: Payload, ctx: FeedbackContext) -> None:
         """The memory, then the velocity, moved by this rank's final payload, where it is finite."""
+        if isinstance(ctx, by_span.SpanContext):
+            by_span.settle(self, payload, ctx)
+            return
         sent = self.inner.sent_indices(payload, ctx.inner) if self.momentum else None
         ok, free = self.memory.settle(self.inner, payload, ctx, self.workspace)
         if free is not None:  # the compensated buffer became the state: the old state's is free
@@ -252,6 +257,8 @@ class ErrorFeedback(Compressor):
             return by_rows.compress_part(self, buffer, segments, divisor)
         if self._by_size:
             return by_size.compress_part(self, buffer, segments, divisor, ratio)
+        if by_span.takes(self, segments):
+            return by_span.compress_part(self, buffer, segments, divisor)
         return super().compress_part(buffer, segments, divisor, ratio=ratio)
 
     def measure_part(
@@ -276,6 +283,8 @@ class ErrorFeedback(Compressor):
                         segments: Segments) -> None:  # fmt: skip
         if contexts and isinstance(contexts[0], RowsMeta):  # classic error feedback hands the aggregate on
             self.inner.decompress_part(payloads, contexts, buffer, segments)
+        elif contexts and isinstance(contexts[0], by_span.SpanContext):
+            self.inner.decompress_part(payloads, [contexts[0].inner], buffer, segments)
         elif contexts and isinstance(contexts[0], (GroupMeta, AloneMeta)):
             assert isinstance(self.inner, BySize)
             decode_parts(payloads, contexts, buffer, segments, self.inner, self.decompress)
