@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradcomp.collectives.groups import as_timeout
+from gradcomp.compressors import fusion
 from gradcomp.engine.columns import dense_columns
 from gradcomp.engine.sharded import ShardedEngine, ShardSpec, ShardSpecLike
 from gradcomp.engine.transport import all_gather_single
@@ -187,6 +188,9 @@ def fsdp(
         module.set_custom_reduce_scatter(CompressedReduceScatter(state, name, policy))
         if parsed.param_bits:
             module.set_custom_all_gather(QuantizedAllGather(state))
+    parameter = next(model.parameters(), None)
+    if parsed.compressor is not None and parameter is not None:  # its fused kernels, before the first step
+        fusion.precompile(parsed.compressor, parameter.dtype, parameter.device)
     return state
 
 

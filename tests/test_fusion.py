@@ -226,6 +226,28 @@ def test_precompiling_leaves_nothing_to_compile_at_the_first_step(monkeypatch: p
     assert fusion.precompile("quantize:bits=4") == 0.0
 
 
+def test_ddp_hooks_and_synchronizers_compile_before_their_first_step(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Any) -> None:  # fmt: skip
+    """Registering a DDP hook and making a DiLoCo synchronizer each precompile their compressor, for
+    the model's dtype (the synchronizer's outer gradients: float32), before any step (one rank)."""
+    import torch.distributed as dist
+
+    from gradcomp import hooks, sync
+
+    asked: list[tuple[str, torch.dtype]] = []
+    monkeypatch.setattr(fusion, "precompile", lambda spec, dtype, device: asked.append((str(spec), dtype)) or 0.0)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2).to(torch.float64))
+        hooks.register(ddp, "quantize:bits=4,rounding=nearest")
+        model = torch.nn.Linear(8, 2)
+        sync.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), every=4, spec="sign:ef=true")
+    finally:
+        dist.destroy_process_group()
+    assert [(spec.split(",")[0], dtype) for spec, dtype in asked] == [("quantize:chunk=1024", torch.float64),
+                                                                      ("sign:chunk=1024", torch.float32)]  # fmt: skip
+
+
 def trained_both_ways(rank: int, world: int, specs: list[str]) -> dict[str, Any]:
     """Inside a rank: per spec, the toy model trained 3 DDP steps with the kernels eager, then
     compiled; the parameters must be bitwise alike, and the compiled kernels must have run."""

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from gradcomp import collectives
 from gradcomp.collectives.executor import Handle
 from gradcomp.collectives.groups import as_timeout
+from gradcomp.compressors import fusion
 from gradcomp.engine import Engine, HookSpec, HookSpecLike, rules
 from gradcomp.engine.pipeline import check_same_spec
 from gradcomp.engine.stats import BucketRecord, StepStats, newest, per_step, write_trace
@@ -155,6 +156,8 @@ class Synchronizer(TrainingHookState):
             torch.empty(sum(self.tensors[i].numel() for i in members), dtype=dtype, device=self.tensors[0].device)
             for members in self.fragments
         ]
+        if self.spec.compressor is not None:  # its fused kernels, before the first synchronization
+            fusion.precompile(self.spec.compressor, dtype, self.tensors[0].device)
         self.steps_done = 0
         """Inner steps so far (carried over by a checkpoint)."""
         self._in_flight: collections.deque[_InFlight] = collections.deque()
