@@ -13,6 +13,7 @@ from gradcomp.bench.launches import compare
 from gradcomp.compressors import Compressor, Meta, Segments, make_compressor
 from gradcomp.compressors.bitpack import packed_size
 from gradcomp.compressors.rows import ChunkRows, RowsMeta
+from gradcomp.compressors.threshold import SpanMeta
 
 SHAPES = [torch.Size(s) for s in [(40, 30), (30,), (0,), (7,), (64, 16), (1025,), (3, 1, 2)]]
 CHUNK = 16
@@ -267,24 +268,33 @@ def test_momentum_correction_by_rows_keeps_each_tensors_velocity_as_tensor_by_te
     assert 4 not in by_rows.velocities and 4 not in by_rows.residuals
 
 
+def gapped(shapes: list[torch.Size]) -> Segments:
+    """A part whose tensors do not lie end to end (a per-tensor policy's): 3 elements between each."""
+    sizes = [math.prod(s) for s in shapes]
+    offsets = tuple(sum(sizes[:i]) + 3 * i for i in range(len(sizes)))
+    return Segments(offsets, tuple(shapes), tuple(range(len(shapes))))
+
+
+@pytest.mark.parametrize("layout", ["span", "rows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tau", [0.0, 1.0, 50.0])
-def test_threshold_selects_a_part_at_once_as_each_tensor_alone(tau: float, dtype: torch.dtype) -> None:
-    """One selection for the part: the elements each tensor alone sends (NaN included, a pad never,
-    even at tau = 0, where everything else travels), two ranks' values summed bitwise as tensor by
-    tensor; the indices run over the part's rows."""
-    part = segments(SHAPES)
-    numel = sum(math.prod(s) for s in SHAPES)
+def test_threshold_selects_a_part_at_once_as_each_tensor_alone(tau: float, dtype: torch.dtype, layout: str) -> None:
+    """One selection for the part, where it lies (tensors end to end) or by rows: the elements each
+    tensor alone sends (NaN included, a pad never, even at tau = 0, where everything else travels),
+    two ranks' values summed bitwise as tensor by tensor; the indices run over the part."""
+    part = segments(SHAPES) if layout == "span" else gapped(SHAPES)
+    numel = part.offsets[-1] + math.prod(SHAPES[-1])
     x, y = bucket(numel, 1, dtype), bucket(numel, 2, dtype)
     x[5] = float("nan")
     compressor, one = make_compressor(f"threshold:tau={tau}"), make_compressor(f"threshold:tau={tau}")
     states = [compressor.compress_part(t.clone(), part, 2.0) for t in (x, y)]
     ((payload, meta),) = states[0]
-    assert isinstance(meta, RowsMeta) and payload[1].dtype == torch.int16  # 17 rows of 256 elements
+    assert isinstance(meta, SpanMeta if layout == "span" else RowsMeta)
+    assert payload[1].dtype == torch.int16  # 3,292 elements, or 17 rows of 256
     alone = [one.compress_divided(x[o : o + math.prod(s)].clone().view(s), 2.0)[0]
              for o, s in zip(part.offsets, part.shapes, strict=True)]  # fmt: skip
-    assert payload[0].numel() == sum(p[0].numel() for p in alone) == (numel if tau == 0 else payload[0].numel())
-    out, reference = torch.empty_like(x), torch.empty_like(x)
+    assert payload[0].numel() == sum(p[0].numel() for p in alone) == (3292 if tau == 0 else payload[0].numel())
+    out, reference = torch.zeros_like(x), torch.zeros_like(x)
     compressor.decompress_sum_part([[states[0][0][0], states[1][0][0]]], [meta], out, part)
     Compressor.decompress_sum_part(one, [[one.compress_divided(t[o : o + math.prod(s)].clone().view(s), 2.0)[0]
                                           for t in (x, y)] for o, s in zip(part.offsets, part.shapes, strict=True)],
@@ -301,8 +311,8 @@ def test_a_measured_part_compresses_on_another_thread_as_the_part_at_once(spec: 
     the third with a NaN in one tensor; one record for the whole part."""
     import concurrent.futures
 
-    part = segments(SHAPES)
-    numel = sum(math.prod(s) for s in SHAPES)
+    part = segments(SHAPES) if "ef=true" in spec else gapped(SHAPES)  # the span or the rows
+    numel = part.offsets[-1] + math.prod(SHAPES[-1])
     inputs = [bucket(numel, step) for step in range(4)]
     inputs[2][1240] = float("nan")
     at_once, measured = make_compressor(spec), make_compressor(spec)
@@ -313,7 +323,7 @@ def test_a_measured_part_compresses_on_another_thread_as_the_part_at_once(spec: 
         assert len(records) == 1
         counts = [int(record.count) for record in records]
         ((payload, meta),) = executor.submit(measured.compress_measured_part, records, counts, part).result()
-        assert isinstance(meta, RowsMeta) and payload[0].numel() == counts[0]
+        assert isinstance(meta, RowsMeta) and payload[0].numel() == counts[0]  # by rows: EF's, or a gapped part's
         pairs = zip(payload, expected, strict=True)
         assert all(torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)) for a, b in pairs)
     executor.shutdown()

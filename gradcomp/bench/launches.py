@@ -93,12 +93,13 @@ def count(compressor: Compressor, spec: Spec, shapes: Sequence[torch.Size], seed
 
 
 def compare(spec: str, shapes: Sequence[torch.Size] | None = None, seed: int = 0) -> tuple[Launches, Launches]:
-    """``spec``'s operators for a bucket of one tensor and for a bucket of ``shapes`` (default
+    """``spec``'s operators for a bucket of one tensor (the squarest matrix of its elements: a
+    vector would travel uncompressed through PowerSGD) and for a bucket of ``shapes`` (default
     :func:`gpt_shapes`) holding as many elements, each through a fresh compressor (its state empty)."""
     many = list(shapes) if shapes is not None else gpt_shapes()
     numel = sum(math.prod(s) for s in many)
-    side = math.isqrt(numel)
-    one = [torch.Size((side, numel // side))] if side * (numel // side) == numel else [torch.Size((numel,))]
+    rows = max(d for d in range(1, math.isqrt(numel) + 1) if numel % d == 0)  # the squarest matrix
+    one = [torch.Size((rows, numel // rows))]
     parsed = parse_spec(spec)
     alone = count(make_compressor(parsed, seed=seed), parsed, one, seed)
     return alone, count(make_compressor(parsed, seed=seed), parsed, many, seed)

@@ -192,6 +192,10 @@ class PartBuffers:
             held = self._held[(name, keys)] = torch.empty(shape, dtype=dtype, device=device)
         return held
 
+    def put(self, name: str, keys: tuple[Any, ...], buffer: Tensor) -> None:
+        """``buffer`` becomes the one of ``name`` for the part of ``keys`` (two buffers swapping roles)."""
+        self._held[(name, keys)] = buffer
+
 
 @dataclasses.dataclass(frozen=True)
 class RowsMeta:

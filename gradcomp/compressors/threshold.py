@@ -14,7 +14,7 @@ from gradcomp import host
 from gradcomp.compressors.base import Capabilities, CompressorConfig, Key, Measured, Meta, Payload, check_gradient
 from gradcomp.compressors.registry import register
 from gradcomp.compressors.rows import ByRows, ChunkRows, PartBuffers, RowsMeta
-from gradcomp.compressors.segments import Segments
+from gradcomp.compressors.segments import Segments, end_to_end
 from gradcomp.compressors.sparse import SparseCompressor, index_dtype
 
 ROW = 256
@@ -32,6 +32,14 @@ class ThresholdConfig(CompressorConfig):
             raise ValueError(f"tau must be a finite number >= 0, got {self.tau}")
 
 
+@dataclasses.dataclass(frozen=True)
+class SpanMeta:
+    """The context of a part selected where it lies: its span of the buffer."""
+
+    start: int
+    stop: int
+
+
 @register
 class Threshold(ByRows, SparseCompressor):
     """Hard-threshold sparsification (Strom, Interspeech 2015): x_i travels if |x_i| >= tau.
@@ -43,9 +51,10 @@ class Threshold(ByRows, SparseCompressor):
     When: gradients whose scale is known and stable; otherwise prefer ``topk``, which fixes the size.
 
     A part of a bucket is selected at once (the selection is element by element, so each tensor's
-    is its own): its tensors in rows of :data:`ROW` elements (:class:`~gradcomp.compressors.rows.ChunkRows`),
-    one compare, one ``nonzero``, one payload whose indices run over the rows (int32 for parts of
-    up to 2**31 elements, where small tensors alone would send smaller index types).
+    is its own): one compare, one ``nonzero``, one payload whose indices run over the part (int32
+    for parts of up to 2**31 elements, where small tensors alone would send smaller index types),
+    where it lies when its tensors lie end to end, else (and with error feedback, whose residuals
+    are kept so) in rows of :data:`ROW` elements (:class:`~gradcomp.compressors.rows.ChunkRows`).
     """
 
     name = "threshold"
@@ -82,6 +91,7 @@ class Threshold(ByRows, SparseCompressor):
     # -- a part at once, by rows ------------------------------------------------------------------------
 
     def encode_rows(self, rows: Tensor, layout: ChunkRows, segments: Segments) -> tuple[Tensor, ...]:
+        """Error feedback's part (its residuals are kept in rows: :mod:`.feedback.rows`)."""
         flat = rows.view(-1)
         return self._rows_payload(flat, host.nonzero(self._selected_rows(rows, layout).view(-1)))
 
@@ -93,12 +103,26 @@ class Threshold(ByRows, SparseCompressor):
         """Where the part's payload was taken from, as flat int64 indices of its rows."""
         return payload[1].long()
 
+    def compress_part(
+        self, buffer: Tensor, segments: Segments, divisor: float, *, ratio: float | None = None
+    ) -> list[tuple[Payload, Any]]:
+        """The part selected where it lies, when its tensors lie end to end (no copy: indices over
+        the span); else by rows."""
+        span = end_to_end(segments)
+        if span is None:
+            return super().compress_part(buffer, segments, divisor)
+        flat = buffer[span[0] : span[1]].div_(divisor)
+        return [(self._rows_payload(flat, host.nonzero(self._selected(flat))), SpanMeta(*span))]
+
     def measure_part(
         self, buffer: Tensor, segments: Segments, divisor: float, *, ratio: float | None = None
     ) -> list[Measured]:
-        """One record for the whole part: its rows (kept per part) and their count above tau."""
-        if not self.by_rows:
-            return super().measure_part(buffer, segments, divisor)
+        """One record for the whole part: its span of ``buffer`` (or its rows, kept per part, where
+        its tensors do not lie end to end) and their count above tau."""
+        span = end_to_end(segments)
+        if span is not None:
+            flat = buffer[span[0] : span[1]].div_(divisor)
+            return [Measured(self._selected(flat).sum(), flat)]
         layout = ChunkRows.of(segments, ROW)
         rows = self.measured_rows.take("rows", segments.keys, layout.shape, buffer.dtype, buffer.device)
         return self.measure_rows(layout.gather(buffer, rows, "zero").div_(divisor), layout)
@@ -110,27 +134,47 @@ class Threshold(ByRows, SparseCompressor):
     def compress_measured_part(
         self, measured: Sequence[Measured], counts: Sequence[int], segments: Segments
     ) -> list[tuple[Payload, Any]]:
-        if not self.by_rows:
-            return super().compress_measured_part(measured, counts, segments)
         ((record,), (count,)) = (measured, counts)
+        if record.tensor.dim() == 1:  # a span (measure_part's)
+            span = end_to_end(segments)
+            assert span is not None
+            indices = torch.nonzero_static(self._selected(record.tensor), size=count).view(-1)
+            return [(self._rows_payload(record.tensor, indices), SpanMeta(*span))]
         layout = ChunkRows.of(segments, ROW)
         indices = torch.nonzero_static(self._selected_rows(record.tensor, layout).view(-1), size=count).view(-1)
         return [(self._rows_payload(record.tensor.view(-1), indices), RowsMeta(layout, record.tensor.dtype))]
 
+    def decompress_part(self, payloads: Sequence[Payload], contexts: Sequence[Any], buffer: Tensor,
+                        segments: Segments) -> None:  # fmt: skip
+        if contexts and isinstance(contexts[0], SpanMeta):
+            ((values, indices),) = payloads
+            span = buffer[contexts[0].start : contexts[0].stop].zero_()
+            span[indices.long()] = values.to(span.dtype)
+            return
+        super().decompress_part(payloads, contexts, buffer, segments)
+
     def decompress_sum_part(self, gathered: Sequence[Sequence[Payload]], contexts: Sequence[Any], buffer: Tensor,
                             segments: Segments) -> None:  # fmt: skip
-        """Every rank's values added into zero rows in rank order, as :meth:`decompress_sum` adds a
-        tensor's (in float32 for half precision), then the rows back in place."""
-        if not isinstance(contexts[0], RowsMeta):  # compressed tensor by tensor
+        """Every rank's values added into zeros in rank order, as :meth:`decompress_sum` adds a
+        tensor's (in float32 for half precision): into the span, or into rows put back in place."""
+        if not isinstance(contexts[0], (RowsMeta, SpanMeta)):  # compressed tensor by tensor
             super().decompress_sum_part(gathered, contexts, buffer, segments)
             return
         ((everyone,), (meta,)) = (gathered, contexts)
         half = buffer.dtype in (torch.float16, torch.bfloat16)
-        total = self._take("rows.total", meta.layout, torch.float32 if half else buffer.dtype, buffer.device)
-        flat = total.zero_().view(-1)
+        if isinstance(meta, SpanMeta):
+            span = buffer[meta.start : meta.stop]
+            total = self.workspace.take("span.total", span.numel(), torch.float32, span.device) if half else span
+        else:
+            rows = self._take("rows.total", meta.layout, torch.float32 if half else buffer.dtype, buffer.device)
+            total = rows.view(-1)
+        total.zero_()
         for values, indices in everyone:
-            flat.index_add_(0, indices.long(), values.to(flat.dtype))
-        meta.layout.scatter(total, buffer)
+            total.index_add_(0, indices.long(), values.to(total.dtype))
+        if isinstance(meta, RowsMeta):
+            meta.layout.scatter(rows, buffer)
+        elif half:
+            span.copy_(total)
 
     def _rows_payload(self, flat: Tensor, indices: Tensor) -> Payload:
         return flat[indices], indices.to(index_dtype(flat.numel()))

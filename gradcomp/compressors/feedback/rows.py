@@ -64,6 +64,12 @@ class ResidualRows:
         self.holder.update(dict.fromkeys(segments.keys, segments.keys))
         return rows
 
+    def swap(self, part: tuple[Key, ...], rows: Tensor) -> Tensor:
+        """``rows`` (of the part's layout) become the part's state; returns the rows they replace."""
+        segments, layout, old = self.parts[part]
+        self.parts[part] = (segments, layout, rows)
+        return old
+
     def release(self, residuals: dict[Key, Tensor], part: tuple[Key, ...]) -> None:
         """The part's residuals back into per-key tensors, and its rows forgotten."""
         segments, layout, rows = self.parts.pop(part)
@@ -132,18 +138,22 @@ def compress_measured_part(
 
 
 def compensate(ef: ErrorFeedback, buffer: Tensor, segments: Segments, divisor: float,
-               take: Callable[[str, ChunkRows], Tensor], chunk: int | None = None) -> Compensated:  # fmt: skip
+               take: Callable[[str, ChunkRows], Tensor], chunk: int | None = None,
+               elements: Tensor | None = None) -> Compensated:  # fmt: skip
     """The part's compensated rows (in ``take``'s buffers), with the state they came from; in rows
-    of the wrapped compressor's chunk, or of ``chunk`` (zero pads)."""
+    of the wrapped compressor's chunk, or of ``chunk`` (zero pads). ``elements``: the part's
+    elements already in the layout's shape (a span, in rows of one), read in place of a gather."""
     inner, memory = ef.inner, ef.memory
     layout = ChunkRows.of(segments, inner.chunk if chunk is None else chunk)  # type: ignore[attr-defined]
     residual = memory.by_rows.rows(memory.residuals, segments, layout, buffer)  # type: ignore[attr-defined]
-    compensated = layout.gather(buffer, take("ef.rows", layout), "zero")
+    compensated = take("ef.rows", layout)
+    if elements is None:
+        elements = layout.gather(buffer, compensated, "zero")
     momentum, following, velocity = ef.momentum, None, None
     if momentum is None:
-        torch.addcdiv(residual, compensated, ef._divisor(divisor, buffer), out=compensated)  # as the per-tensor add
+        torch.addcdiv(residual, elements, ef._divisor(divisor, buffer), out=compensated)  # as the per-tensor add
     else:  # the per-tensor steps' operators: the share, u = m u + g (Nesterov: g + m u), the fold
-        compensated.div_(ef._divisor(divisor, buffer))
+        torch.div(elements, ef._divisor(divisor, buffer), out=compensated)
         velocity = momentum.rows(segments, layout, buffer)
         following = take("ef.rows.following", layout)
         torch.add(compensated, velocity, alpha=momentum.momentum, out=following)  # pads: zero and zero

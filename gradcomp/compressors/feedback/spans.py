@@ -26,6 +26,7 @@ from gradcomp import host
 from gradcomp.compressors.feedback import rows as by_rows
 from gradcomp.compressors.feedback.memory import FeedbackContext
 from gradcomp.compressors.feedback.residual import Residuals
+from gradcomp.compressors.finite import finite
 from gradcomp.compressors.rows import ChunkRows
 from gradcomp.compressors.segments import Segments, end_to_end
 
@@ -49,7 +50,8 @@ def compress_part(ef: ErrorFeedback, buffer: Tensor, segments: Segments, divisor
     def take(name: str, layout: ChunkRows) -> Tensor:  # kept per part: the step settles on another thread
         return ef.part_rows.take(name, segments.keys, layout.shape, buffer.dtype, buffer.device)
 
-    step = by_rows.compensate(ef, buffer, segments, divisor, take, chunk=1)
+    start, stop = end_to_end(segments)  # type: ignore[misc]  # takes() checked it
+    step = by_rows.compensate(ef, buffer, segments, divisor, take, chunk=1, elements=buffer[start:stop].view(-1, 1))
     flat = step.rows.view(-1)
     payload, inner = ef.inner.compress_span(flat, segments, max(divisor, 1.0))  # type: ignore[attr-defined]
     return [(payload, SpanContext(segments.keys, inner, flat, step=step))]
@@ -63,15 +65,20 @@ def settle(ef: ErrorFeedback, payload: tuple[Tensor, ...], ctx: SpanContext) -> 
     handled = ef.inner.subtract_contribution(payload, ctx.inner, ctx.compensated)
     assert handled, "a compressor that compresses spans subtracts its contribution in place"
     compensated, residual, velocity, following = step.rows, step.residual, step.velocity, step.following
+    keys = step.segments.keys
+    if host.reads_are_free(compensated.device) and host.flag(finite(compensated)):
+        # every tensor's step was finite (one pass, read on the CPU): the new rows become the
+        # state, and the old ones the next step's scratch, as the per-tensor steps swap buffers
+        ef.part_rows.put("ef.rows", keys, ef.memory.by_rows.swap(keys, compensated))  # type: ignore[attr-defined]
+        if ef.momentum is not None and following is not None:
+            ef.part_rows.put("ef.rows.following", keys, ef.momentum.by_rows.swap(keys, following))
+        return
+    # a tensor whose step was not finite keeps its residual and velocity (rule "one bad step"),
+    # decided per tensor on the device
     ok = by_rows.finite_per_tensor(compensated, step.layout, len(step.segments))
-    if host.reads_are_free(compensated.device) and host.flag(ok.all()):
-        residual.copy_(compensated)
-        if velocity is not None and following is not None:
-            velocity.copy_(following)
-    else:  # a tensor whose step was not finite keeps its residual and velocity (rule "one bad step")
-        torch.where(ok[:, None], compensated, residual, out=residual)
-        if velocity is not None and following is not None:
-            torch.where(ok[:, None], following, velocity, out=velocity)
+    torch.where(ok[:, None], compensated, residual, out=residual)
+    if velocity is not None and following is not None:
+        torch.where(ok[:, None], following, velocity, out=velocity)
 
 
 def takes(ef: ErrorFeedback, segments: Segments) -> bool:
