@@ -23,6 +23,7 @@ import datetime
 import logging
 import multiprocessing
 import os
+import pickle
 import queue
 import select
 import signal
@@ -186,7 +187,7 @@ def _spawn(
         # The first failure is often a consequence (a peer's connection closed): show them all.
         reports = "\n".join(f"rank {r} of {world_size} failed:\n{failed[r]}" for r in sorted(failed))
         raise RankError(reports)
-    return [outcomes[r][1] for r in range(world_size)]
+    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
 
 
 def adopt(environment: dict[str, str]) -> None:
@@ -273,7 +274,10 @@ def _rank_main(
         if dist.is_initialized():  # (the target may have destroyed the group itself)
             with contextlib.suppress(RuntimeError):
                 dist.barrier()
-        results.put((rank, "ok", value))
+        # Pickled here, by value: the queue's own pickler would share a tensor's storage through
+        # a file descriptor that this process serves until it exits, which it does at once below
+        # (a parent that reads late then finds the connection reset).
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
