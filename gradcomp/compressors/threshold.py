@@ -15,7 +15,7 @@ from gradcomp.compressors.base import Capabilities, CompressorConfig, Key, Measu
 from gradcomp.compressors.registry import register
 from gradcomp.compressors.rows import ByRows, ChunkRows, PartBuffers, RowsMeta
 from gradcomp.compressors.segments import Segments, end_to_end
-from gradcomp.compressors.sparse import SparseCompressor, index_dtype
+from gradcomp.compressors.sparse import SparseCompressor
 
 ROW = 256
 """Elements per row when a part is compressed at once: a tensor's last row is padded to it (at most
@@ -88,12 +88,12 @@ class Threshold(ByRows, SparseCompressor):
         indices = torch.nonzero_static(self._selected(flat), size=count).view(-1)
         return self.sparse_payload(flat, indices), Meta.of(measured.tensor)
 
-    # -- a part at once, by rows ------------------------------------------------------------------------
+    # -- a part at once ---------------------------------------------------------------------------------
 
     def encode_rows(self, rows: Tensor, layout: ChunkRows, segments: Segments) -> tuple[Tensor, ...]:
         """Error feedback's part (its residuals are kept in rows: :mod:`.feedback.rows`)."""
         flat = rows.view(-1)
-        return self._rows_payload(flat, host.nonzero(self._selected_rows(rows, layout).view(-1)))
+        return self.sparse_payload(flat, host.nonzero(self._selected_rows(rows, layout).view(-1)))
 
     def decode_rows(self, payload: tuple[Tensor, ...], layout: ChunkRows, out: Tensor) -> None:
         values, indices = payload
@@ -112,7 +112,7 @@ class Threshold(ByRows, SparseCompressor):
         if span is None:
             return super().compress_part(buffer, segments, divisor)
         flat = buffer[span[0] : span[1]].div_(divisor)
-        return [(self._rows_payload(flat, host.nonzero(self._selected(flat))), SpanMeta(*span))]
+        return [(self.sparse_payload(flat, host.nonzero(self._selected(flat))), SpanMeta(*span))]
 
     def measure_part(
         self, buffer: Tensor, segments: Segments, divisor: float, *, ratio: float | None = None
@@ -139,10 +139,10 @@ class Threshold(ByRows, SparseCompressor):
             span = end_to_end(segments)
             assert span is not None
             indices = torch.nonzero_static(self._selected(record.tensor), size=count).view(-1)
-            return [(self._rows_payload(record.tensor, indices), SpanMeta(*span))]
+            return [(self.sparse_payload(record.tensor, indices), SpanMeta(*span))]
         layout = ChunkRows.of(segments, ROW)
         indices = torch.nonzero_static(self._selected_rows(record.tensor, layout).view(-1), size=count).view(-1)
-        return [(self._rows_payload(record.tensor.view(-1), indices), RowsMeta(layout, record.tensor.dtype))]
+        return [(self.sparse_payload(record.tensor.view(-1), indices), RowsMeta(layout, record.tensor.dtype))]
 
     def decompress_part(self, payloads: Sequence[Payload], contexts: Sequence[Any], buffer: Tensor,
                         segments: Segments) -> None:  # fmt: skip
@@ -175,9 +175,6 @@ class Threshold(ByRows, SparseCompressor):
             meta.layout.scatter(rows, buffer)
         elif half:
             span.copy_(total)
-
-    def _rows_payload(self, flat: Tensor, indices: Tensor) -> Payload:
-        return flat[indices], indices.to(index_dtype(flat.numel()))
 
     def _selected_rows(self, rows: Tensor, layout: ChunkRows) -> Tensor:
         """:meth:`_selected` of a part's rows, shaped as them, their pads never selected (zeros:
