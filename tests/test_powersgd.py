@@ -256,3 +256,16 @@ def test_a_checkpoint_of_generator_states_is_refused_with_the_reason() -> None:
     compressor = make_compressor("powersgd:rank=2")
     with pytest.raises(ValueError, match=r"PowerSGD's initial factors.*torch\.Generator states"):
         compressor.load_state_dict({"shared": {"seed": 0, "generators": []}, "memory": []})
+
+
+def test_a_float64_default_dtype_changes_nothing() -> None:
+    """epfml/powersgd's own tests set ``torch.set_default_dtype(torch.float64)``: the random starts and
+    the stand-ins of keys without a Q stay float32, tensor by tensor and a part at once."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        ours, _ = _part_steps("powersgd:rank=2", per_tensor=False, steps=2)
+        theirs, _ = _part_steps("powersgd:rank=2", per_tensor=True, steps=2)
+    finally:
+        torch.set_default_dtype(previous)
+    assert all(torch.equal(a, b) and a.dtype == torch.float64 for a, b in zip(ours, theirs, strict=True))

@@ -382,7 +382,7 @@ class PowerSGD(Compressor):
 @functools.lru_cache(maxsize=64)
 def _zeros(numel: int, device: torch.device) -> Tensor:
     """A zero Q (never written): what a key with no Q stacks as."""
-    return torch.zeros(numel, device=device)
+    return torch.zeros(numel, dtype=torch.float32, device=device)
 
 
 def batches(segments: list[Segment]) -> list[Group]:
