@@ -11,6 +11,7 @@ from torch import Tensor
 
 from gradcomp.collectives import exchange, halving_doubling, hierarchical, ring, tree
 from gradcomp.collectives.executor import Handle, executor
+from gradcomp.collectives.groups import rank_of, size_of
 from gradcomp.collectives.link import Link, Traffic
 from gradcomp.collectives.ops import ReduceOp
 from gradcomp.errors import backend_failure
@@ -88,7 +89,7 @@ def all_reduce(
         raise ValueError(f"unknown all-reduce algorithm {algo!r}; valid: {', '.join(ALGORITHMS)}")
     if segment_bytes < 1:
         raise ValueError(f"segment_bytes must be >= 1, got {segment_bytes}")
-    world = dist.get_world_size(group)
+    world = size_of(group)
     if algo == "hierarchical":
         if local_size is None:
             raise ValueError("algo='hierarchical' needs local_size, the number of ranks per group")
@@ -130,7 +131,7 @@ def reduce_scatter(
     _check_tensor(input, "input")
     reduce_op = ReduceOp.parse(op)
     reduce_op.check(input)
-    world = dist.get_world_size(group)
+    world = size_of(group)
     _check_blocks("reduce_scatter", whole=input, block=output, world=world)
 
     def operation() -> tuple[Tensor, Traffic | None]:
@@ -151,7 +152,7 @@ def all_gather(output: Tensor, input: Tensor, *, group: Group = None, async_op: 
     """``output`` (p * n elements) receives every rank's ``input`` (n elements), in rank order."""
     _check_tensor(output, "output")
     _check_tensor(input, "input")
-    world = dist.get_world_size(group)
+    world = size_of(group)
     _check_blocks("all_gather", whole=output, block=input, world=world)
 
     def operation() -> tuple[Tensor, Traffic | None]:
@@ -172,12 +173,12 @@ def all_gatherv(
     """
     _check_tensor(input, "input")
     if sizes is not None:
-        world = dist.get_world_size(group)
+        world = size_of(group)
         if len(sizes) != world or min(sizes) < 0:
             raise ValueError(f"sizes must be {world} non-negative element counts, got {list(sizes)}")
-        if sizes[dist.get_rank(group)] != input.numel():
+        if sizes[rank_of(group)] != input.numel():
             raise ValueError(
-                f"sizes says this rank has {sizes[dist.get_rank(group)]} elements, input has {input.numel()}"
+                f"sizes says this rank has {sizes[rank_of(group)]} elements, input has {input.numel()}"
             )
 
     def operation() -> tuple[list[Tensor], Traffic | None]:
@@ -194,7 +195,7 @@ def all_to_all(output: Tensor, input: Tensor, *, group: Group = None, async_op: 
     """Block j of ``input`` (p equal blocks) goes to rank j; block i of ``output`` comes from rank i."""
     _check_tensor(output, "output")
     _check_tensor(input, "input")
-    world = dist.get_world_size(group)
+    world = size_of(group)
     if input.numel() != output.numel() or input.numel() % world or input.dtype != output.dtype:
         raise ValueError(
             f"all_to_all needs input and output of the same dtype and size, a multiple of {world}; "
@@ -222,7 +223,7 @@ def all_to_allv(
     """Send ``input_splits[j]`` elements of the flat ``input`` to rank j (in order); return the
     concatenation of what every rank sent here. Without ``output_splits`` the sizes travel first."""
     _check_tensor(input, "input")
-    world = dist.get_world_size(group)
+    world = size_of(group)
     splits = [int(s) for s in input_splits]
     if len(splits) != world or min(splits, default=0) < 0 or sum(splits) != input.numel():
         raise ValueError(
@@ -249,7 +250,7 @@ def all_to_allv(
 def broadcast(tensor: Tensor, src: int = 0, *, group: Group = None, async_op: bool = False) -> Handle[Tensor]:
     """Every rank's ``tensor`` becomes rank ``src``'s (a group rank), by binomial tree."""
     _check_tensor(tensor)
-    world = dist.get_world_size(group)
+    world = size_of(group)
     if not 0 <= src < world:
         raise ValueError(f"src must be a rank of the group, 0..{world - 1}, got {src}")
 

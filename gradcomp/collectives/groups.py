@@ -31,6 +31,28 @@ def as_timeout(value: datetime.timedelta | float | None, what: str = "timeout") 
     return value if isinstance(value, datetime.timedelta) else datetime.timedelta(seconds=seconds)
 
 
+def rank_of(group: dist.ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (default: the world), also for a group that
+    ``torch.distributed`` does not know (one a library made and reconfigures itself: torchft's)."""
+    if group is None:
+        return dist.get_rank()
+    # torchft's reconfigurable groups wrap the group of the current quorum (``parent``) and answer
+    # size() from it, but not rank(): theirs is the base class's, 0 on every rank
+    inner = getattr(group, "parent", None)
+    return (inner if isinstance(inner, dist.ProcessGroup) else group).rank()
+
+
+def size_of(group: dist.ProcessGroup | None = None) -> int:
+    """How many ranks ``group`` (default: the world) has, as :func:`rank_of` reads it."""
+    return dist.get_world_size() if group is None else group.size()
+
+
+def registered(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``torch.distributed`` knows ``group`` (the world, or a group ``new_group`` made): its
+    functions that map group ranks to global ones (point-to-point, ``get_global_rank``) need it."""
+    return group is None or group in dist.distributed_c10d._world.pg_map
+
+
 def timeout_of(group: dist.ProcessGroup | None = None) -> datetime.timedelta:
     """The timeout every operation on ``group`` (default: the world) is bounded by."""
     pg = group if group is not None else dist.group.WORLD

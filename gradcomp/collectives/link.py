@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch.distributed as dist
 from torch import Tensor
 
+from gradcomp.collectives.groups import rank_of, registered, size_of
 from gradcomp.errors import PeerError
 
 TAG = 0x67C0
@@ -50,12 +51,13 @@ class Link:
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
+        self.rank = rank_of(group)
+        self.size = size_of(group)
         self.traffic = Traffic()
+        self._known = registered(group)  # else the group's own send and receive, by group rank
 
     def _global(self, rank: int) -> int:
-        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+        return rank if self.group is None or not self._known else dist.get_global_rank(self.group, rank)
 
     def exchange(
         self,
@@ -85,9 +87,14 @@ class Link:
     def _post(self, pending: list[Pending], tensor: Tensor, peer: int, *, sending: bool) -> int:
         """Post one transfer (appended to ``pending``); return its bytes."""
         nbytes = tensor.numel() * tensor.element_size()
-        post = dist.isend if sending else dist.irecv
         try:
-            work = post(tensor, self._global(peer), group=self.group, tag=TAG)
+            if self._known:
+                post = dist.isend if sending else dist.irecv
+                work = post(tensor, self._global(peer), group=self.group, tag=TAG)
+            else:  # a group torch.distributed does not know (torchft's): its own methods
+                assert self.group is not None
+                post_own = self.group.send if sending else self.group.recv
+                work = post_own([tensor], peer, TAG)
         except RuntimeError as error:
             raise self._peer_error(error, sending, nbytes, peer) from error
         if work is not None:

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from gradcomp import collectives, host
 from gradcomp.collectives.executor import Handle, executor
-from gradcomp.collectives.groups import as_timeout, private
+from gradcomp.collectives.groups import as_timeout, private, rank_of, size_of
 from gradcomp.collectives.hierarchical import subgroups
 from gradcomp.collectives.link import Traffic
 from gradcomp.compressors import Compressor, Key, make_compressor
@@ -79,6 +79,10 @@ class Engine:
         timeout: what any of the engine's collectives may take before it fails (a frozen or failed
             peer); default: ``group``'s own timeout (what ``init_process_group`` was given).
         history: how many bucket records (:mod:`gradcomp.engine.stats`) to keep, the latest.
+        own_group: True (the default): the collectives go on gradcomp's own group of ``group``'s
+            ranks; False: on ``group`` itself, which then must carry nothing else meanwhile (no
+            ``local_size``, no ``timeout``: the group's own bounds the waits). For a group that
+            ``torch.distributed`` does not know and its maker reconfigures (torchft's).
     """
 
     def __init__(
@@ -88,20 +92,27 @@ class Engine:
         group: dist.ProcessGroup | None = None,
         timeout: datetime.timedelta | float | None = None,
         history: int = 10_000,
+        own_group: bool = True,
     ) -> None:
         timeout = as_timeout(timeout)  # a number of seconds, or refused here
         self.spec = HookSpec.parse(spec)  # before touching any process group: a bad spec fails first
         if self.spec.compressor is None:
             raise ValueError("noop sends nothing: it needs no engine (gradcomp.hooks.make handles it)")
-        self.world = dist.get_world_size(group)
-        self.compressor: Compressor = make_compressor(
-            self.spec.compressor, seed=self.spec.seed, rank=dist.get_rank(group)
-        )
+        if not own_group and (self.spec.local_size > 1 or timeout is not None):
+            raise ValueError(
+                "on a group it does not own the engine makes no group of its own: not local_size (its "
+                "node groups), nor a timeout of its own (the group's is what bounds its waits)"
+            )
+        self.world = size_of(group)
+        self.compressor: Compressor = make_compressor(self.spec.compressor, seed=self.spec.seed, rank=rank_of(group))
         # gradcomp's own group (same ranks, shared by its engines): DDP issues collectives of its
         # own from the training thread (find_unused_parameters' bitmap, static_graph's checks); on
         # DDP's group they would interleave with the engine's differently on each rank (gloo aborts
-        # with "Received data size doesn't match expected size").
-        self.group = private(group, timeout)
+        # with "Received data size doesn't match expected size"). ``own_group=False``: ``group``
+        # itself, for a group that nothing else communicates on while the engine runs and that
+        # its maker reconfigures in place (torchft's): a group of its ranks would break with a
+        # member that dies.
+        self.group: dist.ProcessGroup = private(group, timeout) if own_group else (group or _world())
         self.local_rank = 0
         """This rank's index in its node (``local_size``), else 0."""
         self.routes: dict[Route, RouteSteps] = self._routes()
@@ -279,6 +290,12 @@ class Engine:
         stateless compressor (``allreduce``, the casts), which compresses the bucket whole, so that
         a hook need not list its parameters, unless a per-tensor policy picks tensors out of it."""
         return needs_tensors(self.spec)
+
+
+def _world() -> dist.ProcessGroup:
+    world = dist.group.WORLD
+    assert world is not None, "no default process group: call torch.distributed.init_process_group first"
+    return world
 
 
 def check_same_spec(spec: str, group: dist.ProcessGroup, device: torch.device) -> None:

@@ -40,6 +40,7 @@ from gradcomp import collectives, host
 from gradcomp.collectives import ring
 from gradcomp.collectives.cost_model import ring_traffic
 from gradcomp.collectives.executor import match_torch_threads
+from gradcomp.collectives.groups import rank_of, size_of
 from gradcomp.collectives.link import Link
 from gradcomp.collectives.ops import ReduceOp
 from gradcomp.collectives.ring import chunk_bounds
@@ -88,7 +89,7 @@ class _Compressed:
 
     def __init__(self, compressor: Compressor, group: dist.ProcessGroup, algo: str) -> None:
         self.compressor, self.group, self.algo = compressor, group, algo
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.world, self.rank = size_of(group), rank_of(group)
         declared = compressor.capabilities
         self.issues_only = algo == "native" and declared.rounds == 1 and declared.aggregation is Aggregation.SUM
 

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from gradcomp import collectives, host
 from gradcomp.collectives.exchange import offsets
+from gradcomp.collectives.groups import rank_of, registered, size_of
 from gradcomp.collectives.link import Traffic
 from gradcomp.compressors import Payload
 from gradcomp.engine import packing
@@ -80,7 +81,8 @@ class GroupTransport:
 
     def __init__(self, group: dist.ProcessGroup, meter: Meter, native: bool = False) -> None:
         self.group, self.meter, self.native = group, meter, native
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.rank, self.world = rank_of(group), size_of(group)
+        self.known = registered(group)
 
     def all_gatherv(self, tensor: Tensor, sizes: Sequence[int]) -> list[Tensor]:
         handle = collectives.all_gatherv(tensor, sizes, group=self.group)
@@ -99,7 +101,10 @@ class GroupTransport:
     def _issue_all_gather(self, tensor: Tensor, async_op: bool) -> tuple[list[Tensor], Any]:
         out = torch.empty(self.world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         try:
-            work = all_gather_single(out, tensor, group=self.group, async_op=async_op)
+            if self.known:
+                work = all_gather_single(out, tensor, group=self.group, async_op=async_op)
+            else:  # torchft's groups all-gather into a list only
+                work = dist.all_gather(list(out.view(self.world, -1)), tensor, group=self.group, async_op=async_op)
         except RuntimeError as error:
             raise backend_failure(ALL_GATHER, self.rank, self.world, error) from error
         # gloo's and NCCL's all-gathers are rings: each rank forwards p - 1 blocks and receives as many
