@@ -82,3 +82,89 @@ def test_an_engine_on_a_group_it_does_not_own_makes_no_group_of_its_own() -> Non
         Engine("sign:ef=true,local_size=2", group=None, own_group=False)
     with pytest.raises(ValueError, match="makes no group of its own"):
         Engine("sign:ef=true", group=None, own_group=False, timeout=5.0)
+
+
+def replica_manager(rank: int, world: int, lighthouse: str, timeout: float = 30.0) -> Any:
+    """This rank as a replica group of one under the lighthouse, its manager on a store of its own."""
+    import torchft
+
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    seconds = datetime.timedelta(seconds=timeout)
+    manager = torchft.Manager(
+        pg=torchft.ProcessGroupGloo(timeout=seconds), min_replica_size=world, load_state_dict=None,
+        state_dict=None, replica_id=f"replica{rank}", store_addr="localhost", store_port=store.port, rank=0,
+        world_size=1, lighthouse_addr=lighthouse, timeout=seconds, quorum_timeout=seconds,
+        connect_timeout=seconds, init_sync=False,  # the same initial weights everywhere: no healing at step 0
+    )  # fmt: skip
+    manager.kept_store = store
+    return manager
+
+
+def lighthouse_address(rank: int, world: int) -> tuple[Any, str]:
+    """Rank 0 serves the lighthouse (kept alive by the caller); every rank learns its address."""
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=world) if rank == 0 else None
+    address = [server.address() if server is not None else ""]
+    dist.broadcast_object_list(address, src=0)
+    return server, address[0]
+
+
+def trained_through_torchft(rank: int, world: int, specs: list[str]) -> list[str]:
+    """Per spec, the toy model trained 4 steps through torchft's manager with the gradcomp hook, and
+    through gradcomp's hook on plain DDP over the world: the same parameters, bitwise."""
+    import torch.nn.functional as F
+    import torchft.optim
+
+    from gradcomp import hooks
+    from gradcomp.hooks.fault_tolerant import DistributedDataParallel
+    from tests.distributed import parameters_identical_on_all_ranks
+    from tests.toy_ddp import BUCKET_CAP_MB, toy_batches, toy_model
+
+    failures = Failures()
+    batches = toy_batches(rank, 4)
+    for text in specs:
+        server, lighthouse = lighthouse_address(rank, world)  # one per run: the last run's replicas are gone
+        manager = replica_manager(rank, world, lighthouse)
+        try:
+            model = DistributedDataParallel(manager, toy_model(), text, bucket_cap_mb=BUCKET_CAP_MB)
+            optimizer = torchft.optim.OptimizerWrapper(manager, torch.optim.SGD(model.parameters(), lr=0.1))
+            # what a healing replica fetches from a live one (step 0 syncs every replica from one)
+            manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
+            manager.register_state_dict_fn("optim", optimizer.load_state_dict, optimizer.state_dict)
+            committed = 0
+            for x, y in batches:
+                optimizer.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                if manager.should_commit():  # OptimizerWrapper.step, counting the commits
+                    committed += 1
+                    optimizer.optim.step()
+            # as torchft's DDP is made (no bucket rebuild): the order DDP first hands the parameters
+            # over numbers them, and with them the keys that stochastic rounding's noise follows
+            reference = torch.nn.parallel.DistributedDataParallel(toy_model(), bucket_cap_mb=BUCKET_CAP_MB,
+                                                                  find_unused_parameters=True)  # fmt: skip
+            hooks.register(reference, text)
+            plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+            for x, y in batches:
+                plain.zero_grad()
+                F.cross_entropy(reference(x), y).backward()
+                plain.step()
+            failures.expect(committed == len(batches), f"{text}: {committed} of {len(batches)} steps committed")
+            same = all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+            failures.expect(same, f"{text}: trained through torchft, the parameters differ from gradcomp's own hook's")
+            failures.expect(parameters_identical_on_all_ranks(list(model.parameters())), f"{text}: replicas differ")
+            failures.expect(model.gradcomp_state.quorums == 1 and model.gradcomp_state.error is None, f"{text}: state")
+        finally:
+            manager.shutdown(wait=False)
+            dist.barrier()  # both replicas done before the lighthouse goes
+            if server is not None:
+                server.shutdown()
+    return failures
+
+
+@pytest.mark.timeout(240)
+def test_a_hook_through_torchfts_manager_trains_as_on_plain_ddp() -> None:
+    """Healthy: through torchft's manager (a quorum each step, commits), gradcomp's hook trains as it
+    does on DDP over the world, bitwise: allreduce, a compressor with error feedback, a gather."""
+    run_checks(2, trained_through_torchft, (["allreduce", "quantize:bits=4,ef=true", "topk:ratio=0.25,ef=true"],),
+               timeout=220)  # fmt: skip

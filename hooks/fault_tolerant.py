@@ -1,0 +1,153 @@
+"""gradcomp's compression on torchft's fault-tolerant replica groups (``pip install gradcomp[torchft]``).
+
+torchft (``pytorch/torchft``) trains replica groups that join a quorum through a lighthouse at every
+step; when a group dies the others go on in a smaller quorum, and a restarted group heals from a
+live one. Its ``Manager`` reconfigures one process group in place at each quorum. This module puts a
+gradcomp hook on that group, in place of torchft's uncompressed all-reduce:
+
+>>> manager = torchft.Manager(pg=torchft.ProcessGroupGloo(), min_replica_size=1, ...)
+>>> model = fault_tolerant.DistributedDataParallel(manager, module, "topk:ratio=0.01,ef=true")
+>>> optimizer = torchft.optim.OptimizerWrapper(manager, torch.optim.SGD(model.parameters(), lr=0.1))
+
+Each step (``optimizer.zero_grad`` starts the quorum, ``optimizer.step`` commits only where the
+manager says every group's step succeeded), every bucket is averaged by gradcomp's engine on the
+manager's group itself (``Engine(own_group=False)``: no group of its own, which a dead member would
+leave broken), over the replica groups that take part in the step: a healing group sends zeros, as
+with torchft's own all-reduce. A collective that fails (a peer died) is reported to the manager: the
+bucket comes back as it was, ``should_commit`` says no on every group, and the next quorum goes on
+without the dead group.
+
+State across quorums: the engine is made again when the quorum's group changes (a group lost or
+joined), with an empty compressor state: error feedback's residuals (and momentum correction's
+velocities, PowerSGD's warm starts) restart from zero on every group. What they held (the part of
+past gradients that compression had not sent yet) is dropped, once per quorum change. A healed
+group gets the model and the optimizer from a live peer (torchft's checkpoint transport) and starts
+with an empty compressor state too: residuals are a group's own unsent gradients, which no peer
+holds.
+"""
+
+# No ``from __future__ import annotations`` here: DDP checks a hook's annotations at run time.
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import GradBucket
+
+from gradcomp.collectives.groups import rank_of, size_of
+from gradcomp.engine import Engine
+from gradcomp.engine.spec import HookSpec, HookSpecLike
+from gradcomp.engine.stats import StepStats, steps_since
+from gradcomp.hooks.ddp import ParameterKeys, shapes_of
+
+
+class FaultTolerantState:
+    """What the hook keeps between steps: the manager, the spec, and the engine of the current
+    quorum's group (made again when the group changes: the module's notes)."""
+
+    def __init__(self, manager: Any, spec: HookSpec, group: Any) -> None:
+        self.manager, self.spec, self.group = manager, spec, group
+        self.engine: Engine | None = None
+        self.keys = ParameterKeys()
+        self.error: BaseException | None = None
+        """The last error a step's averaging reported to the manager (its step was discarded)."""
+        self.quorums = 0
+        """How many quorum groups the hook has averaged on (1 while nothing changed)."""
+        self._made_for: tuple[int, int, int] | None = None
+        self._failed = False
+        self._records: list[Any] = []
+
+    def failed(self, error: BaseException) -> None:
+        """A step's averaging failed here: reported to the manager (which discards the step), and
+        the engine made again at the next step."""
+        self.error, self._failed = error, True
+        self.manager.report_error(error)
+
+    def engine_for_quorum(self, first: bool) -> Engine:
+        """The engine of the current quorum's group: made again at a step's ``first`` bucket when the
+        group changed or the last step failed here (an engine whose collectives failed starts over)."""
+        current = (size_of(self.group), rank_of(self.group), id(getattr(self.group, "parent", self.group)))
+        stale = current != self._made_for or self._failed
+        if self.engine is None or (first and stale):
+            self._failed = False
+            if self.engine is not None:
+                self._records.extend(self.engine.records)
+            self.engine = Engine(self.spec, group=self.group, own_group=False)
+            self._made_for = current
+            self.quorums += 1
+        return self.engine
+
+    def steps_since(self, first: int) -> list[StepStats]:
+        """Per step, what averaging cost (``TrainingHookState.steps_since``), across quorums."""
+        records = [*self._records, *(self.engine.records if self.engine is not None else [])]
+        return steps_since(records, first)
+
+
+def hook(state: FaultTolerantState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
+    """The bucket averaged by gradcomp's engine over the replica groups taking part in the step; a
+    failure is reported to the manager, which then discards the step (the module's notes)."""
+    manager = state.manager
+    manager.wait_quorum()
+    buffer = bucket.buffer()
+    if manager.errored() is not None:  # this step is lost already: nothing more to send
+        return _done(buffer)
+    try:
+        engine = state.engine_for_quorum(bucket.index() == 0)
+        if not manager.is_participating():  # healing: its gradients are not the others' model's
+            buffer.zero_()
+        keys, shapes = None, None
+        if engine.per_tensor:
+            parameters = bucket.parameters()
+            keys, shapes = state.keys(parameters), shapes_of(parameters)
+        handle = engine.reduce(buffer, keys, shapes, bucket.index(), bucket.is_last())
+        if bucket.is_last():
+            engine.end_step()
+    except Exception as error:  # a peer died: reported, and the step discarded by should_commit
+        state.failed(error)
+        return _done(buffer)
+    participants, world = manager.num_participants(), engine.world
+    done: torch.futures.Future[Tensor] = torch.futures.Future()
+
+    def landed(handle: Any) -> None:  # on the engine's executor, while backward goes on
+        try:
+            averaged = handle.wait()
+        except Exception as error:
+            state.failed(error)
+            done.set_result(buffer)
+            return
+        if participants and participants != world:  # healing groups sent zeros: the participants' mean
+            averaged.mul_(world / participants)
+        done.set_result(averaged)
+
+    handle.then(landed)
+    return done
+
+
+def _done(tensor: Tensor) -> torch.futures.Future[Tensor]:
+    done: torch.futures.Future[Tensor] = torch.futures.Future()
+    done.set_result(tensor)
+    return done
+
+
+class DistributedDataParallel(nn.parallel.DistributedDataParallel):
+    """torch's DDP whose buckets a gradcomp hook averages through torchft's ``manager`` (as torchft's
+    own ``torchft.ddp.DistributedDataParallel`` averages them uncompressed): the same conventions
+    (the model is synchronized by the manager at step 0, not by DDP; buckets are never rebuilt, so
+    that a healed group's match the others'). ``spec``: any hook spec on a flat group (a compressor,
+    error feedback, ``allreduce``; not ``local_size``). ``group``: the process group the manager
+    reconfigures (default: the manager's own). The hook's state is :attr:`gradcomp_state`."""
+
+    def __init__(self, manager: Any, module: nn.Module, spec: HookSpecLike, *, group: Any = None,
+                 **kwargs: Any) -> None:  # fmt: skip
+        from torchft.process_group import ProcessGroupDummy
+
+        parsed = HookSpec.parse(spec)
+        if parsed.compressor is None:
+            raise ValueError(f"{parsed} sends nothing: fault tolerance needs an averaging hook")
+        if parsed.local_size > 1:
+            raise ValueError("local_size makes node groups, which torchft's reconfigured group cannot carry")
+        # torchft's own choices: a dummy group soaks up DDP's initial broadcast (the manager syncs
+        # the model), and unused-parameter detection keeps DDP from rebuilding its buckets
+        super().__init__(module, process_group=ProcessGroupDummy(0, 1), find_unused_parameters=True, **kwargs)
+        pg = group if group is not None else manager._pg  # the group the manager configures at each quorum
+        self.gradcomp_state = FaultTolerantState(manager, parsed, pg)
+        self.register_comm_hook(self.gradcomp_state, hook)
