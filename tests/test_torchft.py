@@ -9,6 +9,8 @@ bitwise, for every kind of payload."""
 from __future__ import annotations
 
 import datetime
+import pickle
+import time
 from typing import Any
 
 import pytest
@@ -168,3 +170,120 @@ def test_a_hook_through_torchfts_manager_trains_as_on_plain_ddp() -> None:
     does on DDP over the world, bitwise: allreduce, a compressor with error feedback, a gather."""
     run_checks(2, trained_through_torchft, (["allreduce", "quantize:bits=4,ef=true", "topk:ratio=0.25,ef=true"],),
                timeout=220)  # fmt: skip
+
+
+def replica_group(replica: int, lighthouse: str, spec: str, steps: int, die_at: int | None, mid_step: bool,
+                  shared: Any, results: Any) -> None:  # fmt: skip
+    """One replica group of one rank in a process of its own: the toy model trained through torchft's
+    manager with a gradcomp hook until the groups' step count reaches ``steps`` and the group that
+    died has rejoined (``shared["rejoined"]``, set by it after its first committed step); at
+    ``die_at`` it kills itself (SIGKILL: no goodbye), before the step or (``mid_step``) after its
+    forward, while the others' collectives wait for it. Replica 0 posts its step in
+    ``shared["progress"]``. Puts (replica, final parameters, steps committed and attempted here, how
+    many quorum groups its hook averaged on, whether a step's averaging failed, the final step) on
+    ``results``."""
+    import os
+    import signal
+
+    import torch.nn.functional as F
+    import torchft.optim
+
+    from gradcomp.hooks.fault_tolerant import DistributedDataParallel
+    from tests.toy_ddp import BUCKET_CAP_MB, toy_batches, toy_model
+
+    torch.set_num_threads(1)
+    manager = replica_manager(replica, 2, lighthouse, timeout=10.0)  # at least 2 groups per step
+    model = DistributedDataParallel(manager, toy_model(), spec, bucket_cap_mb=BUCKET_CAP_MB)
+    optimizer = torchft.optim.OptimizerWrapper(manager, torch.optim.SGD(model.parameters(), lr=0.05))
+    manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
+    manager.register_state_dict_fn("optim", optimizer.load_state_dict, optimizer.state_dict)
+    batches = toy_batches(replica, steps)
+    committed, attempted, restarted = 0, 0, die_at is None and replica == 2
+    deadline = time.monotonic() + 90  # a bound, should the group that died never come back
+    while time.monotonic() < deadline:
+        step = manager.current_step()
+        if step >= steps and shared["rejoined"].value:
+            break
+        dies = die_at is not None and step == die_at
+        if dies and not mid_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if replica == 0:
+            shared["progress"].value = step
+        x, y = batches[step % steps]
+        attempted += 1
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        if dies:  # in the step's quorum, then gone: the others' collectives of this step wait for it
+            manager.wait_quorum()
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss.backward()
+        if manager.should_commit():
+            committed += 1
+            optimizer.optim.step()
+            if restarted:
+                shared["rejoined"].value = 1
+        time.sleep(0.02)  # steps of a few tens of ms: the loss and the rejoin span several of them
+    parameters = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    # pickled by value: a tensor through the queue's pickler is served by this process until it exits
+    state = model.gradcomp_state
+    outcome = (parameters, committed, attempted, state.quorums, state.error is not None, manager.current_step())
+    results.put(pickle.dumps((replica, *outcome)))
+    manager.shutdown(wait=False)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("spec", "mid_step"), [("quantize:bits=4,ef=true", True), ("topk:ratio=0.25,ef=true", False)])
+def test_a_lost_replica_group_leaves_the_others_training_and_heals_when_restarted(spec: str, mid_step: bool) -> None:
+    """Three replica groups; the third is killed (SIGKILL) at step 4, between steps or while the
+    others' collectives wait for it (their step fails, is reported and not committed), and started
+    again once the others have trained three steps without it: they go on without it (losing at
+    most the broken step and one while the quorum settles), it heals from a live one at their step
+    and rejoins, and all three end at the same step with the same parameters."""
+    import queue
+
+    from torchft.coordination import LighthouseServer
+
+    from gradcomp.launch import rank_context
+
+    context = rank_context()
+    results = context.Queue()
+    shared = {"progress": context.Value("i", 0), "rejoined": context.Value("i", 0)}
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000)
+    steps, die_at = 12, 4
+    processes = [context.Process(target=replica_group, args=(r, lighthouse.address(), spec, steps,
+                                                              die_at if r == 2 else None, mid_step, shared, results))
+                 for r in range(3)]  # fmt: skip
+    finished: dict[int, tuple[Any, ...]] = {}
+    try:
+        for process in processes:
+            process.start()
+        processes[2].join(timeout=120)
+        assert processes[2].exitcode == -9, "the third group was to die by SIGKILL"
+        deadline = time.monotonic() + 60
+        while shared["progress"].value < die_at + 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert shared["progress"].value >= die_at + 3, "the two groups left did not go on"
+        processes.append(context.Process(target=replica_group, args=(2, lighthouse.address(), spec, steps, None,
+                                                                     False, shared, results)))  # fmt: skip
+        processes[-1].start()
+        for _ in range(3):
+            replica, *rest = pickle.loads(results.get(timeout=150))
+            finished[replica] = tuple(rest)
+    except queue.Empty:
+        pytest.fail(f"only replicas {sorted(finished)} finished")
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+        lighthouse.shutdown()
+    assert sorted(finished) == [0, 1, 2]
+    first, last_step = finished[0][0], finished[0][-1]
+    assert all(torch.equal(outcome[0], first) and outcome[-1] == last_step for outcome in finished.values())
+    for _, committed, attempted, quorums, failed, _ in (finished[0], finished[1]):
+        # the survivors lose the step the death broke (mid-step: their collectives failed, which was
+        # reported and not committed) and at most one more while the quorum settles, and averaged
+        # on three quorum groups: all three, the two, all three again
+        assert (1 if mid_step else 0) <= attempted - committed <= 2 and failed == mid_step, finished
+        assert quorums >= 3, finished
+    assert finished[2][1] < last_step - die_at - 2, finished  # it healed at the survivors' step, not from 0
