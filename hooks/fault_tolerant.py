@@ -18,12 +18,14 @@ bucket comes back as it was, ``should_commit`` says no on every group, and the n
 without the dead group.
 
 State across quorums: the engine is made again when the quorum's group changes (a group lost or
-joined), with an empty compressor state: error feedback's residuals (and momentum correction's
-velocities, PowerSGD's warm starts) restart from zero on every group. What they held (the part of
-past gradients that compression had not sent yet) is dropped, once per quorum change. A healed
-group gets the model and the optimizer from a live peer (torchft's checkpoint transport) and starts
-with an empty compressor state too: residuals are a group's own unsent gradients, which no peer
-holds.
+joined, the world size with it) or a step failed. What error feedback had not sent yet (each
+tensor's residual, in units of the gradient over the old world size) is carried over: taken from the
+old engine and added to the tensor's next gradient times the old world size, so that it reaches the
+average once, whatever the new world size (as ``auto`` hands residuals between its candidates). The
+rest of the compressor state starts anew: momentum correction's velocities, EF21's estimates,
+PowerSGD's warm starts, the noise counters. A healed group gets the model and the optimizer from a
+live peer (torchft's checkpoint transport) and starts with an empty compressor state: residuals are
+a group's own unsent gradients, which no peer holds.
 """
 
 # No ``from __future__ import annotations`` here: DDP checks a hook's annotations at run time.
@@ -55,6 +57,10 @@ class FaultTolerantState:
         self._made_for: tuple[int, int, int] | None = None
         self._failed = False
         self._records: list[Any] = []
+        self._shapes: dict[Any, torch.Size] = {}  # per key, its tensor's shape (as buckets showed it)
+        self.pending: dict[Any, Tensor] = {}
+        """Per key, what an engine of an earlier quorum had not sent yet (times its world size), added
+        to the tensor's next gradient."""
 
     def failed(self, error: BaseException) -> None:
         """A step's averaging failed here: reported to the manager (which discards the step), and
@@ -71,10 +77,34 @@ class FaultTolerantState:
             self._failed = False
             if self.engine is not None:
                 self._records.extend(self.engine.records)
+                self._take_residuals(self.engine)
             self.engine = Engine(self.spec, group=self.group, own_group=False)
             self._made_for = current
             self.quorums += 1
         return self.engine
+
+    def _take_residuals(self, engine: Engine) -> None:
+        """What ``engine`` had not sent yet of every tensor, kept in gradient units until it is added."""
+        for key, shape in self._shapes.items():
+            residual = engine.take_residual(key, shape)
+            if residual is not None:
+                residual.mul_(engine.world)
+                held = self.pending.get(key)
+                self.pending[key] = residual if held is None else held.add_(residual)
+
+    def remember(self, keys: list[Any], shapes: list[torch.Size]) -> None:
+        """The shapes of a bucket's tensors, by key (what a residual is taken back in)."""
+        self._shapes.update(zip(keys, shapes, strict=True))
+
+    def add_pending(self, buffer: Tensor, keys: list[Any], shapes: list[torch.Size]) -> None:
+        """The carried residuals of a bucket's tensors added to their gradients in ``buffer``."""
+        at = 0
+        for key, shape in zip(keys, shapes, strict=True):
+            numel = shape.numel()
+            held = self.pending.pop(key, None)
+            if held is not None:
+                buffer[at : at + numel].add_(held.reshape(-1).to(buffer.dtype))
+            at += numel
 
     def steps_since(self, first: int) -> list[StepStats]:
         """Per step, what averaging cost (``TrainingHookState.steps_since``), across quorums."""
@@ -98,6 +128,9 @@ def hook(state: FaultTolerantState, bucket: GradBucket) -> torch.futures.Future[
         if engine.per_tensor:
             parameters = bucket.parameters()
             keys, shapes = state.keys(parameters), shapes_of(parameters)
+            state.remember(keys, shapes)
+            if state.pending and manager.is_participating():
+                state.add_pending(buffer, keys, shapes)
         handle = engine.reduce(buffer, keys, shapes, bucket.index(), bucket.is_last())
         if bucket.is_last():
             engine.end_step()

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import Failures, identical_on_all_ranks, run_checks
+from tests.distributed import Failures, identical_on_all_ranks, run_checks, spawn_ranks
 
 pytest.importorskip("torchft")
 
@@ -287,3 +287,61 @@ def test_a_lost_replica_group_leaves_the_others_training_and_heals_when_restarte
         assert (1 if mid_step else 0) <= attempted - committed <= 2 and failed == mid_step, finished
         assert quorums >= 3, finished
     assert finished[2][1] < last_step - die_at - 2, finished  # it healed at the survivors' step, not from 0
+
+
+def made_again_mid_run(rank: int, world: int, spec: str) -> list[float]:
+    """The toy model trained 6 steps through torchft, the hook's engine made again at step 3 (as at
+    a quorum change), with the residuals carried and with them dropped: per way, the largest
+    difference from gradcomp's hook on plain DDP trained straight through."""
+    import torch.nn.functional as F
+    import torchft.optim
+
+    from gradcomp import hooks
+    from gradcomp.hooks.fault_tolerant import DistributedDataParallel, FaultTolerantState
+    from tests.toy_ddp import BUCKET_CAP_MB, toy_batches, toy_model
+
+    batches = toy_batches(rank, 6)
+    reference = torch.nn.parallel.DistributedDataParallel(toy_model(), bucket_cap_mb=BUCKET_CAP_MB,
+                                                          find_unused_parameters=True)  # fmt: skip
+    hooks.register(reference, spec)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in batches:
+        plain.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        plain.step()
+    straight = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
+    differences = []
+    for carried in (True, False):
+        server, lighthouse = lighthouse_address(rank, world)
+        manager = replica_manager(rank, world, lighthouse)
+        try:
+            model = DistributedDataParallel(manager, toy_model(), spec, bucket_cap_mb=BUCKET_CAP_MB)
+            state = model.gradcomp_state
+            if not carried:  # what the hook did before it carried them: the residuals dropped
+                state._take_residuals = lambda engine: None  # type: ignore[method-assign]
+            optimizer = torchft.optim.OptimizerWrapper(manager, torch.optim.SGD(model.parameters(), lr=0.1))
+            for step, (x, y) in enumerate(batches):
+                if step == 3:
+                    state._failed = True  # the engine is made again at this step's first bucket
+                optimizer.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                optimizer.step()
+            assert isinstance(state, FaultTolerantState) and state.quorums == 2 and not state.pending
+            trained = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            differences.append(float((trained - straight).abs().max()))
+        finally:
+            manager.shutdown(wait=False)
+            dist.barrier()
+            if server is not None:
+                server.shutdown()
+    return differences
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("spec", ["topk:ratio=0.25,ef=true", "quantize:bits=4,rounding=nearest,ef=true"])
+def test_an_engine_made_again_carries_what_error_feedback_had_not_sent(spec: str) -> None:
+    """At a quorum change the hook's engine is made again; the residuals it had not sent are added
+    to the next gradients (times the old world size): the run trains as one straight through,
+    bitwise at 2 groups (times 2, then over 2, is exact), where dropping them moves the weights."""
+    for carried, dropped in spawn_ranks(2, made_again_mid_run, (spec,), timeout=220):
+        assert carried == 0.0 and dropped > 1e-4, (carried, dropped)
