@@ -53,7 +53,8 @@ class FaultTolerantState:
         self.error: BaseException | None = None
         """The last error a step's averaging reported to the manager (its step was discarded)."""
         self.quorums = 0
-        """How many quorum groups the hook has averaged on (1 while nothing changed)."""
+        """How many engines the hook has made: one per quorum group it averaged on, and one after
+        each step that failed here (1 while nothing changed)."""
         self._made_for: tuple[int, int, int] | None = None
         self._failed = False
         self._records: list[Any] = []
