@@ -345,3 +345,35 @@ def test_an_engine_made_again_carries_what_error_feedback_had_not_sent(spec: str
     bitwise at 2 groups (times 2, then over 2, is exact), where dropping them moves the weights."""
     for carried, dropped in spawn_ranks(2, made_again_mid_run, (spec,), timeout=220):
         assert carried == 0.0 and dropped > 1e-4, (carried, dropped)
+
+
+@pytest.mark.timeout(180)
+def test_the_torchft_example_trains_two_replica_groups() -> None:
+    """``examples/torchft/train.py`` as its docstring runs it (a store per group, as torchrun's): two
+    groups under a lighthouse train 40 steps, every step averaged over both."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    from torchft.coordination import LighthouseServer
+
+    example = pathlib.Path(__file__).parent.parent / "examples" / "torchft" / "train.py"
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=2000)
+    stores = [dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False) for _ in range(2)]
+    try:
+        runs = [
+            subprocess.Popen(
+                [sys.executable, str(example), "--steps", "40", "--min-groups", "2"],
+                env={**os.environ, "REPLICA_GROUP_ID": str(g), "TORCHFT_LIGHTHOUSE": lighthouse.address(),
+                     "MASTER_ADDR": "localhost", "MASTER_PORT": str(stores[g].port), "RANK": "0", "WORLD_SIZE": "1"},
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )
+            for g in range(2)
+        ]  # fmt: skip
+        outputs = [run.communicate(timeout=150)[0] for run in runs]
+    finally:
+        lighthouse.shutdown()
+    assert [run.returncode for run in runs] == [0, 0], outputs
+    for g, output in enumerate(outputs):
+        assert f"group {g} step 40 " in output and "groups 2" in output, output
