@@ -28,6 +28,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -148,6 +149,17 @@ def test_sweep_configs_in_the_docs_are_valid(where: str, marker: str | None, cod
     assert runs
 
 
+def _example(path: str) -> Any:
+    """An example script of the repository as a module (its ``command_parser``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("example", ROOT / path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def command_lines() -> list[tuple[str, str]]:
     """(where, line) of every command line of the ``sh`` blocks, continuations joined."""
     lines = []
@@ -180,7 +192,12 @@ def test_command_lines_in_the_docs_parse(where: str, line: str) -> None:
     elif words[:1] == ["torchrun"]:
         script = next(i for i, w in enumerate(words) if w.endswith(".py") or w == "-m")
         skip = 2 if words[script] == "-m" else 1
-        training_run.command_parser().parse_args(words[script + skip :])
+        parser = _example(words[script]).command_parser() if words[script].startswith("examples/") else None
+        (parser or training_run.command_parser()).parse_args(words[script + skip :])
+    elif words[:1] == ["torchft_lighthouse"]:  # its flags as torchft's own command lists them
+        listed = subprocess.run([str(Path(sys.executable).parent / words[0]), "--help"], capture_output=True,
+                                text=True, timeout=30).stdout  # fmt: skip
+        assert all(w in listed for w in words[1:] if w.startswith("--")), f"{where}: {line}"
     elif words[:2] == ["accelerate", "launch"]:
         from accelerate.commands.launch import launch_command_parser
 

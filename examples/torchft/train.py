@@ -27,12 +27,16 @@ from torch import nn
 from gradcomp.hooks.fault_tolerant import DistributedDataParallel
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def command_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--spec", default="topk:ratio=0.01,ef=true", help="a gradcomp hook spec")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--min-groups", type=int, default=1, help="the fewest replica groups a step needs")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = command_parser().parse_args()
     group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
 
     torch.manual_seed(0)  # the same initial model in every group (it is synced from a peer at step 0 too)
