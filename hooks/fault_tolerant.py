@@ -29,6 +29,7 @@ a group's own unsent gradients, which no peer holds.
 """
 
 # No ``from __future__ import annotations`` here: DDP checks a hook's annotations at run time.
+import collections
 from typing import Any
 
 import torch
@@ -57,7 +58,7 @@ class FaultTolerantState:
         each step that failed here (1 while nothing changed)."""
         self._made_for: tuple[int, int, int] | None = None
         self._failed = False
-        self._records: list[Any] = []
+        self._records: collections.deque[Any] = collections.deque(maxlen=10_000)  # earlier engines' records
         self._shapes: dict[Any, torch.Size] = {}  # per key, its tensor's shape (as buckets showed it)
         self.pending: dict[Any, Tensor] = {}
         """Per key, what an engine of an earlier quorum had not sent yet (times its world size), added
@@ -123,14 +124,15 @@ def hook(state: FaultTolerantState, bucket: GradBucket) -> torch.futures.Future[
         return _done(buffer)
     try:
         engine = state.engine_for_quorum(bucket.index() == 0)
-        if not manager.is_participating():  # healing: its gradients are not the others' model's
+        participating = manager.is_participating()
+        if not participating:  # healing: its gradients are not the others' model's
             buffer.zero_()
         keys, shapes = None, None
         if engine.per_tensor:
             parameters = bucket.parameters()
             keys, shapes = state.keys(parameters), shapes_of(parameters)
             state.remember(keys, shapes)
-            if state.pending and manager.is_participating():
+            if state.pending and participating:  # else they wait for a step it takes part in
                 state.add_pending(buffer, keys, shapes)
         handle = engine.reduce(buffer, keys, shapes, bucket.index(), bucket.is_last())
         if bucket.is_last():

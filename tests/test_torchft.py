@@ -8,9 +8,11 @@ bitwise, for every kind of payload."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import pickle
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -44,8 +46,6 @@ def torchft_group(rank: int, world: int, prefix: str) -> Any:
 
 
 def engines_agree(rank: int, world: int) -> list[str]:
-    import contextlib
-
     from gradcomp import host
     from gradcomp.collectives.groups import rank_of, registered, size_of
     from gradcomp.engine import Engine
@@ -102,14 +102,52 @@ def replica_manager(rank: int, world: int, lighthouse: str, timeout: float = 30.
     return manager
 
 
-def lighthouse_address(rank: int, world: int) -> tuple[Any, str]:
-    """Rank 0 serves the lighthouse (kept alive by the caller); every rank learns its address."""
+@contextlib.contextmanager
+def served_lighthouse(rank: int, world: int) -> Iterator[str]:
+    """Rank 0 serves a lighthouse for the block; every rank gets its address. It goes once every rank
+    is done with it (one per run: the last run's replicas are gone)."""
     from torchft.coordination import LighthouseServer
 
     server = LighthouseServer(bind="[::]:0", min_replicas=world) if rank == 0 else None
     address = [server.address() if server is not None else ""]
     dist.broadcast_object_list(address, src=0)
-    return server, address[0]
+    try:
+        yield address[0]
+    finally:
+        dist.barrier()
+        if server is not None:
+            server.shutdown()
+
+
+@contextlib.contextmanager
+def replica(rank: int, world: int) -> Iterator[Any]:
+    """This rank as a replica group of one under a lighthouse of its own, for the block."""
+    with served_lighthouse(rank, world) as lighthouse:
+        manager = replica_manager(rank, world, lighthouse)
+        try:
+            yield manager
+        finally:
+            manager.shutdown(wait=False)
+
+
+def trained_on_plain_ddp(spec: str, batches: list[Any]) -> torch.nn.Module:
+    """The toy model trained on ``batches`` with gradcomp's hook on plain DDP over the world, made as
+    torchft's DDP is (no bucket rebuild: the order DDP first hands the parameters over numbers them,
+    and with them the keys that stochastic rounding's noise follows)."""
+    import torch.nn.functional as F
+
+    from gradcomp import hooks
+    from tests.toy_ddp import BUCKET_CAP_MB, toy_model
+
+    reference = torch.nn.parallel.DistributedDataParallel(toy_model(), bucket_cap_mb=BUCKET_CAP_MB,
+                                                          find_unused_parameters=True)  # fmt: skip
+    hooks.register(reference, spec)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in batches:
+        optimizer.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        optimizer.step()
+    return reference
 
 
 def trained_through_torchft(rank: int, world: int, specs: list[str]) -> list[str]:
@@ -118,7 +156,6 @@ def trained_through_torchft(rank: int, world: int, specs: list[str]) -> list[str
     import torch.nn.functional as F
     import torchft.optim
 
-    from gradcomp import hooks
     from gradcomp.hooks.fault_tolerant import DistributedDataParallel
     from tests.distributed import parameters_identical_on_all_ranks
     from tests.toy_ddp import BUCKET_CAP_MB, toy_batches, toy_model
@@ -126,9 +163,7 @@ def trained_through_torchft(rank: int, world: int, specs: list[str]) -> list[str
     failures = Failures()
     batches = toy_batches(rank, 4)
     for text in specs:
-        server, lighthouse = lighthouse_address(rank, world)  # one per run: the last run's replicas are gone
-        manager = replica_manager(rank, world, lighthouse)
-        try:
+        with replica(rank, world) as manager:
             model = DistributedDataParallel(manager, toy_model(), text, bucket_cap_mb=BUCKET_CAP_MB)
             optimizer = torchft.optim.OptimizerWrapper(manager, torch.optim.SGD(model.parameters(), lr=0.1))
             # what a healing replica fetches from a live one (step 0 syncs every replica from one)
@@ -141,26 +176,12 @@ def trained_through_torchft(rank: int, world: int, specs: list[str]) -> list[str
                 if manager.should_commit():  # OptimizerWrapper.step, counting the commits
                     committed += 1
                     optimizer.optim.step()
-            # as torchft's DDP is made (no bucket rebuild): the order DDP first hands the parameters
-            # over numbers them, and with them the keys that stochastic rounding's noise follows
-            reference = torch.nn.parallel.DistributedDataParallel(toy_model(), bucket_cap_mb=BUCKET_CAP_MB,
-                                                                  find_unused_parameters=True)  # fmt: skip
-            hooks.register(reference, text)
-            plain = torch.optim.SGD(reference.parameters(), lr=0.1)
-            for x, y in batches:
-                plain.zero_grad()
-                F.cross_entropy(reference(x), y).backward()
-                plain.step()
-            failures.expect(committed == len(batches), f"{text}: {committed} of {len(batches)} steps committed")
-            same = all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
-            failures.expect(same, f"{text}: trained through torchft, the parameters differ from gradcomp's own hook's")
-            failures.expect(parameters_identical_on_all_ranks(list(model.parameters())), f"{text}: replicas differ")
-            failures.expect(model.gradcomp_state.quorums == 1 and model.gradcomp_state.error is None, f"{text}: state")
-        finally:
-            manager.shutdown(wait=False)
-            dist.barrier()  # both replicas done before the lighthouse goes
-            if server is not None:
-                server.shutdown()
+        reference = trained_on_plain_ddp(text, batches)
+        failures.expect(committed == len(batches), f"{text}: {committed} of {len(batches)} steps committed")
+        same = all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+        failures.expect(same, f"{text}: trained through torchft, the parameters differ from gradcomp's own hook's")
+        failures.expect(parameters_identical_on_all_ranks(list(model.parameters())), f"{text}: replicas differ")
+        failures.expect(model.gradcomp_state.quorums == 1 and model.gradcomp_state.error is None, f"{text}: state")
     return failures
 
 
@@ -296,25 +317,14 @@ def made_again_mid_run(rank: int, world: int, spec: str) -> list[float]:
     import torch.nn.functional as F
     import torchft.optim
 
-    from gradcomp import hooks
-    from gradcomp.hooks.fault_tolerant import DistributedDataParallel, FaultTolerantState
+    from gradcomp.hooks.fault_tolerant import DistributedDataParallel
     from tests.toy_ddp import BUCKET_CAP_MB, toy_batches, toy_model
 
     batches = toy_batches(rank, 6)
-    reference = torch.nn.parallel.DistributedDataParallel(toy_model(), bucket_cap_mb=BUCKET_CAP_MB,
-                                                          find_unused_parameters=True)  # fmt: skip
-    hooks.register(reference, spec)
-    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for x, y in batches:
-        plain.zero_grad()
-        F.cross_entropy(reference(x), y).backward()
-        plain.step()
-    straight = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
+    straight = torch.cat([p.detach().reshape(-1) for p in trained_on_plain_ddp(spec, batches).parameters()])
     differences = []
     for carried in (True, False):
-        server, lighthouse = lighthouse_address(rank, world)
-        manager = replica_manager(rank, world, lighthouse)
-        try:
+        with replica(rank, world) as manager:
             model = DistributedDataParallel(manager, toy_model(), spec, bucket_cap_mb=BUCKET_CAP_MB)
             state = model.gradcomp_state
             if not carried:  # what the hook did before it carried them: the residuals dropped
@@ -326,14 +336,9 @@ def made_again_mid_run(rank: int, world: int, spec: str) -> list[float]:
                 optimizer.zero_grad()
                 F.cross_entropy(model(x), y).backward()
                 optimizer.step()
-            assert isinstance(state, FaultTolerantState) and state.quorums == 2 and not state.pending
-            trained = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-            differences.append(float((trained - straight).abs().max()))
-        finally:
-            manager.shutdown(wait=False)
-            dist.barrier()
-            if server is not None:
-                server.shutdown()
+        assert state.quorums == 2 and not state.pending
+        trained = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        differences.append(float((trained - straight).abs().max()))
     return differences
 
 
@@ -351,34 +356,31 @@ def example_run(rank: int, world: int, steps: int) -> str:
     """``examples/torchft/train.py`` run as its docstring runs it, in this rank: a replica group of
     its own under rank 0's lighthouse, with a store of its own (torchrun's), the environment torchrun
     and the recipe give it; what it printed."""
-    import contextlib
     import io
     import os
     import pathlib
     import runpy
     import sys
 
-    server, lighthouse = lighthouse_address(rank, world)
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     example = pathlib.Path(__file__).parent.parent / "examples" / "torchft" / "train.py"
-    given = {"REPLICA_GROUP_ID": str(rank), "TORCHFT_LIGHTHOUSE": lighthouse, "MASTER_ADDR": "localhost",
-             "MASTER_PORT": str(store.port), "RANK": "0", "WORLD_SIZE": "1"}  # fmt: skip
-    saved, argv, printed = {k: os.environ.get(k) for k in given}, sys.argv, io.StringIO()
-    os.environ.update(given)
-    sys.argv = [str(example), "--steps", str(steps), "--min-groups", str(world)]
-    try:
-        with contextlib.redirect_stdout(printed):
-            runpy.run_path(str(example), run_name="__main__")
-    finally:
-        sys.argv = argv
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        dist.barrier()
-        if server is not None:
-            server.shutdown()
+    printed = io.StringIO()
+    with served_lighthouse(rank, world) as lighthouse:
+        given = {"REPLICA_GROUP_ID": str(rank), "TORCHFT_LIGHTHOUSE": lighthouse, "MASTER_ADDR": "localhost",
+                 "MASTER_PORT": str(store.port), "RANK": "0", "WORLD_SIZE": "1"}  # fmt: skip
+        saved, argv = {k: os.environ.get(k) for k in given}, sys.argv
+        os.environ.update(given)
+        sys.argv = [str(example), "--steps", str(steps), "--min-groups", str(world)]
+        try:
+            with contextlib.redirect_stdout(printed):
+                runpy.run_path(str(example), run_name="__main__")
+        finally:
+            sys.argv = argv
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
     return printed.getvalue()
 
 

@@ -61,7 +61,7 @@ def main() -> None:
         if manager.current_step() % 20 == 0:
             print(f"group {group} step {manager.current_step()} loss {loss.item():.4f} "
                   f"groups {manager.num_participants()}", flush=True)  # fmt: skip
-    manager.shutdown(wait=False)
+    manager.shutdown()  # waits for its threads: a process that exits past them aborts
 
 
 if __name__ == "__main__":

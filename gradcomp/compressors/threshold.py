@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -66,11 +67,11 @@ class Threshold(ByRows, SparseCompressor):
     def declare(cls, config: CompressorConfig) -> Capabilities:
         return dataclasses.replace(super().declare(config), measures=True, whole_part=True)  # as many as pass tau
 
-    def __init__(self, config: CompressorConfig | None = None, *, seed: int = 0, rank: int = 0) -> None:
-        super().__init__(config, seed=seed, rank=rank)
-        self.measured_rows = PartBuffers()
+    @functools.cached_property
+    def measured_rows(self) -> PartBuffers:
         """A part's rows between :meth:`measure_part` (backward's thread) and
         :meth:`compress_measured_part` (the executor's), where a thread's workspace would not do."""
+        return PartBuffers()
 
     def compress(
         self, tensor: Tensor, key: Key = None, shapes: Sequence[torch.Size] | None = None
@@ -112,6 +113,7 @@ class Threshold(ByRows, SparseCompressor):
         if span is None:
             return super().compress_part(buffer, segments, divisor)
         flat = buffer[span[0] : span[1]].div_(divisor)
+        # the count read here is free on the CPU; an accelerator's path is measure_part's (no read)
         return [(self.sparse_payload(flat, host.nonzero(self._selected(flat))), SpanMeta(*span))]
 
     def measure_part(
