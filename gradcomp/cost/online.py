@@ -38,6 +38,10 @@ from gradcomp.engine import Engine
 from gradcomp.engine.spec import HookSpec
 from gradcomp.flat import views
 
+KERNEL_REPEATS = 3
+"""Timings of each kernel on a real gradient (their median): one descheduling of a busy machine
+(milliseconds, beside kernels of microseconds) must not price a whole method."""
+
 PROBE_BYTES = (4 << 10, 64 << 10, 1 << 20)
 """All-reduce and all-gather sizes that fit the link, beside the largest bucket's (2 to 16 MiB)."""
 PROBE_REPEATS = 3
@@ -182,10 +186,12 @@ def kernel_costs(
         samples = []
         for identity, flat in gradients.items():
             if compressor.capabilities.elementwise:
-                samples += kernels.time_tensor(compressor, flat, ("online", identity), repeats=1)
+                samples += kernels.time_tensor(compressor, flat, ("online", identity), repeats=KERNEL_REPEATS)
                 continue
             for key, part in zip(identity, views(flat, shapes[identity]), strict=True):
-                samples += kernels.time_tensor(compressor, part, ("online", key), repeats=1, peers=(world,))
+                samples += kernels.time_tensor(
+                    compressor, part, ("online", key), repeats=KERNEL_REPEATS, peers=(world,)
+                )
         kernel = kernels.fit(samples)
         if engine_seconds is None:
             costs[spec] = kernel
