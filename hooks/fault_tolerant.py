@@ -29,89 +29,52 @@ a group's own unsent gradients, which no peer holds.
 """
 
 # No ``from __future__ import annotations`` here: DDP checks a hook's annotations at run time.
-import collections
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.distributed import GradBucket
 
-from gradcomp.collectives.groups import rank_of, size_of
 from gradcomp.engine import Engine
+from gradcomp.engine.quorum import QuorumEngine
 from gradcomp.engine.spec import HookSpec, HookSpecLike
-from gradcomp.engine.stats import StepStats, steps_since
+from gradcomp.engine.stats import StepStats
 from gradcomp.hooks.ddp import ParameterKeys, shapes_of
 
 
 class FaultTolerantState:
     """What the hook keeps between steps: the manager, the spec, and the engine of the current
-    quorum's group (made again when the group changes: the module's notes)."""
+    quorum's group (:class:`~gradcomp.engine.quorum.QuorumEngine`: made again when the group changes
+    or a step failed, its residuals carried)."""
 
     def __init__(self, manager: Any, spec: HookSpec, group: Any) -> None:
         self.manager, self.spec, self.group = manager, spec, group
-        self.engine: Engine | None = None
+        self.engines = QuorumEngine(spec, group)
         self.keys = ParameterKeys()
         self.error: BaseException | None = None
         """The last error a step's averaging reported to the manager (its step was discarded)."""
-        self.quorums = 0
+
+    @property
+    def engine(self) -> Engine | None:
+        """The current quorum's engine (None before the first bucket)."""
+        return self.engines.engine
+
+    @property
+    def quorums(self) -> int:
         """How many engines the hook has made: one per quorum group it averaged on, and one after
         each step that failed here (1 while nothing changed)."""
-        self._made_for: tuple[int, int, int] | None = None
-        self._failed = False
-        self._records: collections.deque[Any] = collections.deque(maxlen=10_000)  # earlier engines' records
-        self._shapes: dict[Any, torch.Size] = {}  # per key, its tensor's shape (as buckets showed it)
-        self.pending: dict[Any, Tensor] = {}
-        """Per key, what an engine of an earlier quorum had not sent yet (times its world size), added
-        to the tensor's next gradient."""
+        return self.engines.quorums
 
     def failed(self, error: BaseException) -> None:
         """A step's averaging failed here: reported to the manager (which discards the step), and
         the engine made again at the next step."""
-        self.error, self._failed = error, True
+        self.error = error
+        self.engines.failed()
         self.manager.report_error(error)
-
-    def engine_for_quorum(self, first: bool) -> Engine:
-        """The engine of the current quorum's group: made again at a step's ``first`` bucket when the
-        group changed or the last step failed here (an engine whose collectives failed starts over)."""
-        current = (size_of(self.group), rank_of(self.group), id(getattr(self.group, "parent", self.group)))
-        stale = current != self._made_for or self._failed
-        if self.engine is None or (first and stale):
-            self._failed = False
-            if self.engine is not None:
-                self._records.extend(self.engine.records)
-                self._take_residuals(self.engine)
-            self.engine = Engine(self.spec, group=self.group, own_group=False)
-            self._made_for = current
-            self.quorums += 1
-        return self.engine
-
-    def _take_residuals(self, engine: Engine) -> None:
-        """What ``engine`` had not sent yet of every tensor, kept in gradient units until it is added."""
-        for key, shape in self._shapes.items():
-            residual = engine.take_residual(key, shape)
-            if residual is not None:
-                residual.mul_(engine.world)
-                held = self.pending.get(key)
-                self.pending[key] = residual if held is None else held.add_(residual)
-
-    def remember(self, keys: list[Any], shapes: list[torch.Size]) -> None:
-        """The shapes of a bucket's tensors, by key (what a residual is taken back in)."""
-        self._shapes.update(zip(keys, shapes, strict=True))
-
-    def add_pending(self, buffer: Tensor, keys: list[Any], shapes: list[torch.Size]) -> None:
-        """The carried residuals of a bucket's tensors added to their gradients in ``buffer``."""
-        at = 0
-        for key, shape in zip(keys, shapes, strict=True):
-            numel = shape.numel()
-            held = self.pending.pop(key, None)
-            if held is not None:
-                buffer[at : at + numel].add_(held.reshape(-1).to(buffer.dtype))
-            at += numel
 
     def steps_since(self, first: int) -> list[StepStats]:
         """Per step, what averaging cost (``TrainingHookState.steps_since``), across quorums."""
-        records = [*self._records, *(self.engine.records if self.engine is not None else [])]
-        return steps_since(records, first)
+        return self.engines.steps_since(first)
 
 
 def hook(state: FaultTolerantState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
@@ -123,7 +86,8 @@ def hook(state: FaultTolerantState, bucket: GradBucket) -> torch.futures.Future[
     if manager.errored() is not None:  # this step is lost already: nothing more to send
         return _done(buffer)
     try:
-        engine = state.engine_for_quorum(bucket.index() == 0)
+        engines = state.engines
+        engine = engines.current(renew=bucket.index() == 0)
         participating = manager.is_participating()
         if not participating:  # healing: its gradients are not the others' model's
             buffer.zero_()
@@ -131,9 +95,9 @@ def hook(state: FaultTolerantState, bucket: GradBucket) -> torch.futures.Future[
         if engine.per_tensor:
             parameters = bucket.parameters()
             keys, shapes = state.keys(parameters), shapes_of(parameters)
-            state.remember(keys, shapes)
-            if state.pending and participating:  # else they wait for a step it takes part in
-                state.add_pending(buffer, keys, shapes)
+            engines.remember(keys, shapes)
+            if engines.pending and participating:  # else they wait for a step it takes part in
+                engines.add_pending(buffer, keys, shapes)
         handle = engine.reduce(buffer, keys, shapes, bucket.index(), bucket.is_last())
         if bucket.is_last():
             engine.end_step()

@@ -37,6 +37,7 @@ from tests.toy_ddp import sgd_steps, toy_batches, toy_model, wrap
         ("diloco:every=50", "diloco:every=50"),
         ("diloco:every=50,outer_lr=0.7,momentum=0.9,nesterov=true", "diloco:every=50"),
         ("diloco:every=20,fragments=4,delay=2", "diloco:every=20,fragments=4,delay=2"),
+        ("diloco:every=20,fragments=4,delay=2,early=true", "diloco:every=20,fragments=4,delay=2,early=true"),
         (
             "diloco:every=20,momentum=0.5,nesterov=false,mix=0.25",
             "diloco:every=20,momentum=0.5,nesterov=false,mix=0.25",
@@ -61,7 +62,7 @@ def test_the_defaults_are_the_papers() -> None:
     ("text", "message"),
     [
         ("fedavg:every=2", "unknown synchronization 'fedavg'; valid: localsgd, diloco"),
-        ("localsgd:outer_lr=0.5", r"local SGD averages: outer_lr.*valid options: every, fragments, delay, mix, state"),
+        ("localsgd:outer_lr=0.5", r"local SGD averages: outer_lr.*valid options: every, fragments, delay, early, mix"),
         ("diloco:rate=3", r"unknown option\(s\) \['rate'\] for diloco"),
         ("diloco:every=0", "every must be >= 1"),
         ("diloco:every=4,fragments=5", r"fragments must be 1..every \(4\)"),
@@ -71,6 +72,7 @@ def test_the_defaults_are_the_papers() -> None:
         ("diloco:mix=1.5", r"mix must be in \[0, 1\]"),
         ("diloco:outer_lr=0", "outer_lr must be > 0"),
         ("localsgd:state=true,delay=1", "state=true .* use delay=0"),
+        ("diloco:every=8,fragments=4,delay=2,early=true", "the first fragment's is step 2: use a delay below it"),
         ("diloco:every=x", "option 'every' must be an integer"),
     ],
 )
@@ -211,6 +213,14 @@ def streaming(rank: int, world: int) -> Failures:
     failures.expect(landed == [0, 0, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 2], f"landed {landed}")
     ratios = [s.compression_ratio for s in sync.steps() if s.synchronized]
     failures.expect(all(r > 6 for r in ratios), f"4-bit payloads: compression ratios {ratios}")
+
+    # early: each starts a step before its step in the schedule and lands on it (torchft's schedule)
+    model = toy_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = DiLoCo(model, every=8, fragments=4, delay=1, early=True, spec="quantize:bits=4,ef=true")
+    local_training(sync, model, optimizer, toy_batches(rank, 9))
+    landed = [s.synchronized for s in sync.steps()]
+    failures.expect(landed == [0, 1, 0, 1, 0, 1, 0, 1, 0] and len(sync._in_flight) == 1, f"early: landed {landed}")
 
     model = toy_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

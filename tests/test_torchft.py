@@ -328,15 +328,15 @@ def made_again_mid_run(rank: int, world: int, spec: str) -> list[float]:
             model = DistributedDataParallel(manager, toy_model(), spec, bucket_cap_mb=BUCKET_CAP_MB)
             state = model.gradcomp_state
             if not carried:  # what the hook did before it carried them: the residuals dropped
-                state._take_residuals = lambda engine: None  # type: ignore[method-assign]
+                state.engines._take_residuals = lambda engine: None  # type: ignore[method-assign]
             optimizer = torchft.optim.OptimizerWrapper(manager, torch.optim.SGD(model.parameters(), lr=0.1))
             for step, (x, y) in enumerate(batches):
                 if step == 3:
-                    state._failed = True  # the engine is made again at this step's first bucket
+                    state.engines.failed()  # the engine is made again at this step's first bucket
                 optimizer.zero_grad()
                 F.cross_entropy(model(x), y).backward()
                 optimizer.step()
-        assert state.quorums == 2 and not state.pending
+        assert state.quorums == 2 and not state.engines.pending
         trained = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         differences.append(float((trained - straight).abs().max()))
     return differences

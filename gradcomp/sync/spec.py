@@ -6,6 +6,7 @@ A sync spec is written like every other spec (Python, the command line, sweep co
     "localsgd:every=8,state=true"                   # ... and the inner optimizer's state too
     "diloco:every=50"                               # DiLoCo: outer Nesterov SGD, lr 0.7, momentum 0.9
     "diloco:every=50,fragments=4,delay=2"           # Streaming DiLoCo: 4 fragments, each landing 2 steps late
+    "diloco:every=50,fragments=4,delay=2,early=true"  # ... each starting 2 steps early, landing on time (torchft's)
     "diloco:every=50,outer_lr=0.5,momentum=0.8,nesterov=false,mix=0.3"
 
 What travels, and how (a compressor, error feedback, the all-reduce algorithm), is a separate hook spec
@@ -63,6 +64,11 @@ class SyncSpec:
     delay: int = 0
     """Inner steps a synchronization runs in the background before it is applied (Streaming DiLoCo's
     tau); 0 waits for it at once."""
+    early: bool = False
+    """Start each synchronization ``delay`` steps before its step in the schedule, so that it lands on
+    that step (torchft's DiLoCo's schedule: prepare early, sync on time); default: start on it and land
+    ``delay`` steps later (the Streaming DiLoCo paper's). Needs ``delay`` below ``every / fragments``
+    (the first fragment's step)."""
     mix: float | None = None
     """How much of its own parameters a replica keeps when a synchronization lands (Streaming DiLoCo's
     alpha): 0 adopts the outer step's result, 1 ignores it. Default: 0.5 with a delay (the replica has
@@ -88,6 +94,11 @@ class SyncSpec:
             raise ValueError(
                 f"delay must be 0..every-1 ({self.every - 1}): a fragment's synchronization lands before its next "
                 f"one starts; got {self.delay}"
+            )
+        if self.early and self.delay >= self.every // self.fragments:
+            raise ValueError(
+                f"early starts a synchronization delay={self.delay} steps before its step; the first fragment's is "
+                f"step {self.every // self.fragments}: use a delay below it"
             )
         if not self.outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")

@@ -204,7 +204,7 @@ class Synchronizer(TrainingHookState):
         step and applies the synchronizations that land now (waiting for them if they have not)."""
         self.steps_done += 1
         with self._keeping_error():
-            for fragment in fragments.due(self.steps_done, self.sync.every, self.sync.fragments):
+            for fragment in self._due(self.steps_done):
                 self._start(fragment)
             landed = self._land_until(self.steps_done)
         self._record(*landed, new_step=True)
@@ -216,6 +216,12 @@ class Synchronizer(TrainingHookState):
         with self._keeping_error():
             landed = self._land_until(None)
         self._record(*landed, new_step=not self._stats)
+
+    def _due(self, step: int) -> list[int]:
+        """The fragments whose synchronization starts after inner step ``step``: those of the schedule's
+        step, or with ``early`` of the step ``delay`` later."""
+        scheduled = step + self.sync.delay if self.sync.early else step
+        return fragments.due(scheduled, self.sync.every, self.sync.fragments)
 
     @contextlib.contextmanager
     def _keeping_error(self) -> Iterator[None]:

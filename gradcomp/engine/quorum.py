@@ -1,0 +1,110 @@
+"""An engine per quorum: gradcomp's engine on a process group that torchft reconfigures in place.
+
+torchft's ``Manager`` configures one process group anew at each quorum (a replica group lost or
+joined: another world size, other ranks). An engine's state is of its group (the ranks it exchanges
+with, its learned capacities, its compressor's state), so :class:`QuorumEngine` makes a fresh
+engine on that group when its configuration changed or a step failed on it, at a point the caller
+chooses (a step's first bucket, a synchronization's start), and carries over what error feedback
+had not sent yet: each tensor's residual, taken from the old engine in units of the gradient over
+the old world size, is added to the tensor's next input times that size, so that it reaches the
+average once, whatever the new world size (as ``auto`` hands residuals between its candidates).
+The rest of the compressor's state starts anew (momentum correction's velocities, EF21's estimates,
+PowerSGD's warm starts, noise counters).
+
+Used by :mod:`gradcomp.hooks.fault_tolerant` (DDP) and :mod:`gradcomp.sync.fault_tolerant`
+(local SGD, DiLoCo); the engine runs with ``own_group=False`` (no private group of its ranks, which a
+dead member would leave broken).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradcomp.collectives.groups import rank_of, size_of
+from gradcomp.engine.pipeline import Engine
+from gradcomp.engine.spec import HookSpec
+from gradcomp.engine.stats import BucketRecord, StepStats, steps_since
+
+RECORDS_KEPT = 10_000
+"""Records of earlier quorums' engines kept for statistics (the latest)."""
+
+
+class QuorumEngine:
+    """The engine of ``group``'s current configuration, made again when it changes.
+
+    Args:
+        spec: what the engines run (a flat group: no ``local_size``).
+        group: the process group torchft's manager reconfigures (its ``ProcessGroupGloo``, or any
+            group whose ``size()`` and rank answer for the current quorum).
+        history: records each engine keeps (``Engine``'s).
+    """
+
+    def __init__(self, spec: HookSpec, group: Any, history: int = 10_000) -> None:
+        self.spec, self.group, self.history = spec, group, history
+        self.engine: Engine | None = None
+        self.quorums = 0
+        """How many engines have been made: one per quorum configuration averaged on, and one after
+        each failed step (1 while nothing changed)."""
+        self.pending: dict[Hashable, Tensor] = {}
+        """Per key, what an engine of an earlier quorum had not sent yet (times its world size), to be
+        added to the tensor's next input (:meth:`add_pending`)."""
+        self._made_for: tuple[int, int, int] | None = None
+        self._failed = False
+        self._records: collections.deque[BucketRecord] = collections.deque(maxlen=RECORDS_KEPT)
+        self._shapes: dict[Hashable, torch.Size] = {}
+
+    def failed(self) -> None:
+        """A step failed on the current engine: the next :meth:`current` with ``renew`` makes it again
+        (an engine whose collectives failed midway starts over)."""
+        self._failed = True
+
+    def current(self, renew: bool = True) -> Engine:
+        """The engine for the group as it is now; with ``renew`` (at a step's first bucket, a
+        synchronization's start: never inside a step) made again first if the group's configuration
+        changed or the last step failed."""
+        configuration = (size_of(self.group), rank_of(self.group), id(getattr(self.group, "parent", self.group)))
+        if self.engine is None or (renew and (configuration != self._made_for or self._failed)):
+            if self.engine is not None:
+                self._records.extend(self.engine.records)
+                self._take_residuals(self.engine)
+            self.engine = Engine(self.spec, group=self.group, own_group=False, history=self.history)
+            self._made_for, self._failed = configuration, False
+            self.quorums += 1
+        return self.engine
+
+    def remember(self, keys: Sequence[Hashable], shapes: Sequence[torch.Size]) -> None:
+        """The shapes of the tensors of ``keys`` (what a residual is taken back in)."""
+        self._shapes.update(zip(keys, shapes, strict=True))
+
+    def add_pending(self, flat: Tensor, keys: Sequence[Hashable], shapes: Sequence[torch.Size]) -> None:
+        """The carried residuals of the tensors of ``keys`` (laid end to end in ``flat``) added to them."""
+        at = 0
+        for key, shape in zip(keys, shapes, strict=True):
+            numel = shape.numel()
+            held = self.pending.pop(key, None)
+            if held is not None:
+                flat[at : at + numel].add_(held.reshape(-1).to(flat.dtype))
+            at += numel
+
+    def _take_residuals(self, engine: Engine) -> None:
+        """What ``engine`` had not sent yet of every tensor, kept in input units until it is added."""
+        for key, shape in self._shapes.items():
+            residual = engine.take_residual(key, shape)
+            if residual is not None:
+                residual.mul_(engine.world)
+                held = self.pending.get(key)
+                self.pending[key] = residual if held is None else held.add_(residual)
+
+    @property
+    def records(self) -> list[BucketRecord]:
+        """Every engine's records, the earlier quorums' first."""
+        return [*self._records, *(self.engine.records if self.engine is not None else [])]
+
+    def steps_since(self, first: int) -> list[StepStats]:
+        """Per step, what averaging cost, across quorums."""
+        return steps_since(self.records, first)
