@@ -12,7 +12,6 @@ import contextlib
 import datetime
 import pickle
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import Failures, identical_on_all_ranks, run_checks, spawn_ranks
+from tests.torchft_groups import replica, replica_manager, served_lighthouse
 
 pytest.importorskip("torchft")
 
@@ -84,50 +84,6 @@ def test_an_engine_on_a_group_it_does_not_own_makes_no_group_of_its_own() -> Non
         Engine("sign:ef=true,local_size=2", group=None, own_group=False)
     with pytest.raises(ValueError, match="makes no group of its own"):
         Engine("sign:ef=true", group=None, own_group=False, timeout=5.0)
-
-
-def replica_manager(rank: int, world: int, lighthouse: str, timeout: float = 30.0) -> Any:
-    """This rank as a replica group of one under the lighthouse, its manager on a store of its own."""
-    import torchft
-
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    seconds = datetime.timedelta(seconds=timeout)
-    manager = torchft.Manager(
-        pg=torchft.ProcessGroupGloo(timeout=seconds), min_replica_size=world, load_state_dict=None,
-        state_dict=None, replica_id=f"replica{rank}", store_addr="localhost", store_port=store.port, rank=0,
-        world_size=1, lighthouse_addr=lighthouse, timeout=seconds, quorum_timeout=seconds,
-        connect_timeout=seconds, init_sync=False,  # the same initial weights everywhere: no healing at step 0
-    )  # fmt: skip
-    manager.kept_store = store
-    return manager
-
-
-@contextlib.contextmanager
-def served_lighthouse(rank: int, world: int) -> Iterator[str]:
-    """Rank 0 serves a lighthouse for the block; every rank gets its address. It goes once every rank
-    is done with it (one per run: the last run's replicas are gone)."""
-    from torchft.coordination import LighthouseServer
-
-    server = LighthouseServer(bind="[::]:0", min_replicas=world) if rank == 0 else None
-    address = [server.address() if server is not None else ""]
-    dist.broadcast_object_list(address, src=0)
-    try:
-        yield address[0]
-    finally:
-        dist.barrier()
-        if server is not None:
-            server.shutdown()
-
-
-@contextlib.contextmanager
-def replica(rank: int, world: int) -> Iterator[Any]:
-    """This rank as a replica group of one under a lighthouse of its own, for the block."""
-    with served_lighthouse(rank, world) as lighthouse:
-        manager = replica_manager(rank, world, lighthouse)
-        try:
-            yield manager
-        finally:
-            manager.shutdown(wait=False)
 
 
 def trained_on_plain_ddp(spec: str, batches: list[Any]) -> torch.nn.Module:

@@ -49,6 +49,9 @@ from gradcomp.state import TrainingHookState
 from gradcomp.sync import fragments
 from gradcomp.sync.spec import SyncSpec, SyncSpecLike
 
+ENGINE_HISTORY = 1024
+"""Records the outer gradients' engine keeps (one per synchronization)."""
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch without DTensor
@@ -127,8 +130,23 @@ class Synchronizer(TrainingHookState):
         history: int = 10_000,
     ) -> None:
         timeout = as_timeout(timeout)  # a number of seconds, or refused here
+        self._configure(model, sync, spec, optimizer, group)
+        self.engine = Engine(self.spec, group=group, timeout=timeout, history=ENGINE_HISTORY)
+        self._state_engine = Engine("allreduce", group=group, timeout=timeout) if self.sync.state else None
+        self.world = self.engine.world
+        self._keep(self._first_globals(model, self._dtype), history)
+
+    def _configure(
+        self,
+        model: nn.Module,
+        sync: SyncSpecLike,
+        spec: HookSpecLike,
+        optimizer: torch.optim.Optimizer | None,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        """The specs parsed and checked, and the model's tensors in fragments: before any collective."""
         self.sync = SyncSpec.parse(sync)
-        self.spec = HookSpec.parse(spec)  # both checked before any collective
+        self.spec = HookSpec.parse(spec)
         rules.check(self.spec, rules.Surface.SYNC)
         self._refuse(model, optimizer, group)
         self.optimizer = optimizer
@@ -142,14 +160,15 @@ class Synchronizer(TrainingHookState):
         """What synchronizes of each parameter: the parameter, or this rank's shard of a sharded one
         (FSDP2's, sharded over a node: the ranks of ``group`` hold the same shard of every node's replica)."""
         self.fragments = fragments.split([t.numel() for t in self.tensors], self.sync.fragments)
-        self.engine = Engine(self.spec, group=group, timeout=timeout, history=1024)
-        self._state_engine = Engine("allreduce", group=group, timeout=timeout) if self.sync.state else None
-        self.world = self.engine.world
         self.error: BaseException | None = None
         """The error that failed a synchronization (a :class:`gradcomp.errors.PeerError` names the peer)."""
+        self._dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.parameters) else torch.float32
 
-        dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.parameters) else torch.float32
-        self.globals = self._first_globals(model, dtype)
+    def _keep(self, globals_: list[Tensor], history: int) -> None:
+        """The first global parameters kept, with the outer optimizers and buffers made for them, and
+        ``history`` steps of statistics."""
+        dtype = self._dtype
+        self.globals = globals_
         """The last synchronized parameters, bitwise the same on every rank (float32, or float64)."""
         self.outer = [self._outer([self.globals[i] for i in members]) for members in self.fragments]
         self._buffers = [
@@ -249,13 +268,18 @@ class Synchronizer(TrainingHookState):
 
     # -- one synchronization ------------------------------------------------------------------
 
-    def _start(self, fragment: int) -> None:
-        """The fragment's outer gradient to the engine (compressed here, sent on the executor)."""
+    def _outer_gradient(self, fragment: int) -> tuple[Tensor, list[int], list[torch.Size]]:
+        """The fragment's outer gradient (its global parameters minus the local ones) in its send
+        buffer, with its tensors' indices and shapes."""
         buffer, members = self._buffers[fragment], self.fragments[fragment]
         with torch.no_grad():
             for i, view in zip(members, self._views(buffer, members), strict=True):
                 torch.sub(self.globals[i], self.tensors[i].detach(), out=view)
-        shapes = [self.tensors[i].shape for i in members]
+        return buffer, members, [self.tensors[i].shape for i in members]
+
+    def _start(self, fragment: int) -> None:
+        """The fragment's outer gradient to the engine (compressed here, sent on the executor)."""
+        buffer, members, shapes = self._outer_gradient(fragment)
         number = self.engine.steps_done  # every call is a step of the engine's clock: its record's number
         handle = self.engine.reduce(buffer, members, shapes, bucket=fragment, last=True)
         self.engine.end_step()
@@ -280,17 +304,22 @@ class Synchronizer(TrainingHookState):
         average = self._average(flight)
         waited = time.perf_counter() - began
         records += self._records_of(self.engine, flight.number)
-        members = self.fragments[flight.fragment]
+        return waited, self._apply(flight.fragment, average, records)
+
+    def _apply(self, fragment: int, average: Tensor, records: list[BucketRecord]) -> bool:
+        """The fragment's outer step on its ``average`` outer gradient, adopted by the replica (keeping
+        ``mix`` of its own); returns whether the step was taken (not skipped for a non-finite average)."""
+        members = self.fragments[fragment]
         finite = bool(torch.isfinite(average).all())
         if finite:
             for i, view in zip(members, self._views(average, members), strict=True):
                 self.globals[i].grad = view
-            self.outer[flight.fragment].step()
-            self.outer[flight.fragment].zero_grad(set_to_none=True)
+            self.outer[fragment].step()
+            self.outer[fragment].zero_grad(set_to_none=True)
         else:
             logger.warning(
                 "step %d: fragment %d's averaged outer gradient is not finite; its outer step is skipped",
-                self.steps_done, flight.fragment,
+                self.steps_done, fragment,
             )  # fmt: skip
         keep = self.sync.mixing if finite else 0.0
         with torch.no_grad():
@@ -304,7 +333,7 @@ class Synchronizer(TrainingHookState):
             self._restart_if_diverged()
         if self._state_engine is not None:
             self._average_optimizer_state(members, records)
-        return waited, finite
+        return finite
 
     def _restart_if_diverged(self) -> None:
         """After a skipped outer step: a replica that holds a non-finite value anywhere (its other

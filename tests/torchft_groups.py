@@ -1,0 +1,58 @@
+"""torchft replica groups for the tests: each rank of a test's world a replica group of one, under
+a lighthouse that rank 0 serves (the world's own group only hands the lighthouse's address round)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+
+def replica_manager(rank: int, world: int, lighthouse: str, timeout: float = 30.0, asynchronous: bool = True) -> Any:
+    """This rank as a replica group of one under the lighthouse, its manager on a store of its own
+    (``asynchronous``: its quorum formed while the step's forward runs, as for DDP; synchronous for
+    local SGD and DiLoCo)."""
+    import torchft
+
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    seconds = datetime.timedelta(seconds=timeout)
+    manager = torchft.Manager(
+        pg=torchft.ProcessGroupGloo(timeout=seconds), min_replica_size=world, load_state_dict=None,
+        state_dict=None, replica_id=f"replica{rank}", store_addr="localhost", store_port=store.port, rank=0,
+        world_size=1, lighthouse_addr=lighthouse, timeout=seconds, quorum_timeout=seconds,
+        connect_timeout=seconds, use_async_quorum=asynchronous,
+        init_sync=False,  # the same initial weights everywhere: no healing at step 0
+    )  # fmt: skip
+    manager.kept_store = store
+    return manager
+
+
+@contextlib.contextmanager
+def served_lighthouse(rank: int, world: int) -> Iterator[str]:
+    """Rank 0 serves a lighthouse for the block; every rank gets its address. It goes once every rank
+    is done with it (one per run: the last run's replicas are gone)."""
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=world) if rank == 0 else None
+    address = [server.address() if server is not None else ""]
+    dist.broadcast_object_list(address, src=0)
+    try:
+        yield address[0]
+    finally:
+        dist.barrier()
+        if server is not None:
+            server.shutdown()
+
+
+@contextlib.contextmanager
+def replica(rank: int, world: int, asynchronous: bool = True) -> Iterator[Any]:
+    """This rank as a replica group of one under a lighthouse of its own, for the block."""
+    with served_lighthouse(rank, world) as lighthouse:
+        manager = replica_manager(rank, world, lighthouse, asynchronous=asynchronous)
+        try:
+            yield manager
+        finally:
+            manager.shutdown(wait=False)
