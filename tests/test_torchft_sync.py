@@ -9,6 +9,8 @@ beside them; from pytorch/torchft at 73dafea). gradcomp's DiLoCo with torchft's 
 from __future__ import annotations
 
 import json
+import pickle
+import time
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +92,111 @@ def test_diloco_on_torchft_reproduces_torchfts_golden_trajectories_bitwise() -> 
     parameters and every commit's global ones equal torchft's golden files exactly (the values are
     small integers and halves: any difference of schedule, mixing or outer step shows)."""
     run_checks(2, golden_checks, timeout=180)
+
+
+def diloco_group(replica: int, lighthouse: str, spec: str, syncs: int, die_at: int | None, shared: Any,
+                 results: Any) -> None:  # fmt: skip
+    """One replica group of one rank in a process of its own: the toy model trained with gradcomp's
+    Streaming DiLoCo (2 fragments, a synchronization every 2 inner steps landing 1 later) on torchft's
+    manager until the groups' commit count reaches ``syncs`` and two past the one at which the group
+    that died rejoined (``shared["rejoined"]``: every group stops at the same landing). At commit
+    ``die_at`` it kills itself (SIGKILL) just after a synchronization started, its fragment in flight.
+    Puts (replica, global parameters, synchronizations failed here, inner steps here, commits) on
+    ``results``."""
+    import os
+    import signal
+
+    import torch.nn.functional as F
+
+    from gradcomp.sync import fault_tolerant
+    from tests.toy_ddp import toy_batches, toy_model
+    from tests.torchft_groups import replica_manager
+
+    torch.set_num_threads(1)
+    manager = replica_manager(replica, 2, lighthouse, timeout=10.0, asynchronous=False)
+    model = toy_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
+    manager.register_state_dict_fn("inner", inner.load_state_dict, inner.state_dict)
+    outer = fault_tolerant.DiLoCo(manager, model, inner, every=4, fragments=2, delay=1, mix=0.0, spec=spec)
+    batches = toy_batches(replica, 16)
+    restarted = die_at is None and replica == 2
+    steps = 0
+    deadline = time.monotonic() + 90  # a bound, should the group that died never come back
+    while time.monotonic() < deadline:
+        rejoined = shared["rejoined"].value
+        done = manager.current_step() >= syncs and rejoined >= 0 and manager.current_step() >= rejoined + 2
+        if done and not outer._in_flight:
+            break
+        x, y = batches[steps % len(batches)]
+        inner.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        inner.step()
+        before = manager.current_step()
+        outer.step()
+        steps += 1
+        if replica == 0:
+            shared["progress"].value = manager.current_step()
+        if restarted and manager.current_step() > before and shared["rejoined"].value < 0:
+            shared["rejoined"].value = manager.current_step()
+        if die_at is not None and manager.current_step() >= die_at and outer._in_flight:
+            os.kill(os.getpid(), signal.SIGKILL)  # a fragment in flight, its collective maybe not sent
+        time.sleep(0.01)
+    globals_ = torch.cat([g.reshape(-1) for g in outer.globals])
+    results.put(pickle.dumps((replica, globals_, outer.failures, steps, manager.current_step())))
+    manager.shutdown(wait=False)
+
+
+@pytest.mark.timeout(240)
+def test_a_group_lost_with_a_fragment_in_flight_leaves_the_others_synchronizing_and_heals_when_restarted() -> None:
+    """Three replica groups under DiLoCo with 4-bit outer gradients; the third is killed (SIGKILL)
+    while a fragment's synchronization is in flight, and started again once the others have
+    committed three synchronizations without it: they go on (losing at most the synchronization the
+    death broke and one while the quorum settles), it heals the global parameters and the outer
+    optimizers from a live group at the quorum it joins, and all three end with the same global
+    parameters, bitwise."""
+    import queue
+
+    from torchft.coordination import LighthouseServer
+
+    from gradcomp.launch import rank_context
+
+    context = rank_context()
+    results = context.Queue()
+    shared = {"progress": context.Value("i", 0), "rejoined": context.Value("i", -1)}
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000)
+    syncs, die_at, spec = 10, 3, "quantize:bits=4,ef=true"
+    processes = [context.Process(target=diloco_group, args=(r, lighthouse.address(), spec, syncs,
+                                                             die_at if r == 2 else None, shared, results))
+                 for r in range(3)]  # fmt: skip
+    finished: dict[int, tuple[Any, ...]] = {}
+    try:
+        for process in processes:
+            process.start()
+        processes[2].join(timeout=120)
+        assert processes[2].exitcode == -9, "the third group was to die by SIGKILL"
+        deadline = time.monotonic() + 60
+        while shared["progress"].value < die_at + 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert shared["progress"].value >= die_at + 3, "the two groups left did not go on"
+        processes.append(context.Process(target=diloco_group, args=(2, lighthouse.address(), spec, syncs, None,
+                                                                    shared, results)))  # fmt: skip
+        processes[-1].start()
+        for _ in range(3):
+            replica, *rest = pickle.loads(results.get(timeout=150))
+            finished[replica] = tuple(rest)
+    except queue.Empty:
+        pytest.fail(f"only replicas {sorted(finished)} finished")
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+        lighthouse.shutdown()
+    assert sorted(finished) == [0, 1, 2]
+    first, commits = finished[0][0], finished[0][-1]
+    assert all(torch.equal(outcome[0], first) and outcome[-1] == commits for outcome in finished.values()), finished
+    for _, failed, _, _ in (finished[0], finished[1]):
+        assert failed <= 2, finished
+    restarted_steps = finished[2][2]
+    assert restarted_steps < finished[0][2] - 2 * die_at, finished  # healed at the others' commit, not from 0
