@@ -109,8 +109,8 @@ def diloco_group(replica: int, lighthouse: str, spec: str, syncs: int, die_at: i
     import torch.nn.functional as F
 
     from gradcomp.sync import fault_tolerant
-    from tests.toy_ddp import toy_batches, toy_model
     from tests.torchft_groups import replica_manager
+    from tests.toy_ddp import toy_batches, toy_model
 
     torch.set_num_threads(1)
     manager = replica_manager(replica, 2, lighthouse, timeout=10.0, asynchronous=False)
