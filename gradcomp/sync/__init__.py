@@ -11,6 +11,8 @@
 - :mod:`~gradcomp.sync.synchronizer`: :class:`Synchronizer` (and :class:`LocalSGD`, :class:`DiLoCo`),
   which averages outer gradients through the engine and takes the outer step, and
   :class:`SyncStepStats`, what each inner step's synchronizations cost.
+- :mod:`~gradcomp.sync.fault_tolerant`: the same on torchft's ``Manager`` (replica groups that
+  survive a lost one; ``pip install gradcomp[torchft]``).
 
 Each rank holds a full replica; nothing here knows DDP. See ``docs/local-sgd.md``.
 """
