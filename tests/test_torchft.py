@@ -106,9 +106,28 @@ def trained_on_plain_ddp(spec: str, batches: list[Any]) -> torch.nn.Module:
     return reference
 
 
+def trained_on_torchfts_ddp(rank: int, world: int, batches: list[Any]) -> torch.nn.Module:
+    """The toy model trained on ``batches`` through torchft's own DDP (uncompressed) and manager."""
+    import torch.nn.functional as F
+    import torchft.ddp
+    import torchft.optim
+
+    from tests.toy_ddp import BUCKET_CAP_MB, toy_model
+
+    with replica(rank, world) as manager:
+        model = torchft.ddp.DistributedDataParallel(manager, toy_model(), bucket_cap_mb=BUCKET_CAP_MB)
+        optimizer = torchft.optim.OptimizerWrapper(manager, torch.optim.SGD(model.parameters(), lr=0.1))
+        for x, y in batches:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    return model
+
+
 def trained_through_torchft(rank: int, world: int, specs: list[str]) -> list[str]:
     """Per spec, the toy model trained 4 steps through torchft's manager with the gradcomp hook, and
-    through gradcomp's hook on plain DDP over the world: the same parameters, bitwise."""
+    through gradcomp's hook on plain DDP over the world (and, for ``allreduce``, through torchft's own
+    DDP): the same parameters, bitwise."""
     import torch.nn.functional as F
     import torchft.optim
 
@@ -133,6 +152,10 @@ def trained_through_torchft(rank: int, world: int, specs: list[str]) -> list[str
                     committed += 1
                     optimizer.optim.step()
         reference = trained_on_plain_ddp(text, batches)
+        if text == "allreduce":  # torchft's own DDP: a sum, then over 2 (exactly gradcomp's halves summed)
+            theirs = trained_on_torchfts_ddp(rank, world, batches)
+            same = all(torch.equal(a, b) for a, b in zip(model.parameters(), theirs.parameters(), strict=True))
+            failures.expect(same, "allreduce: trained through torchft, the parameters differ from torchft's own DDP's")
         failures.expect(committed == len(batches), f"{text}: {committed} of {len(batches)} steps committed")
         same = all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
         failures.expect(same, f"{text}: trained through torchft, the parameters differ from gradcomp's own hook's")
