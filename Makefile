@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow soak gpu-check lint install clean
+.PHONY: demo test test-slow soak fault-study gpu-check lint install clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,15 @@ test-slow: $(STAMP)
 # 2000 steps at 2 ranks per compressor family, auto, FSDP2 and DiLoCo: memory flat, nothing left behind.
 soak: $(STAMP)
 	$(BIN)/python -m pytest -q -m soak
+
+# torchft: three replica groups on loopback, one killed mid-run and restarted, beside a fault-free
+# twin, for top-k and 4-bit DDP and 4-bit DiLoCo (digits; about 3 minutes): runs/faults/*/summary.json
+fault-study: $(STAMP)
+	$(BIN)/python -m gradcomp.experiments.faults --hook topk:ratio=0.01,ef=true --out runs/faults/topk
+	$(BIN)/python -m gradcomp.experiments.faults --hook quantize:bits=4 --out runs/faults/quantize
+	$(BIN)/python -m gradcomp.experiments.faults --sync diloco:every=10,fragments=2,delay=1 \
+		--hook quantize:bits=4,ef=true --lr 0.05 --steps 1000 --at 300 --restart-after 100 --eval-every 100 \
+		--out runs/faults/diloco
 
 # On a GPU host, everything the CPU cannot show, in one command: the CUDA tests (no host
 # synchronization in any compressor's steady state, CPU parity, the caller's stream; DDP over NCCL

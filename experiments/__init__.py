@@ -9,6 +9,8 @@ convergence, sweeps of them, and the DDP step-time benchmark.
 - ``report/`` (``gradcomp report RUNS_DIR``): one HTML page comparing a sweep's methods by time to
   accuracy, against PyTorch's own hooks (``torch:allreduce`` and the like, which runs and sweeps take).
 - ``bench/`` (``gradcomp bench ddp``): DDP step time of gradcomp's hooks beside PyTorch's own.
+- ``faults.py`` (``python -m gradcomp.experiments.faults``): replica groups on torchft, one killed
+  mid-run and restarted, beside a fault-free twin (the ``torchft`` extra).
 - ``tasks/``: digits, generated signals, a character LM on Python's own source, synthetic data for
   step times, and your own data; ``models.py``: the models they train.
 

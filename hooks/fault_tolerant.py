@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import GradBucket
 
+from gradcomp.compressors import fusion
 from gradcomp.engine import Engine
 from gradcomp.engine.quorum import QuorumEngine
 from gradcomp.engine.spec import HookSpec, HookSpecLike
@@ -151,3 +152,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         pg = group if group is not None else manager._pg  # the group the manager configures at each quorum
         self.gradcomp_state = FaultTolerantState(manager, parsed, pg)
         self.register_comm_hook(self.gradcomp_state, hook)
+        parameter = next(module.parameters(), None)
+        if parameter is not None:  # compiled now, not in a step the other groups wait on (a rejoin's)
+            fusion.precompile(parsed.compressor, parameter.dtype, parameter.device)

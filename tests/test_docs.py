@@ -187,6 +187,10 @@ def test_command_lines_in_the_docs_parse(where: str, line: str) -> None:
         assert arguments.run is not None, f"{where}: {line}"
     elif words[:3] == ["python", "-m", "gradcomp.experiments.train"]:
         training_run.command_parser().parse_args(words[3:])
+    elif words[:3] == ["python", "-m", "gradcomp.experiments.faults"]:
+        from gradcomp.experiments import faults
+
+        faults.FaultConfig(**vars(faults.command_parser().parse_args(words[3:])))
     elif words[:3] == ["python", "-m", "gradcomp.experiments.sweep"]:
         sweep_command.command_parser().parse_args(words[3:])
     elif words[:1] == ["torchrun"]:

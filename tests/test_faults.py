@@ -1,0 +1,84 @@
+"""The fault study (``gradcomp.experiments.faults``): replica groups on torchft, one lost and restarted.
+
+One short real run (three groups on loopback, the digits, the third killed and restarted), and its
+figures checked against the groups' own lines; the summary's arithmetic on lines made by hand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torchft")
+pytest.importorskip("sklearn")
+
+
+def test_a_bad_study_is_refused_naming_what_is_wrong() -> None:
+    from gradcomp.experiments.faults import FaultConfig
+
+    with pytest.raises(ValueError, match=r"--kill must name a group 0\.\.2"):
+        FaultConfig(out="x", kill=3)
+    with pytest.raises(ValueError, match=r"--at must be a step inside the run \(1..99\)"):
+        FaultConfig(out="x", steps=100, at=100)
+    with pytest.raises(ValueError, match="--groups must be >= 2"):
+        FaultConfig(out="x", groups=1, kill=0)
+    with pytest.raises(ValueError, match="unknown compressor"):
+        FaultConfig(out="x", hook="nonsense")
+
+
+def _lines(folder: Path, group: int, entries: list[dict[str, Any]]) -> None:
+    with open(folder / f"group{group}.jsonl", "w") as out:
+        for entry in entries:
+            out.write(json.dumps({"group": group, "time": 0.0, "pid": 1, **entry}) + "\n")
+
+
+def _step(committed: int, participants: int, busy: float, ok: bool = True) -> dict[str, Any]:
+    return {"kind": "step", "committed": committed, "ok": ok, "loss": 1.0, "participants": participants,
+            "busy_ms": busy, "step_ms": 20.0}  # fmt: skip
+
+
+def test_the_summary_splits_the_survivors_steps_by_the_loss_and_checks_their_record(tmp_path: Path) -> None:
+    from gradcomp.experiments.faults import FaultConfig, summarize
+
+    config = FaultConfig(out=str(tmp_path), groups=3, steps=6, at=2, restart_after=1)
+    survivor = [_step(1, 3, 1.0), _step(2, 3, 3.0), _step(2, 2, 900.0, ok=False), _step(3, 2, 2.0),
+                _step(4, 2, 4.0), _step(5, 3, 5.0), _step(6, 3, 7.0),
+                {"kind": "eval", "committed": 6, "accuracy": 0.5, "loss": 1.0},
+                {"kind": "end", "committed": 6, "attempted": 7, "sent_bytes": 2e6, "inner_steps": 7}]  # fmt: skip
+    _lines(tmp_path, 0, survivor)
+    _lines(tmp_path, 1, [e for e in survivor if e.get("committed") != 5])  # a committed step missing
+    _lines(tmp_path, 2, [_step(1, 3, 1.0), _step(2, 3, 1.0), _step(5, 3, 1.0), _step(6, 3, 1.0)])
+    summary = summarize(config, tmp_path, faulted=True)
+    assert summary["step_ms"] == {"before": 2.0, "during": 4.0, "after": 7.0}  # both survivors' medians
+    assert summary["longest_step_ms_during_loss"] == 900.0 and summary["steps_during_loss"] == 3
+    assert summary["steps_lost"] == {0: 1, 1: 1} and summary["final_accuracy"][0] == 0.5
+    assert summary["sent_mb"][0] == 2.0 and summary["committed"][2] is None  # the killed group wrote no end
+    assert summary["survivors_recorded_every_step"] is False  # group 1's record lacks step 5
+    _lines(tmp_path, 1, survivor)
+    assert summarize(config, tmp_path, faulted=True)["survivors_recorded_every_step"] is True
+
+
+@pytest.mark.timeout(150)
+def test_a_study_loses_a_group_restarts_it_and_the_survivors_go_on(tmp_path: Path) -> None:
+    """Three groups under a lighthouse (uncompressed, no compile to wait for); the third killed at
+    step 50 and restarted: the survivors commit every step to the end and record each, the third
+    heals at their step and rejoins (its record: steps after its death, with three groups), and the
+    study writes TensorBoard events per group."""
+    from gradcomp.experiments.faults import FaultConfig, read_lines, run
+
+    config = FaultConfig(out=str(tmp_path), groups=3, hook="allreduce", steps=400, at=50, restart_after=20,
+                         eval_every=100, twin=False)  # fmt: skip
+    summary = run(config, tmp_path / "faulted", faulted=True)
+    assert summary["committed"][0] == summary["committed"][1] == 400, summary
+    assert summary["survivors_recorded_every_step"], summary
+    assert max(summary["steps_lost"].values()) <= 2 and summary["steps_during_loss"] >= 20, summary
+    assert summary["final_accuracy"][0] > 0.8, summary
+    third = [e for e in read_lines(tmp_path / "faulted")[2] if e["kind"] == "step"]
+    pids = list(dict.fromkeys(e["pid"] for e in third))
+    assert len(pids) == 2, "one life before the kill, one after"
+    second_life = [e for e in third if e["pid"] == pids[1] and e["ok"]]
+    assert second_life and second_life[0]["committed"] > 50 + 20, "it healed at the survivors' step, not from 0"
+    assert second_life[-1]["committed"] == 400 and second_life[-1]["participants"] == 3
+    assert all(any((tmp_path / "faulted" / f"group{g}").glob("events.out.tfevents.*")) for g in range(3))
