@@ -1,7 +1,7 @@
 """A fault study: replica groups on torchft that lose one group mid-run, beside a fault-free twin.
 
     python -m gradcomp.experiments.faults --groups 3 --task digits --hook topk:ratio=0.01,ef=true \\
-        --steps 600 --kill 2 --at 200 --restart-after 100 --out runs/faults/topk
+        --steps 800 --kill 2 --at 200 --restart-after 100 --out runs/faults/topk
 
 Each replica group is one process on this machine (loopback), under a torchft lighthouse that the
 command serves, with its own torchft ``Manager`` and store; every step each group trains on its
@@ -58,7 +58,7 @@ class FaultConfig:
     model: str | None = None
     hook: str = "topk:ratio=0.01,ef=true"
     sync: str | None = None
-    steps: int = 600
+    steps: int = 800
     batch_size: int = 96
     lr: float = 0.1
     seed: int = 0
@@ -235,10 +235,12 @@ def _evaluate(task: Any, model: torch.nn.Module, outer: Any) -> dict[str, float]
         return task.eval_metrics(task.eval_sums(synchronized(x), y).double())
 
 
-def _sent_bytes(trained: Any, outer: Any) -> float:
-    """What this group's engines sent, across quorums."""
+def _sent_bytes(trained: Any, outer: Any) -> float | None:
+    """What this group's engines sent, across quorums; None where a step's bytes are not counted
+    (a native all-reduce's travel inside the backend)."""
     engines = outer.engines if outer is not None else trained.gradcomp_state.engines
-    return float(sum(step.sent_bytes for step in engines.steps_since(0)))
+    sent = [step.sent_bytes for step in engines.steps_since(0)]
+    return None if any(b is None for b in sent) else float(sum(sent))
 
 
 # -- the command: a run, its twin, the comparison ------------------------------------------------
@@ -338,7 +340,10 @@ def summarize(config: FaultConfig, folder: Path, faulted: bool) -> dict[str, Any
         "step_ms": {name: statistics.median(values) if values else None for name, values in phases.items()},
         "longest_step_ms_during_loss": max(phases["during"], default=None),
         "steps_during_loss": len(phases["during"]) // max(1, len(survivors)),
-        "sent_mb": {g: None if (end := ends[g]) is None else end["sent_bytes"] / 1e6 for g in groups},
+        "sent_mb": {
+            g: None if (end := ends[g]) is None or end["sent_bytes"] is None else end["sent_bytes"] / 1e6
+            for g in groups
+        },
         "survivors_recorded_every_step": whole_record,
     }
 
@@ -388,8 +393,10 @@ def table(results: dict[str, Any], config: FaultConfig) -> str:
         longest = r["longest_step_ms_during_loss"]
         ms += "" if longest is None else f" (longest {longest:.0f})"
         sent = [v for g, v in r["sent_mb"].items() if v is not None and not (r["faulted"] and g == config.kill)]
-        rows.append(f"| {name} | {accuracy:.4f} | {lost} | {ms} | {r['steps_during_loss']} | "
-                    f"{statistics.mean(sent) if sent else 0:.2f} | {r['wall_s']:.1f} |")  # fmt: skip
+        mb = f"{statistics.mean(sent):.2f}" if sent else "-"
+        rows.append(
+            f"| {name} | {accuracy:.4f} | {lost} | {ms} | {r['steps_during_loss']} | {mb} | {r['wall_s']:.1f} |"
+        )
     return "\n".join(rows)
 
 
