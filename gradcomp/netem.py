@@ -55,6 +55,12 @@ _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _TIMES = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 
 
+def address_of(rank: int) -> str:
+    """Rank ``rank``'s address inside an emulated network (its namespace's ``eth0``)."""
+    host = rank + 1  # .0 and .255 are never hosts
+    return f"{SUBNET}.{host // 254}.{host % 254 + 1}"
+
+
 class NetemError(RuntimeError):
     """An emulated network cannot be built here (not root, no iproute2, a qdisc the kernel lacks)."""
 
@@ -305,8 +311,7 @@ class EmulatedNetwork:
         return f"{self.tag}-node{node}"
 
     def address(self, rank: int) -> str:
-        host = rank + 1  # .0 and .255 are never hosts
-        return f"{SUBNET}.{host // 254}.{host % 254 + 1}"
+        return address_of(rank)
 
     def __enter__(self) -> EmulatedNetwork:
         reason = unavailable()

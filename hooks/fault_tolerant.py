@@ -141,6 +141,12 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                  **kwargs: Any) -> None:  # fmt: skip
         from torchft.process_group import ProcessGroupDummy
 
+        if isinstance(spec, str) and spec.split(":", 1)[0].strip() == "auto":
+            raise ValueError(
+                "auto is not supported on torchft's groups: it measures the link and the engines on a group "
+                "torch.distributed knows; give a fixed spec (auto's decision on a healthy run of this job, in "
+                "its state's decisions, is one)"
+            )
         parsed = HookSpec.parse(spec)
         if parsed.compressor is None:
             raise ValueError(f"{parsed} sends nothing: fault tolerance needs an averaging hook")

@@ -191,6 +191,10 @@ def test_command_lines_in_the_docs_parse(where: str, line: str) -> None:
         from gradcomp.experiments import faults
 
         faults.FaultConfig(**vars(faults.command_parser().parse_args(words[3:])))
+    elif words[:3] == ["python", "-m", "gradcomp.experiments.bench.fault_tolerant"]:
+        from gradcomp.experiments.bench import fault_tolerant
+
+        fault_tolerant.command_parser().parse_args(words[3:])
     elif words[:3] == ["python", "-m", "gradcomp.experiments.sweep"]:
         sweep_command.command_parser().parse_args(words[3:])
     elif words[:1] == ["torchrun"]:

@@ -172,6 +172,17 @@ def test_a_hook_through_torchfts_manager_trains_as_on_plain_ddp() -> None:
                timeout=220)  # fmt: skip
 
 
+def test_the_fault_tolerant_ddp_refuses_what_torchfts_groups_cannot_carry() -> None:
+    from gradcomp.hooks.fault_tolerant import DistributedDataParallel
+
+    model = torch.nn.Linear(4, 2)
+    refused = [("auto:candidates=fp16|topk:ratio=0.1", "auto is not supported on torchft"),
+               ("noop", "sends nothing"), ("sign:ef=true,local_size=2", "local_size makes node groups")]  # fmt: skip
+    for spec, message in refused:
+        with pytest.raises(ValueError, match=message):
+            DistributedDataParallel(None, model, spec)
+
+
 def replica_group(replica: int, lighthouse: str, spec: str, steps: int, die_at: int | None, mid_step: bool,
                   shared: Any, results: Any) -> None:  # fmt: skip
     """One replica group of one rank in a process of its own: the toy model trained through torchft's
