@@ -3,8 +3,9 @@
     python -m gradcomp.experiments.faults --groups 3 --task digits --hook topk:ratio=0.01,ef=true \\
         --steps 800 --kill 2 --at 200 --restart-after 100 --out runs/faults/topk
 
-Each replica group is one process on this machine (loopback), under a torchft lighthouse that the
-command serves, with its own torchft ``Manager`` and store; every step each group trains on its
+Each replica group is one process on this machine (on loopback, or with ``--network 100mbit`` and
+the like each in a network namespace of its own behind an emulated link), under a torchft
+lighthouse that the command serves, with its own torchft ``Manager`` and store; every step each group trains on its
 shard of the global batch and gradcomp's fault-tolerant hook averages the gradients over the
 quorum's groups (``--sync diloco:...``: gradcomp's DiLoCo on the manager instead, the hook spec then
 the outer gradients'). In the faulted run, group ``--kill`` kills itself (SIGKILL) when the groups'
@@ -27,6 +28,7 @@ step once. The command prints the comparison.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -40,6 +42,7 @@ from typing import Any
 
 import torch
 
+from gradcomp import netem
 from gradcomp.engine.spec import HookSpec
 from gradcomp.launch import rank_context
 from gradcomp.sync.spec import SyncSpec
@@ -72,6 +75,9 @@ class FaultConfig:
     """The least an inner step takes (it waits out the rest): a real model's compute, so that a
     group's restart (seconds: starting Python, torch, the compressor's compiled kernels) spans as
     many steps as it would in a real run, not thousands of the digits' 1 ms steps."""
+    network: str = "loopback"
+    """Where the groups talk: ``loopback``, or an emulated network (a ``gradcomp.netem`` profile:
+    ``1gbit``, ``100mbit``...; each group in a namespace of its own, the lighthouse in one more)."""
     timeout: float = 10.0
     """torchft's timeout for collectives, quorums and healing, in seconds: what a lost group costs."""
     twin: bool = True
@@ -86,6 +92,7 @@ class FaultConfig:
             raise ValueError(f"--kill must name a group 0..{self.groups - 1}, got {self.kill}")
         if not 0 < self.at < self.steps:
             raise ValueError(f"--at must be a step inside the run (1..{self.steps - 1}), got {self.at}")
+        netem.parse(self.network)  # a profile's mistakes, before anything starts
         if self.step_ms < 0:
             raise ValueError(f"--step-ms must be >= 0, got {self.step_ms}")
         if self.restart_after < 1:
@@ -116,10 +123,15 @@ class FaultConfig:
 # -- one replica group ------------------------------------------------------------------------
 
 
-def group_main(config: FaultConfig, group: int, lighthouse: str, folder: str, dies: bool, start: Any,
-               progress: Any, finished: Any) -> None:  # fmt: skip
+def group_main(config: FaultConfig, group: int, place: tuple[str | None, str], lighthouse: str, folder: str,
+               dies: bool, start: Any, progress: Any, finished: Any) -> None:  # fmt: skip
     """One replica group's process: train until the groups' committed step reaches ``config.steps``
-    (for a synchronizer: its synchronizations), writing a line per step and per evaluation."""
+    (for a synchronizer: its synchronizations), writing a line per step and per evaluation.
+    ``place``: the group's network namespace (None: this machine's) and its address there."""
+    namespace, address = place
+    if namespace is not None:  # first, before any thread: a thread keeps its creator's namespace
+        netem.enter(namespace)
+        os.environ["GLOO_SOCKET_IFNAME"] = netem.INTERFACE
     import torchft
     import torchft.optim
 
@@ -131,12 +143,13 @@ def group_main(config: FaultConfig, group: int, lighthouse: str, folder: str, di
     task = build_task(config.task)
     torch.manual_seed(config.seed)  # every group the same initial model
     model = task.build_model(config.model)
-    store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    store = torch.distributed.TCPStore(address, 0, is_master=True, wait_for_workers=False)
     seconds = datetime.timedelta(seconds=config.timeout)
     manager = torchft.Manager(
         pg=torchft.ProcessGroupGloo(timeout=seconds), min_replica_size=config.quorum, load_state_dict=None,
-        state_dict=None, replica_id=f"group{group}", store_addr="localhost", store_port=store.port, rank=0,
-        world_size=1, lighthouse_addr=lighthouse, timeout=seconds, quorum_timeout=seconds, connect_timeout=seconds,
+        state_dict=None, replica_id=f"group{group}", store_addr=address, store_port=store.port, rank=0,
+        world_size=1, lighthouse_addr=lighthouse, hostname=address, timeout=seconds, quorum_timeout=seconds,
+        connect_timeout=seconds, checkpoint_transport=_checkpoint_transport(address, seconds),
         use_async_quorum=config.sync is None, init_sync=False,  # one seed: every group starts alike
     )  # fmt: skip
     inner = torch.optim.SGD(model.parameters(), lr=config.lr)
@@ -187,9 +200,9 @@ def _train(config: FaultConfig, group: int, task: Any, model: torch.nn.Module, t
     in_flight_death = outer is not None and outer.sync.delay > 0  # else between synchronizations
     while manager.current_step() < config.commits(config.steps):
         committed = manager.current_step()
-        if dies and committed >= config.commits(config.at) and (not in_flight_death or outer._in_flight):
+        if dies and committed >= config.commits(config.at) and (not in_flight_death or outer.in_flight):
             os.kill(os.getpid(), signal.SIGKILL)  # with a delayed synchronizer: its fragment in flight
-        index = committed * config.period + (outer._since_start if outer is not None else 0)
+        index = committed * config.period + (outer.phase if outer is not None else 0)
         x, y = task.batch(index, config.batch_size, config.seed)
         x, y = x[group :: config.groups], y[group :: config.groups]
         step_began = time.perf_counter()
@@ -217,12 +230,35 @@ def _train(config: FaultConfig, group: int, task: Any, model: torch.nn.Module, t
         now = manager.current_step()
         if group != config.kill:
             progress.value = max(progress.value, now)
-        if now != evaluated_at and (
-            now % config.commits(config.eval_every) == 0 or now >= config.commits(config.steps)
-        ):
+        due = now % config.commits(config.eval_every) == 0 or now >= config.commits(config.steps)
+        if now and now != evaluated_at and due:  # not before the first commit (a restarted group: healed)
             evaluated_at = now
             write({"kind": "eval", "committed": now, **_evaluate(task, model, outer)})
     return attempted, inner_steps
+
+
+def _checkpoint_transport(address: str, timeout: datetime.timedelta) -> Any:
+    """torchft's HTTP checkpoint transport, serving healing groups at ``address`` (its own names the
+    machine's host name, which inside a namespace is not where its server listens)."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class Addressed(HTTPTransport):
+        def address(self) -> str:
+            return f"http://{address}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return Addressed(timeout=timeout, num_chunks=0)
+
+
+def _serve_lighthouse(namespace: str, quorum: int, ports: Any, stop: Any) -> None:
+    """A lighthouse in its own namespace of an emulated network, until ``stop`` is set (it outlives
+    any group's death)."""
+    netem.enter(namespace)
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=quorum, join_timeout_ms=1000)
+    ports.put(int(server.address().rsplit(":", 1)[1]))
+    stop.wait()
+    server.shutdown()
 
 
 @torch.no_grad()
@@ -249,18 +285,50 @@ def _sent_bytes(trained: Any, outer: Any) -> float | None:
 def run(config: FaultConfig, folder: Path, faulted: bool) -> dict[str, Any]:
     """One run of ``config.groups`` groups under a lighthouse served here; with ``faulted``, group
     ``config.kill`` dies at ``config.at`` and is started again ``config.restart_after`` steps later."""
-    from torchft.coordination import LighthouseServer
-
     folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("group*.jsonl"):
         old.unlink()
     context = rank_context()
     start, progress, finished = context.Barrier(config.groups), context.Value("i", 0), context.Value("i", 0)
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=config.quorum, join_timeout_ms=1000)
-    address = lighthouse.address()
-    processes = [context.Process(target=group_main, args=(config, g, address, str(folder),
-                                                          faulted and g == config.kill, start, progress, finished))
-                 for g in range(config.groups)]  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        places, address = _network(config, context, stack)
+
+        def group(g: int, dies: bool, first: bool) -> Any:
+            arguments = (config, g, places[g], address, str(folder), dies, start if first else None, progress, finished)
+            return context.Process(target=group_main, args=arguments)
+
+        return _run(config, folder, faulted, group, progress)
+
+
+Place = tuple[str | None, str]
+"""A group's network namespace (None: this machine's) and its address there."""
+
+
+def _network(config: FaultConfig, context: Any, stack: contextlib.ExitStack[Any]) -> tuple[list[Place], str]:
+    """Each group's place (namespace, address) and the lighthouse's address, served for the ``with``
+    block: on loopback here, on an emulated network in a namespace of its own."""
+    from torchft.coordination import LighthouseServer
+
+    profile = netem.check(config.network, config.groups + 1)
+    if not profile.emulated:
+        server = LighthouseServer(bind="[::]:0", min_replicas=config.quorum, join_timeout_ms=1000)
+        stack.callback(server.shutdown)
+        return [(None, "localhost")] * config.groups, server.address()
+    net = stack.enter_context(netem.EmulatedNetwork(config.groups + 1, profile))
+    ports, stop = context.Queue(), context.Event()
+    served = context.Process(target=_serve_lighthouse, args=(net.namespace(config.groups), config.quorum, ports, stop))
+    served.start()
+    stack.callback(served.join, 10)
+    stack.callback(stop.set)
+    port = ports.get(timeout=60)
+    places: list[Place] = [(net.namespace(g), net.address(g)) for g in range(config.groups)]
+    return places, f"http://{net.address(config.groups)}:{port}"
+
+
+def _run(config: FaultConfig, folder: Path, faulted: bool, group: Any, progress: Any) -> dict[str, Any]:
+    """The groups of a run started (``group(g, dies, first)`` makes one's process), the killed one
+    started again, all waited for; the run's summary."""
+    processes = [group(g, faulted and g == config.kill, True) for g in range(config.groups)]
     began = time.monotonic()
     restarted_at = None
     deadline = began + RESTART_WAIT_S + config.steps * 0.5  # generous: a bound against a hang, not a budget
@@ -278,8 +346,7 @@ def run(config: FaultConfig, folder: Path, faulted: bool) -> dict[str, Any]:
                     break
                 time.sleep(0.05)
             restarted_at = progress.value
-            processes.append(context.Process(target=group_main, args=(config, config.kill, address, str(folder),
-                                                                      False, None, progress, finished)))  # fmt: skip
+            processes.append(group(config.kill, False, False))
             processes[-1].start()
         for process in processes:
             process.join(timeout=max(1.0, deadline - time.monotonic()))
@@ -293,7 +360,6 @@ def run(config: FaultConfig, folder: Path, faulted: bool) -> dict[str, Any]:
         for process in processes:
             if process.is_alive():
                 process.kill()
-        lighthouse.shutdown()
     summary = summarize(config, folder, faulted)
     summary.update(wall_s=time.monotonic() - began, restarted_at=restarted_at)
     _write_tensorboard(folder)

@@ -126,7 +126,7 @@ def diloco_group(replica: int, lighthouse: str, spec: str, syncs: int, die_at: i
     while time.monotonic() < deadline:
         rejoined = shared["rejoined"].value
         done = manager.current_step() >= syncs and rejoined >= 0 and manager.current_step() >= rejoined + 2
-        if done and not outer._in_flight:
+        if done and not outer.in_flight:
             break
         x, y = batches[steps % len(batches)]
         inner.zero_grad()
@@ -139,7 +139,7 @@ def diloco_group(replica: int, lighthouse: str, spec: str, syncs: int, die_at: i
             shared["progress"].value = manager.current_step()
         if restarted and manager.current_step() > before and shared["rejoined"].value < 0:
             shared["rejoined"].value = manager.current_step()
-        if die_at is not None and manager.current_step() >= die_at and outer._in_flight:
+        if die_at is not None and manager.current_step() >= die_at and outer.in_flight:
             os.kill(os.getpid(), signal.SIGKILL)  # a fragment in flight, its collective maybe not sent
         time.sleep(0.01)
     globals_ = torch.cat([g.reshape(-1) for g in outer.globals])

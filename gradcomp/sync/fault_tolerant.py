@@ -115,6 +115,12 @@ class FaultTolerantSynchronizer(Synchronizer):
 
     # -- the schedule -------------------------------------------------------------------------
 
+    @property
+    def phase(self) -> int:
+        """Inner steps since the last synchronization started (the same on every group in the
+        quorum: a restarted group falls in step at the quorum it joins)."""
+        return self._since_start
+
     def step(self) -> None:
         """Call after every inner step: starts a synchronization every ``every / fragments`` steps
         (its quorum first: this is where a lost group is noticed and a restarted one heals) and lands

@@ -251,6 +251,11 @@ class Synchronizer(TrainingHookState):
             self.error = self.error or error
             raise
 
+    @property
+    def in_flight(self) -> int:
+        """Synchronizations started and not landed yet."""
+        return len(self._in_flight)
+
     @contextlib.contextmanager
     def global_model(self) -> Iterator[nn.Module]:
         """The model with the global parameters (the same on every rank) for the ``with`` block, then
