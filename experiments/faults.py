@@ -22,7 +22,9 @@ its death stay), TensorBoard events per group (``eval/accuracy``, ``train/loss``
 the final accuracy, the wall time, the survivors' steps lost (attempted, not committed), their
 median step time before, during and after the loss (a step is "during" when fewer groups than all
 took part), the bytes each group sent, and whether every survivor's record holds every committed
-step once. The command prints the comparison.
+step once. The command prints the comparison and writes ``report.html`` beside them: both runs'
+accuracy against step and time and the groups taking part, the kill and restart marked
+(:mod:`gradcomp.experiments.report.faults`).
 """
 
 from __future__ import annotations
@@ -330,7 +332,7 @@ def _run(config: FaultConfig, folder: Path, faulted: bool, group: Any, progress:
     started again, all waited for; the run's summary."""
     processes = [group(g, faulted and g == config.kill, True) for g in range(config.groups)]
     began = time.monotonic()
-    restarted_at = None
+    restarted_at = killed_at = None
     deadline = began + RESTART_WAIT_S + config.steps * 0.5  # generous: a bound against a hang, not a budget
     try:
         for process in processes:
@@ -340,7 +342,7 @@ def _run(config: FaultConfig, folder: Path, faulted: bool, group: Any, progress:
             killed.join(timeout=RESTART_WAIT_S + config.steps)
             if killed.exitcode != -signal.SIGKILL:
                 raise RuntimeError(f"group {config.kill} was to die by SIGKILL; its exit code: {killed.exitcode}")
-            died = progress.value
+            died = killed_at = progress.value
             while progress.value < died + config.commits(config.restart_after) and time.monotonic() < deadline:
                 if not any(p.is_alive() for p in processes):
                     break
@@ -361,7 +363,7 @@ def _run(config: FaultConfig, folder: Path, faulted: bool, group: Any, progress:
             if process.is_alive():
                 process.kill()
     summary = summarize(config, folder, faulted)
-    summary.update(wall_s=time.monotonic() - began, restarted_at=restarted_at)
+    summary.update(wall_s=time.monotonic() - began, killed_at=killed_at, restarted_at=restarted_at)
     _write_tensorboard(folder)
     return summary
 
@@ -489,7 +491,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     results = study(config)
-    sys.stdout.write(table(results, config) + f"\n{Path(config.out) / 'summary.json'}\n")
+    comparison = table(results, config)
+    from gradcomp.experiments.report import faults as page  # matplotlib: the experiments extra
+
+    written = page.write(Path(config.out), results, comparison)
+    sys.stdout.write(f"{comparison}\n{Path(config.out) / 'summary.json'}\n{written}\n")
     return 0
 
 

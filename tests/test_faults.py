@@ -66,7 +66,10 @@ def test_a_study_loses_a_group_restarts_it_and_the_survivors_go_on(tmp_path: Pat
     step 50 and restarted: the survivors commit every step to the end and record each, the third
     heals at their step and rejoins (its record: steps after its death, with three groups), and the
     study writes TensorBoard events per group."""
-    from gradcomp.experiments.faults import FaultConfig, read_lines, run
+    import dataclasses
+
+    from gradcomp.experiments.faults import FaultConfig, read_lines, run, table
+    from gradcomp.experiments.report import faults as page
 
     config = FaultConfig(out=str(tmp_path), groups=3, hook="allreduce", steps=400, at=50, restart_after=20,
                          eval_every=100, twin=False)  # fmt: skip
@@ -82,3 +85,6 @@ def test_a_study_loses_a_group_restarts_it_and_the_survivors_go_on(tmp_path: Pat
     assert second_life and second_life[0]["committed"] > 50 + 20, "it healed at the survivors' step, not from 0"
     assert second_life[-1]["committed"] == 400 and second_life[-1]["participants"] == 3
     assert all(any((tmp_path / "faulted" / f"group{g}").glob("events.out.tfevents.*")) for g in range(3))
+    results = {"config": dataclasses.asdict(config), "faulted": summary}
+    written = page.write(tmp_path, results, table(results, config)).read_text()
+    assert written.count("<svg") == 1 and "group 2 killed" in written and "<td>faulted</td>" in written

@@ -1,0 +1,102 @@
+"""The fault study's page (``gradcomp.experiments.faults``): a faulted run beside its fault-free twin.
+
+One self-contained HTML page, as the sweep report's (inline CSS and SVG, no script, no URL): the
+evaluation accuracy of both runs against committed steps and against time, the participating
+groups per step, the kill and the rejoin marked, and the comparison table (steps lost, step times
+before, during and after the loss, bytes)."""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any
+
+from gradcomp.experiments.report import plots
+from gradcomp.experiments.report.page import STYLE
+
+RUNS = ("fault-free", "faulted")
+COLOURS = {"fault-free": "#1f77b4", "faulted": "#d62728"}
+
+
+def _evaluations(folder: Path, group: int) -> list[dict[str, Any]]:
+    from gradcomp.experiments.faults import read_lines
+
+    return [e for e in read_lines(folder).get(group, []) if e["kind"] == "eval"]
+
+
+def _steps(folder: Path, group: int) -> list[dict[str, Any]]:
+    from gradcomp.experiments.faults import read_lines
+
+    return [e for e in read_lines(folder).get(group, []) if e["kind"] == "step"]
+
+
+def figure(out: Path, observed: int, kill: int, at: int | None, restarted_at: int | None) -> str:
+    """Accuracy against committed step and against time (group ``observed``'s evaluations), and the
+    groups taking part in each of its steps, both runs on each chart."""
+    charts, axes = plots.pyplot.subplots(1, 3, figsize=(13.5, 3.8), constrained_layout=True)
+    for run in RUNS:
+        folder = out / run
+        if not folder.is_dir():
+            continue
+        evaluations = _evaluations(folder, observed)
+        steps = _steps(folder, observed)
+        colour = COLOURS[run]
+        axes[0].plot([e["committed"] for e in evaluations], [100 * e["accuracy"] for e in evaluations],
+                     color=colour, label=run, linewidth=1.6)  # fmt: skip
+        axes[1].plot([e["time"] for e in evaluations], [100 * e["accuracy"] for e in evaluations], color=colour,
+                     label=run, linewidth=1.6)  # fmt: skip
+        known = [e for e in steps if e["participants"] is not None]
+        axes[2].step([e["committed"] for e in known], [e["participants"] for e in known], where="post",
+                     color=colour, label=run, linewidth=1.2)  # fmt: skip
+    for ax in (axes[0], axes[2]):
+        if at is not None:
+            ax.axvline(at, color="black", linewidth=0.8, linestyle=":", label=f"group {kill} killed")
+        if restarted_at is not None:
+            ax.axvline(restarted_at, color="grey", linewidth=0.8, linestyle="--", label=f"group {kill} restarted")
+    labels = [("committed step", "eval accuracy (%)"), ("time (s)", "eval accuracy (%)"),
+              ("committed step", "groups taking part")]  # fmt: skip
+    for ax, (xlabel, ylabel) in zip(axes, labels, strict=True):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[2].yaxis.set_major_locator(plots.matplotlib.ticker.MaxNLocator(integer=True))
+    handles, names = axes[2].get_legend_handles_labels()
+    charts.legend(handles, names, loc="outside lower center", ncol=len(names), frameon=False)
+    return plots.svg(charts)
+
+
+def render(out: Path, results: dict[str, Any], table: str) -> str:
+    """The page for the study in ``out`` (its ``results`` as ``summary.json`` holds them, and the
+    comparison as a Markdown ``table``)."""
+    config = results["config"]
+    observed = 0 if config["kill"] != 0 else 1
+    faulted = results.get("faulted", {})
+    at = faulted.get("killed_at")
+    rows = [line.strip("|").split("|") for line in table.splitlines() if not line.startswith("|---")]
+    head, body = rows[0], rows[1:]
+    cells = "".join(f"<th>{html.escape(c.strip())}</th>" for c in head)
+    lines = "".join("<tr>" + "".join(f"<td>{html.escape(c.strip())}</td>" for c in row) + "</tr>" for row in body)
+    method = config["hook"] if config["sync"] is None else f"{config['sync']} over {config['hook']}"
+    setting = (f"{config['groups']} replica groups of one rank on {config['network']}, {config['task']}, "
+               f"{method}, {config['steps']} steps, seed {config['seed']}; group {config['kill']} killed at step "
+               f"{config['at']} and restarted {config['restart_after']} steps later")  # fmt: skip
+    return "\n".join([
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>gradcomp fault study: {html.escape(str(out))}</title><style>{STYLE}</style></head><body>",
+        f"<h1>A lost replica group: {html.escape(method)}</h1>",
+        f'<p class="note">{html.escape(setting)}. Curves: group {observed}\'s evaluations.</p>',
+        figure(out, observed, config["kill"], at, faulted.get("restarted_at")),
+        f'<div class="scroll"><table><tr>{cells}</tr>{lines}</table></div>',
+        '<p class="note">Steps lost: run by a survivor but not committed. Step times: the survivors\' busy time '
+        "(quorum, compute, averaging; without the pacing wait), median before, during (fewer groups than all "
+        "took part) and after the loss, and the longest step during it.</p>",
+        "</body></html>",
+    ]) + "\n"  # fmt: skip
+
+
+def write(out: Path, results: dict[str, Any], table: str) -> Path:
+    """``out/report.html``."""
+    path = out / "report.html"
+    path.write_text(render(out, results, table))
+    return path
