@@ -71,10 +71,11 @@ def test_a_study_loses_a_group_restarts_it_and_the_survivors_go_on(tmp_path: Pat
     from gradcomp.experiments.faults import FaultConfig, read_lines, run, table
     from gradcomp.experiments.report import faults as page
 
-    config = FaultConfig(out=str(tmp_path), groups=3, hook="allreduce", steps=400, at=50, restart_after=20,
-                         eval_every=100, twin=False)  # fmt: skip
+    # the restarted group rejoins about 50 steps (1 s) after its restart here: 260 leaves it 3x that
+    config = FaultConfig(out=str(tmp_path), groups=3, hook="allreduce", steps=260, at=50, restart_after=20,
+                         eval_every=65, twin=False)  # fmt: skip
     summary = run(config, tmp_path / "faulted", faulted=True)
-    assert summary["committed"][0] == summary["committed"][1] == 400, summary
+    assert summary["committed"][0] == summary["committed"][1] == 260, summary
     assert summary["survivors_recorded_every_step"], summary
     assert max(summary["steps_lost"].values()) <= 2 and summary["steps_during_loss"] >= 20, summary
     assert summary["final_accuracy"][0] > 0.8, summary
@@ -83,7 +84,7 @@ def test_a_study_loses_a_group_restarts_it_and_the_survivors_go_on(tmp_path: Pat
     assert len(pids) == 2, "one life before the kill, one after"
     second_life = [e for e in third if e["pid"] == pids[1] and e["ok"]]
     assert second_life and second_life[0]["committed"] > 50 + 20, "it healed at the survivors' step, not from 0"
-    assert second_life[-1]["committed"] == 400 and second_life[-1]["participants"] == 3
+    assert second_life[-1]["committed"] == 260 and second_life[-1]["participants"] == 3
     assert all(any((tmp_path / "faulted" / f"group{g}").glob("events.out.tfevents.*")) for g in range(3))
     results = {"config": dataclasses.asdict(config), "faulted": summary}
     written = page.write(tmp_path, results, table(results, config)).read_text()

@@ -30,6 +30,23 @@ GOLDEN = [(0, 0.0), (0, 0.5), (0, 1.0), (1, 0.0), (1, 0.5), (1, 1.0)]
 fragment_update_alpha), 2 fragments, sync_every 6, inner lr 1 on gradients of 2, outer SGD lr 2."""
 
 
+def test_diloco_on_torchft_refuses_what_one_quorum_at_a_time_cannot_run() -> None:
+    import types
+
+    from gradcomp.sync import fault_tolerant
+
+    model = nn.Linear(4, 2)
+    synchronous, asynchronous = (types.SimpleNamespace(_use_async_quorum=a, _pg=None) for a in (False, True))
+    cases = [(asynchronous, "diloco:every=4", "use_async_quorum=False"),
+             (synchronous, "diloco:every=5,fragments=2", r"every \(5\) must be a multiple of fragments \(2\)"),
+             (synchronous, "diloco:every=4,fragments=2,delay=2", r"use a delay below every / fragments \(2\)"),
+             (synchronous, "localsgd:every=4,state=true", "state and local_size are not supported")]  # fmt: skip
+    inner = torch.optim.SGD(model.parameters())
+    for manager, sync, message in cases:
+        with pytest.raises(ValueError, match=message):
+            fault_tolerant.FaultTolerantSynchronizer(manager, model, sync, optimizer=inner)
+
+
 def golden_run(rank: int, world: int, delay: int, alpha: float) -> dict[str, Any]:
     """torchft's mocked DiLoCo run, with gradcomp's synchronizer: a model of two 1x1 layers at 1,
     gradients of 2, plain SGD inside (lr 1) and outside (lr 2); the manager at step 2 first (as its

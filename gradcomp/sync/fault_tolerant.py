@@ -87,8 +87,7 @@ class FaultTolerantSynchronizer(Synchronizer):
         """Synchronizations not committed (a peer lost, a collective failed)."""
         with torch.no_grad():  # every group starts from its own: seed alike, or let the manager heal
             self._keep([t.detach().to(self._dtype, copy=True) for t in self.tensors], history)
-        period = self.sync.every // self.sync.fragments
-        self._period = period
+        self._period = self.sync.every // self.sync.fragments
         self._since_start = self.sync.delay if self.sync.early else 0  # the first start after period - this
         manager.register_state_dict_fn(STATE_KEY, self.load_state_dict, self.state_dict)
 
@@ -117,8 +116,9 @@ class FaultTolerantSynchronizer(Synchronizer):
 
     @property
     def phase(self) -> int:
-        """Inner steps since the last synchronization started (the same on every group in the
-        quorum: a restarted group falls in step at the quorum it joins)."""
+        """Inner steps since the last synchronization started (before the first: counted so that it
+        starts on time). The same on every group in a quorum: a restarted group falls in step at
+        the quorum it joins."""
         return self._since_start
 
     def step(self) -> None:
