@@ -60,12 +60,14 @@ def test_the_summary_splits_the_survivors_steps_by_the_loss_and_checks_their_rec
     assert summarize(config, tmp_path, faulted=True)["survivors_recorded_every_step"] is True
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_study_loses_a_group_restarts_it_and_the_survivors_go_on(tmp_path: Path) -> None:
     """Three groups under a lighthouse (uncompressed, no compile to wait for); the third killed at
     step 50 and restarted: the survivors commit every step to the end and record each, the third
     heals at their step and rejoins (its record: steps after its death, with three groups), and the
-    study writes TensorBoard events per group."""
+    study writes TensorBoard events per group and its page. A study: ``make test-slow`` (the
+    kill, restart and healing it drives are tested in ``tests/test_torchft.py``, in the suite)."""
     import dataclasses
 
     from gradcomp.experiments.faults import FaultConfig, read_lines, run, table

@@ -342,7 +342,7 @@ def test_an_engine_made_again_carries_what_error_feedback_had_not_sent(spec: str
         assert carried == 0.0 and dropped > 1e-4, (carried, dropped)
 
 
-def example_run(rank: int, world: int, steps: int) -> str:
+def example_run(rank: int, world: int, steps: int, extra: tuple[str, ...] = ()) -> str:
     """``examples/torchft/train.py`` run as its docstring runs it, in this rank: a replica group of
     its own under rank 0's lighthouse, with a store of its own (torchrun's), the environment torchrun
     and the recipe give it; what it printed."""
@@ -360,7 +360,7 @@ def example_run(rank: int, world: int, steps: int) -> str:
                  "MASTER_PORT": str(store.port), "RANK": "0", "WORLD_SIZE": "1"}  # fmt: skip
         saved, argv = {k: os.environ.get(k) for k in given}, sys.argv
         os.environ.update(given)
-        sys.argv = [str(example), "--steps", str(steps), "--min-groups", str(world)]
+        sys.argv = [str(example), "--steps", str(steps), "--min-groups", str(world), *extra]
         try:
             with contextlib.redirect_stdout(printed):
                 runpy.run_path(str(example), run_name="__main__")
@@ -377,6 +377,9 @@ def example_run(rank: int, world: int, steps: int) -> str:
 @pytest.mark.timeout(180)
 def test_the_torchft_example_trains_two_replica_groups() -> None:
     """``examples/torchft/train.py`` as its docstring runs it: two groups under a lighthouse train 20
-    steps, every step averaged over both."""
+    steps, every step averaged over both; then 40 inner steps of DiLoCo, synchronizing over both."""
     for group, printed in enumerate(spawn_ranks(2, example_run, (20,), timeout=150)):
+        assert f"group {group} step 20 " in printed and "groups 2" in printed, printed
+    diloco = ("--sync", "diloco:every=4,fragments=2,delay=1,early=true", "--spec", "quantize:bits=4,ef=true")
+    for group, printed in enumerate(spawn_ranks(2, example_run, (40, diloco), timeout=150)):
         assert f"group {group} step 20 " in printed and "groups 2" in printed, printed
