@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import Failures, identical_on_all_ranks, run_checks, spawn_ranks
-from tests.torchft_groups import replica, replica_manager, served_lighthouse
+from tests.torchft_groups import lose_and_restart, replica, replica_manager, served_lighthouse
 
 pytest.importorskip("torchft")
 
@@ -250,45 +250,17 @@ def test_a_lost_replica_group_leaves_the_others_training_and_heals_when_restarte
     again once the others have trained three steps without it: they go on without it (losing at
     most the broken step and one while the quorum settles), it heals from a live one at their step
     and rejoins, and all three end at the same step with the same parameters."""
-    import queue
-
-    from torchft.coordination import LighthouseServer
-
     from gradcomp.launch import rank_context
 
     context = rank_context()
     results = context.Queue()
     shared = {"progress": context.Value("i", 0), "rejoined": context.Value("i", 0)}
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000)
     steps, die_at = 12, 4
-    processes = [context.Process(target=replica_group, args=(r, lighthouse.address(), spec, steps,
-                                                              die_at if r == 2 else None, mid_step, shared, results))
-                 for r in range(3)]  # fmt: skip
-    finished: dict[int, tuple[Any, ...]] = {}
-    try:
-        for process in processes:
-            process.start()
-        processes[2].join(timeout=120)
-        assert processes[2].exitcode == -9, "the third group was to die by SIGKILL"
-        deadline = time.monotonic() + 60
-        while shared["progress"].value < die_at + 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert shared["progress"].value >= die_at + 3, "the two groups left did not go on"
-        processes.append(context.Process(target=replica_group, args=(2, lighthouse.address(), spec, steps, None,
-                                                                     False, shared, results)))  # fmt: skip
-        processes[-1].start()
-        for _ in range(3):
-            replica, *rest = pickle.loads(results.get(timeout=150))
-            finished[replica] = tuple(rest)
-    except queue.Empty:
-        pytest.fail(f"only replicas {sorted(finished)} finished")
-    finally:
-        for process in processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-        lighthouse.shutdown()
-    assert sorted(finished) == [0, 1, 2]
+
+    def arguments(replica: int, dies: bool) -> tuple[Any, ...]:
+        return (replica, shared["lighthouse"], spec, steps, die_at if dies else None, mid_step, shared, results)
+
+    finished = lose_and_restart(replica_group, arguments, die_at, shared, results)
     first, last_step = finished[0][0], finished[0][-1]
     assert all(torch.equal(outcome[0], first) and outcome[-1] == last_step for outcome in finished.values())
     for _, committed, attempted, quorums, failed, _ in (finished[0], finished[1]):

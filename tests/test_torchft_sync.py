@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.distributed import Failures, run_checks
-from tests.torchft_groups import replica
+from tests.torchft_groups import lose_and_restart, replica
 
 pytest.importorskip("torchft")
 
@@ -172,45 +172,17 @@ def test_a_group_lost_with_a_fragment_in_flight_leaves_the_others_synchronizing_
     death broke and one while the quorum settles), it heals the global parameters and the outer
     optimizers from a live group at the quorum it joins, and all three end with the same global
     parameters, bitwise."""
-    import queue
-
-    from torchft.coordination import LighthouseServer
-
     from gradcomp.launch import rank_context
 
     context = rank_context()
     results = context.Queue()
     shared = {"progress": context.Value("i", 0), "rejoined": context.Value("i", -1)}
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000)
     syncs, die_at, spec = 10, 3, "quantize:bits=4,ef=true"
-    processes = [context.Process(target=diloco_group, args=(r, lighthouse.address(), spec, syncs,
-                                                             die_at if r == 2 else None, shared, results))
-                 for r in range(3)]  # fmt: skip
-    finished: dict[int, tuple[Any, ...]] = {}
-    try:
-        for process in processes:
-            process.start()
-        processes[2].join(timeout=120)
-        assert processes[2].exitcode == -9, "the third group was to die by SIGKILL"
-        deadline = time.monotonic() + 60
-        while shared["progress"].value < die_at + 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert shared["progress"].value >= die_at + 3, "the two groups left did not go on"
-        processes.append(context.Process(target=diloco_group, args=(2, lighthouse.address(), spec, syncs, None,
-                                                                    shared, results)))  # fmt: skip
-        processes[-1].start()
-        for _ in range(3):
-            replica, *rest = pickle.loads(results.get(timeout=150))
-            finished[replica] = tuple(rest)
-    except queue.Empty:
-        pytest.fail(f"only replicas {sorted(finished)} finished")
-    finally:
-        for process in processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-        lighthouse.shutdown()
-    assert sorted(finished) == [0, 1, 2]
+
+    def arguments(replica: int, dies: bool) -> tuple[Any, ...]:
+        return (replica, shared["lighthouse"], spec, syncs, die_at if dies else None, shared, results)
+
+    finished = lose_and_restart(diloco_group, arguments, die_at, shared, results)
     first, commits = finished[0][0], finished[0][-1]
     assert all(torch.equal(outcome[0], first) and outcome[-1] == commits for outcome in finished.values()), finished
     for _, failed, _, _ in (finished[0], finished[1]):

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from collections.abc import Iterator
+import pickle
+import queue
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
 import torch.distributed as dist
 
 
@@ -56,3 +60,45 @@ def replica(rank: int, world: int, asynchronous: bool = True) -> Iterator[Any]:
             yield manager
         finally:
             manager.shutdown(wait=False)
+
+
+def lose_and_restart(target: Callable[..., None], arguments: Callable[[int, bool], tuple[Any, ...]], die_at: int,
+                     shared: dict[str, Any], results: Any) -> dict[int, tuple[Any, ...]]:  # fmt: skip
+    """Three replica groups, each ``target(*arguments(replica, dies))`` in a process of its own under
+    a lighthouse of its own (``arguments`` gets its address as ``shared["lighthouse"]``); the third
+    dies (SIGKILL, by its own hand) and is started again once the others' progress
+    (``shared["progress"]``, posted by replica 0) is three past ``die_at``. Returns what each put on
+    ``results`` (pickled: replica first, then its outcome), by replica."""
+    from torchft.coordination import LighthouseServer
+
+    from gradcomp.launch import rank_context
+
+    context = rank_context()
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000)
+    shared["lighthouse"] = lighthouse.address()
+    processes = [context.Process(target=target, args=arguments(r, r == 2)) for r in range(3)]
+    finished: dict[int, tuple[Any, ...]] = {}
+    try:
+        for process in processes:
+            process.start()
+        processes[2].join(timeout=120)
+        assert processes[2].exitcode == -9, "the third group was to die by SIGKILL"
+        deadline = time.monotonic() + 60
+        while shared["progress"].value < die_at + 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert shared["progress"].value >= die_at + 3, "the two groups left did not go on"
+        processes.append(context.Process(target=target, args=arguments(2, False)))
+        processes[-1].start()
+        for _ in range(3):
+            replica, *rest = pickle.loads(results.get(timeout=150))
+            finished[replica] = tuple(rest)
+    except queue.Empty:
+        pytest.fail(f"only replicas {sorted(finished)} finished")
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+        lighthouse.shutdown()
+    assert sorted(finished) == [0, 1, 2]
+    return finished
