@@ -37,13 +37,14 @@ soak: $(STAMP)
 	$(BIN)/python -m pytest -q -m soak
 
 # torchft: three replica groups on loopback, one killed mid-run and restarted, beside a fault-free
-# twin, for top-k and 4-bit DDP and 4-bit DiLoCo (digits; about 3 minutes): runs/faults/*/summary.json
+# twin, for top-k and 4-bit DDP and 4-bit DiLoCo, three seeds each (digits; about 12 minutes):
+# runs/faults/*/report.html
 fault-study: $(STAMP)
-	$(BIN)/python -m gradcomp.experiments.faults --hook topk:ratio=0.01,ef=true --out runs/faults/topk
-	$(BIN)/python -m gradcomp.experiments.faults --hook quantize:bits=4 --out runs/faults/quantize
+	$(BIN)/python -m gradcomp.experiments.faults --hook topk:ratio=0.01,ef=true --seeds 0,1,2 --out runs/faults/topk
+	$(BIN)/python -m gradcomp.experiments.faults --hook quantize:bits=4 --seeds 0,1,2 --out runs/faults/quantize
 	$(BIN)/python -m gradcomp.experiments.faults --sync diloco:every=10,fragments=2,delay=1 \
 		--hook quantize:bits=4,ef=true --lr 0.05 --steps 1000 --at 300 --restart-after 100 --eval-every 100 \
-		--out runs/faults/diloco
+		--seeds 0,1,2 --out runs/faults/diloco
 
 # On a GPU host, everything the CPU cannot show, in one command: the CUDA tests (no host
 # synchronization in any compressor's steady state, CPU parity, the caller's stream; DDP over NCCL

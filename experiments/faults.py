@@ -446,6 +446,35 @@ def study(config: FaultConfig) -> dict[str, Any]:
     return results
 
 
+def accuracy(results: dict[str, Any], run: str, config: FaultConfig) -> float | None:
+    """A run's final accuracy as the study reads it: the first group never killed's last evaluation."""
+    return results[run]["final_accuracy"].get(0 if config.kill != 0 else 1)
+
+
+def across_seeds(studies: dict[int, dict[str, Any]], config: FaultConfig) -> dict[str, Any]:
+    """Per seed, the faulted run's final accuracy less its twin's (percentage points), and their mean
+    with a 95% Student-t interval (scipy) where there are two seeds or more."""
+    differences = {
+        seed: 100 * (faulted - free)
+        for seed, results in studies.items()
+        if (faulted := accuracy(results, "faulted", config)) is not None
+        and (free := accuracy(results, "fault-free", config)) is not None
+    }
+    values = list(differences.values())
+    figures: dict[str, Any] = {"difference_pp": differences, "mean_pp": statistics.mean(values) if values else None,
+                               "interval_pp": None, "largest_pp": max(map(abs, values), default=None)}  # fmt: skip
+    if len(values) >= 2:
+        from scipy import stats  # here: scipy.stats costs half a second at import
+
+        spread = stats.sem(values)
+        if spread > 0:
+            low, high = stats.t.interval(0.95, len(values) - 1, loc=statistics.mean(values), scale=spread)
+            figures["interval_pp"] = [float(low), float(high)]
+        else:
+            figures["interval_pp"] = [figures["mean_pp"], figures["mean_pp"]]
+    return figures
+
+
 def table(results: dict[str, Any], config: FaultConfig) -> str:
     """The comparison as a Markdown table (survivors' figures; accuracy of group 0's final evaluation)."""
     header = ("| run | final accuracy | survivors' steps lost | step ms before / during / after the loss "
@@ -455,16 +484,15 @@ def table(results: dict[str, Any], config: FaultConfig) -> str:
         if name not in results:
             continue
         r = results[name]
-        accuracy = r["final_accuracy"].get(0 if config.kill != 0 else 1)
+        final = accuracy(results, name, config)
+        shown = "-" if final is None else f"{final:.4f}"
         lost = max(r["steps_lost"].values(), default=0)
         ms = " / ".join("-" if v is None else f"{v:.1f}" for v in r["step_ms"].values())
         longest = r["longest_step_ms_during_loss"]
         ms += "" if longest is None else f" (longest {longest:.0f})"
         sent = [v for g, v in r["sent_mb"].items() if v is not None and not (r["faulted"] and g == config.kill)]
         mb = f"{statistics.mean(sent):.2f}" if sent else "-"
-        rows.append(
-            f"| {name} | {accuracy:.4f} | {lost} | {ms} | {r['steps_during_loss']} | {mb} | {r['wall_s']:.1f} |"
-        )
+        rows.append(f"| {name} | {shown} | {lost} | {ms} | {r['steps_during_loss']} | {mb} | {r['wall_s']:.1f} |")
     return "\n".join(rows)
 
 
@@ -480,22 +508,39 @@ def command_parser() -> argparse.ArgumentParser:
         else:
             kind = {"int": int, "float": float}.get(str(field.type), str)
             parser.add_argument(flag, type=kind, default=getattr(defaults, field.name))
+    parser.add_argument("--seeds", help="several seeds (0,1,2): a study per seed, and the accuracy differences "
+                        "across them with a 95%% interval")  # fmt: skip
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = command_parser()
-    args = parser.parse_args(argv)
+    args = vars(parser.parse_args(argv))
+    seeds = args.pop("seeds")
     try:
-        config = FaultConfig(**vars(args))
+        config = FaultConfig(**args)
+        chosen = [int(s) for s in seeds.split(",")] if seeds else None
+        if chosen is not None and not config.twin:
+            raise ValueError("--seeds compares each faulted run with its twin: not with --no-twin")
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
-    results = study(config)
-    comparison = table(results, config)
     from gradcomp.experiments.report import faults as page  # matplotlib: the experiments extra
 
-    written = page.write(Path(config.out), results, comparison)
-    sys.stdout.write(f"{comparison}\n{Path(config.out) / 'summary.json'}\n{written}\n")
+    if chosen is None:
+        results = study(config)
+        comparison = table(results, config)
+        written = page.write(Path(config.out), results, comparison)
+        sys.stdout.write(f"{comparison}\n{Path(config.out) / 'summary.json'}\n{written}\n")
+        return 0
+    studies = {}
+    for seed in chosen:  # each seed a study of its own, with its page, in out/seed<S>
+        one = dataclasses.replace(config, seed=seed, out=str(Path(config.out) / f"seed{seed}"))
+        studies[seed] = study(one)
+        page.write(Path(one.out), studies[seed], table(studies[seed], one))
+    figures = across_seeds(studies, config)
+    (Path(config.out) / "summary.json").write_text(json.dumps({"seeds": studies, "accuracy": figures}, indent=2))
+    written = page.write_seeds(Path(config.out), studies, figures, config)
+    sys.stdout.write(page.seeds_text(studies, figures, config) + f"\n{written}\n")
     return 0
 
 

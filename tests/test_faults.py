@@ -60,6 +60,29 @@ def test_the_summary_splits_the_survivors_steps_by_the_loss_and_checks_their_rec
     assert summarize(config, tmp_path, faulted=True)["survivors_recorded_every_step"] is True
 
 
+def test_across_seeds_the_accuracy_differences_get_a_student_t_interval() -> None:
+    from scipy import stats
+
+    from gradcomp.experiments.faults import FaultConfig, across_seeds
+    from gradcomp.experiments.report.faults import seeds_text
+
+    config = FaultConfig(out="x")
+
+    def study(free: float, faulted: float) -> dict[str, Any]:
+        run = {"steps_during_loss": 100, "longest_step_ms_during_loss": 1000.0}
+        return {"fault-free": {**run, "final_accuracy": {0: free}}, "faulted": {**run, "final_accuracy": {0: faulted}}}
+
+    studies = {0: study(0.95, 0.96), 1: study(0.95, 0.945), 2: study(0.90, 0.91)}
+    figures = across_seeds(studies, config)
+    differences = [1.0, -0.5, 1.0]
+    assert figures["difference_pp"] == pytest.approx(dict(enumerate(differences)))
+    low, high = stats.t.interval(0.95, 2, loc=0.5, scale=stats.sem(differences))
+    assert figures["mean_pp"] == pytest.approx(0.5) and figures["interval_pp"] == pytest.approx([low, high])
+    assert figures["largest_pp"] == pytest.approx(1.0)
+    assert f"mean +0.50 pp, 95% interval [{low:+.2f}, {high:+.2f}]" in seeds_text(studies, figures, config)
+    assert across_seeds({0: study(0.9, 0.9)}, config)["interval_pp"] is None  # one seed: no interval
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_study_loses_a_group_restarts_it_and_the_survivors_go_on(tmp_path: Path) -> None:

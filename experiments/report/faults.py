@@ -100,3 +100,50 @@ def write(out: Path, results: dict[str, Any], table: str) -> Path:
     path = out / "report.html"
     path.write_text(render(out, results, table))
     return path
+
+
+def seeds_text(studies: dict[int, dict[str, Any]], figures: dict[str, Any], config: Any) -> str:
+    """Across seeds, as Markdown: per seed both runs' final accuracy and the difference, then the
+    mean difference with its 95% interval."""
+    from gradcomp.experiments.faults import accuracy
+
+    rows = ["| seed | fault-free | faulted | difference (pp) | steps during the loss | longest step ms |",
+            "|---|---|---|---|---|---|"]  # fmt: skip
+    for seed, results in studies.items():
+        free, faulted = accuracy(results, "fault-free", config), accuracy(results, "faulted", config)
+        difference = figures["difference_pp"].get(seed)
+        longest = results["faulted"]["longest_step_ms_during_loss"]
+        rows.append(f"| {seed} | {_f(free, '.4f')} | {_f(faulted, '.4f')} | {_f(difference, '+.2f')} | "
+                    f"{results['faulted']['steps_during_loss']} | {_f(longest, '.0f')} |")  # fmt: skip
+    interval = figures["interval_pp"]
+    spread = "" if interval is None else f", 95% interval [{interval[0]:+.2f}, {interval[1]:+.2f}]"
+    rows.append(f"\nfaulted less fault-free: mean {_f(figures['mean_pp'], '+.2f')} pp{spread}; the largest "
+                f"|difference| {_f(figures['largest_pp'], '.2f')} pp over {len(studies)} seeds")  # fmt: skip
+    return "\n".join(rows)
+
+
+def write_seeds(out: Path, studies: dict[int, dict[str, Any]], figures: dict[str, Any], config: Any) -> Path:
+    """``out/report.html`` across seeds: the table of :func:`seeds_text`, and each seed's own page."""
+    text = seeds_text(studies, figures, config)
+    table, _, verdict = text.partition("\n\n")
+    rows = [line.strip("|").split("|") for line in table.splitlines() if not line.startswith("|---")]
+    head = "".join(f"<th>{html.escape(c.strip())}</th>" for c in rows[0])
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c.strip())}</td>" for c in row) + "</tr>" for row in rows[1:])
+    links = " ".join(f'<a href="seed{seed}/report.html">seed {seed}</a>' for seed in studies)
+    method = config.hook if config.sync is None else f"{config.sync} over {config.hook}"
+    path = out / "report.html"
+    path.write_text("\n".join([
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>gradcomp fault study: {html.escape(str(out))}</title><style>{STYLE}</style></head><body>",
+        f"<h1>A lost replica group, over {len(studies)} seeds: {html.escape(method)}</h1>",
+        f'<p class="verdict">{html.escape(verdict.strip())}</p>',
+        f'<div class="scroll"><table><tr>{head}</tr>{body}</table></div>',
+        f'<p class="note">Per seed, its curves: {links}.</p>',
+        "</body></html>",
+    ]) + "\n")  # fmt: skip
+    return path
+
+
+def _f(value: float | None, form: str) -> str:
+    return "-" if value is None else format(value, form)
