@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import json
 import os
 import signal
@@ -137,6 +136,7 @@ def group_main(config: FaultConfig, group: int, place: tuple[str | None, str], l
     import torchft
     import torchft.optim
 
+    from gradcomp.experiments.replicas import one_rank_group
     from gradcomp.experiments.tasks import build_task
     from gradcomp.hooks import fault_tolerant as ft_hooks
     from gradcomp.sync import fault_tolerant as ft_sync
@@ -145,15 +145,8 @@ def group_main(config: FaultConfig, group: int, place: tuple[str | None, str], l
     task = build_task(config.task)
     torch.manual_seed(config.seed)  # every group the same initial model
     model = task.build_model(config.model)
-    store = torch.distributed.TCPStore(address, 0, is_master=True, wait_for_workers=False)
-    seconds = datetime.timedelta(seconds=config.timeout)
-    manager = torchft.Manager(
-        pg=torchft.ProcessGroupGloo(timeout=seconds), min_replica_size=config.quorum, load_state_dict=None,
-        state_dict=None, replica_id=f"group{group}", store_addr=address, store_port=store.port, rank=0,
-        world_size=1, lighthouse_addr=lighthouse, hostname=address, timeout=seconds, quorum_timeout=seconds,
-        connect_timeout=seconds, checkpoint_transport=_checkpoint_transport(address, seconds),
-        use_async_quorum=config.sync is None, init_sync=False,  # one seed: every group starts alike
-    )  # fmt: skip
+    manager = one_rank_group(f"group{group}", lighthouse, min_groups=config.quorum, timeout=config.timeout,
+                             synchronous=config.sync is not None, address=address)  # fmt: skip
     inner = torch.optim.SGD(model.parameters(), lr=config.lr)
     if config.sync is None:
         trained: Any = ft_hooks.DistributedDataParallel(manager, model, config.hook)
@@ -200,9 +193,10 @@ def _train(config: FaultConfig, group: int, task: Any, model: torch.nn.Module, t
     attempted and the inner steps taken."""
     attempted, inner_steps, evaluated_at = 0, 0, -1
     in_flight_death = outer is not None and outer.sync.delay > 0  # else between synchronizations
-    while manager.current_step() < config.commits(config.steps):
+    last, dies_at, every = config.commits(config.steps), config.commits(config.at), config.commits(config.eval_every)
+    while manager.current_step() < last:
         committed = manager.current_step()
-        if dies and committed >= config.commits(config.at) and (not in_flight_death or outer.in_flight):
+        if dies and committed >= dies_at and (not in_flight_death or outer.in_flight):
             os.kill(os.getpid(), signal.SIGKILL)  # with a delayed synchronizer: its fragment in flight
         index = committed * config.period + (outer.phase if outer is not None else 0)
         x, y = task.batch(index, config.batch_size, config.seed)
@@ -232,23 +226,11 @@ def _train(config: FaultConfig, group: int, task: Any, model: torch.nn.Module, t
         now = manager.current_step()
         if group != config.kill:
             progress.value = max(progress.value, now)
-        due = now % config.commits(config.eval_every) == 0 or now >= config.commits(config.steps)
+        due = now % every == 0 or now >= last
         if now and now != evaluated_at and due:  # not before the first commit (a restarted group: healed)
             evaluated_at = now
             write({"kind": "eval", "committed": now, **_evaluate(task, model, outer)})
     return attempted, inner_steps
-
-
-def _checkpoint_transport(address: str, timeout: datetime.timedelta) -> Any:
-    """torchft's HTTP checkpoint transport, serving healing groups at ``address`` (its own names the
-    machine's host name, which inside a namespace is not where its server listens)."""
-    from torchft.checkpointing.http_transport import HTTPTransport
-
-    class Addressed(HTTPTransport):
-        def address(self) -> str:
-            return f"http://{address}:{self._server.socket.getsockname()[1]}/checkpoint/"
-
-    return Addressed(timeout=timeout, num_chunks=0)
 
 
 def _serve_lighthouse(namespace: str, quorum: int, ports: Any, stop: Any) -> None:

@@ -433,7 +433,14 @@ UPLINK = "uplink"
 def uplink_bytes(switch: str) -> int:
     """Bytes the node of switch namespace ``switch`` has sent across nodes so far (its uplink's
     transmit counter, frames as they leave the node: payload and TCP/IP headers)."""
-    listing = json.loads(_run("ip", "-n", switch, "-s", "-j", "link", "show", UPLINK))
+    return sent_bytes(UPLINK, switch)
+
+
+def sent_bytes(device: str, namespace: str | None = None) -> int:
+    """Bytes ``device`` has transmitted so far (its transmit counter: frames as they leave, payload
+    and TCP/IP headers), in ``namespace`` (None: the calling process's own, a rank's inside its)."""
+    where = ["-n", namespace] if namespace is not None else []
+    listing = json.loads(_run("ip", *where, "-s", "-j", "link", "show", device))
     return int(listing[0]["stats64"]["tx"]["bytes"])
 
 

@@ -141,13 +141,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                  **kwargs: Any) -> None:  # fmt: skip
         from torchft.process_group import ProcessGroupDummy
 
-        if isinstance(spec, str) and spec.split(":", 1)[0].strip() == "auto":
-            raise ValueError(
-                "auto is not supported on torchft's groups: it measures the link and the engines on a group "
-                "torch.distributed knows; give a fixed spec (auto's decision on a healthy run of this job, in "
-                "its state's decisions, is one)"
-            )
-        parsed = HookSpec.parse(spec)
+        parsed = HookSpec.parse(spec)  # auto, torch's hooks: refused here by the owners of their specs
         if parsed.compressor is None:
             raise ValueError(f"{parsed} sends nothing: fault tolerance needs an averaging hook")
         if parsed.local_size > 1:

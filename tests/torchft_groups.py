@@ -4,7 +4,6 @@ a lighthouse that rank 0 serves (the world's own group only hands the lighthouse
 from __future__ import annotations
 
 import contextlib
-import datetime
 import pickle
 import queue
 import time
@@ -16,22 +15,11 @@ import torch.distributed as dist
 
 
 def replica_manager(rank: int, world: int, lighthouse: str, timeout: float = 30.0, asynchronous: bool = True) -> Any:
-    """This rank as a replica group of one under the lighthouse, its manager on a store of its own
-    (``asynchronous``: its quorum formed while the step's forward runs, as for DDP; synchronous for
-    local SGD and DiLoCo)."""
-    import torchft
+    """This rank as a replica group of one under the lighthouse (``asynchronous``: its quorum formed
+    while the step's forward runs, as for DDP; synchronous for local SGD and DiLoCo)."""
+    from gradcomp.experiments.replicas import one_rank_group
 
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    seconds = datetime.timedelta(seconds=timeout)
-    manager = torchft.Manager(
-        pg=torchft.ProcessGroupGloo(timeout=seconds), min_replica_size=world, load_state_dict=None,
-        state_dict=None, replica_id=f"replica{rank}", store_addr="localhost", store_port=store.port, rank=0,
-        world_size=1, lighthouse_addr=lighthouse, timeout=seconds, quorum_timeout=seconds,
-        connect_timeout=seconds, use_async_quorum=asynchronous,
-        init_sync=False,  # the same initial weights everywhere: no healing at step 0
-    )  # fmt: skip
-    manager.kept_store = store
-    return manager
+    return one_rank_group(f"replica{rank}", lighthouse, min_groups=world, timeout=timeout, synchronous=not asynchronous)
 
 
 @contextlib.contextmanager

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import statistics
@@ -67,16 +66,6 @@ def _address(rank: int) -> str:
     return netem.address_of(rank) if _interface() == netem.INTERFACE else "127.0.0.1"
 
 
-def _sent_bytes() -> int:
-    """Bytes this namespace's interface has transmitted (``/proc/self/net/dev``: this process's namespace)."""
-    interface = _interface()
-    for line in Path("/proc/self/net/dev").read_text().splitlines()[2:]:
-        name, counters = line.split(":", 1)
-        if name.strip() == interface:
-            return int(counters.split()[8])
-    raise RuntimeError(f"no interface {interface} in /proc/self/net/dev")
-
-
 def _lighthouses(rank: int, count: int) -> list[str]:
     """Rank 0 serves ``count`` lighthouses on its address; every rank gets their addresses."""
     from torchft.coordination import LighthouseServer
@@ -98,6 +87,7 @@ class Variant:
         import torchft
         import torchft.optim
 
+        from gradcomp.experiments.replicas import one_rank_group
         from gradcomp.experiments.tasks import build_task
 
         self.name, self.diloco = name, name == DILOCO_ANCHOR or name.startswith("diloco:")
@@ -106,15 +96,8 @@ class Variant:
         torch.manual_seed(settings.seed)
         self.model = task.build_model(preset.model)
         self.inputs, self.targets = task.batch(rank, preset.batch_size, settings.seed)
-        store = dist.TCPStore(_address(rank), 0, is_master=True, wait_for_workers=False)
-        seconds = datetime.timedelta(seconds=settings.timeout)
-        self.manager = torchft.Manager(
-            pg=torchft.ProcessGroupGloo(timeout=seconds), min_replica_size=2, load_state_dict=None, state_dict=None,
-            replica_id=f"{index}-{rank}", store_addr=_address(rank), store_port=store.port, rank=0, world_size=1,
-            lighthouse_addr=lighthouse, hostname=_address(rank), timeout=seconds, quorum_timeout=seconds,
-            connect_timeout=seconds, use_async_quorum=not self.diloco, init_sync=False,
-        )  # fmt: skip
-        self.store = store
+        self.manager = one_rank_group(f"{index}-{rank}", lighthouse, min_groups=2, timeout=settings.timeout,
+                                      synchronous=self.diloco, address=_address(rank))  # fmt: skip
         inner = torch.optim.SGD(self.model.parameters(), lr=1e-3)
         self.manager.register_state_dict_fn("model", self.model.load_state_dict, self.model.state_dict)
         self.outer: Any = None
@@ -167,13 +150,13 @@ def measure(rank: int, world: int, settings: Settings) -> dict[str, dict[str, li
             if variant.diloco:  # whole synchronizations
                 count = -(-count // settings.every) * settings.every
             dist.barrier()
-            before, began = _sent_bytes(), time.perf_counter()
+            before, began = netem.sent_bytes(_interface()), time.perf_counter()
             steps = []
             for _ in range(count):
                 start = time.perf_counter()
                 variant.step()
                 steps.append(time.perf_counter() - start)
-            elapsed, bytes_ = time.perf_counter() - began, _sent_bytes() - before
+            elapsed, bytes_ = time.perf_counter() - began, netem.sent_bytes(_interface()) - before
             if round_:
                 seconds[variant.name] += [elapsed / count]
                 sent[variant.name] += [bytes_ / count]
@@ -222,8 +205,12 @@ def command_parser() -> argparse.ArgumentParser:
                                      description=__doc__.split("\n")[0])  # fmt: skip
     parser.add_argument("--networks", default="1gbit,100mbit", help="netem profiles, comma-separated")
     parser.add_argument("--model", default="gpt", choices=sorted(PRESETS))
-    parser.add_argument("--variant", action="append", dest="variants",
-                        help=f"a variant (repeat the option for several; default: {', '.join(DEFAULT_VARIANTS)})")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        dest="variants",
+        help=f"a variant (repeat the option for several; default: {', '.join(DEFAULT_VARIANTS)})",
+    )
     parser.add_argument("--steps", type=int, default=Settings.steps)
     parser.add_argument("--rounds", type=int, default=Settings.rounds)
     parser.add_argument("--every", type=int, default=Settings.every)

@@ -67,8 +67,10 @@ class QuorumEngine:
         """The engine for the group as it is now; with ``renew`` (at a step's first bucket, a
         synchronization's start: never inside a step) made again first if the group's configuration
         changed or the last step failed."""
+        if self.engine is not None and not renew:  # inside a step: the step's engine, nothing read
+            return self.engine
         configuration = (size_of(self.group), rank_of(self.group), id(getattr(self.group, "parent", self.group)))
-        if self.engine is None or (renew and (configuration != self._made_for or self._failed)):
+        if self.engine is None or configuration != self._made_for or self._failed:
             if self.engine is not None:
                 self._records.extend(self.engine.records)
                 self._take_residuals(self.engine)

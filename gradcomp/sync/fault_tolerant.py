@@ -146,10 +146,11 @@ class FaultTolerantSynchronizer(Synchronizer):
             engine = self.engines.current(renew=True)
             self.engine, self.world = engine, engine.world
             buffer, members, shapes = self._outer_gradient(fragment)
-            if not manager.is_participating():  # not in this step's participants: sends zeros
+            participating = manager.is_participating()
+            if not participating:  # not in this step's participants: sends zeros
                 buffer.zero_()
             self.engines.remember(members, shapes)
-            if self.engines.pending and manager.is_participating():
+            if self.engines.pending and participating:
                 self.engines.add_pending(buffer, members, shapes)
             number = engine.steps_done
             handle = engine.reduce(buffer, members, shapes, bucket=fragment, last=True)
