@@ -537,6 +537,9 @@ class DiLoCo(_Kind):
     kind = "diloco"
 
 
+SETTLE_S = 0.05
+"""How long the exit flush waits for the backend's threads to free what its collectives held."""
+
 _made: list[weakref.ref[Synchronizer]] = []
 """Every synchronizer of the process, in the order made (the same on every rank), while it lives."""
 
@@ -548,6 +551,7 @@ def _flush_at_exit() -> None:
     in the order the synchronizers were made): left to interpreter exit, its collective would be
     torn down mid-way and abort the process. If the group is gone already (``destroy_process_group``
     before ``flush``), it cannot land: say so."""
+    flushed = False
     for made in _made:
         synchronizer = made()
         if synchronizer is None or not synchronizer._in_flight or synchronizer.error is not None:
@@ -558,8 +562,15 @@ def _flush_at_exit() -> None:
             continue
         try:
             synchronizer.flush()
+            flushed = True
         except Exception as error:  # exit goes on; the cause is in the synchronizer's error
             logger.warning("flushing a synchronization at exit failed: %s", error)
+    if flushed:
+        # gloo's worker thread frees a finished collective's tensors just after completing it, and
+        # needs the interpreter's lock to drop their Python objects: were the interpreter finalizing
+        # by then, that thread would be ended mid-way and the process abort ("terminate called
+        # without an active exception"). Waiting here, the lock released, lets it finish first.
+        time.sleep(SETTLE_S)
 
 
 def _shapes(shapes: list[tuple[int, ...]], most: int = 6) -> str:
