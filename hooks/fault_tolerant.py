@@ -40,6 +40,7 @@ from gradcomp.engine import Engine
 from gradcomp.engine.quorum import QuorumEngine
 from gradcomp.engine.spec import HookSpec, HookSpecLike
 from gradcomp.engine.stats import StepStats
+from gradcomp.hooks.auto_spec import is_auto_spec
 from gradcomp.hooks.ddp import ParameterKeys, shapes_of
 
 
@@ -141,7 +142,13 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                  **kwargs: Any) -> None:  # fmt: skip
         from torchft.process_group import ProcessGroupDummy
 
-        parsed = HookSpec.parse(spec)  # auto, torch's hooks: refused here by the owners of their specs
+        if is_auto_spec(spec):
+            raise ValueError(
+                "auto does not run on torchft's replica groups: its measurements and its decision would have "
+                "to follow every quorum change and reach a healing group before that group's backward. Give a "
+                "compressor: what auto chose on a fault-free run (its state's decisions) or what "
+                "`gradcomp plan` recommends")  # fmt: skip
+        parsed = HookSpec.parse(spec)  # torch's hooks: refused here by the owners of their specs
         if parsed.compressor is None:
             raise ValueError(f"{parsed} sends nothing: fault tolerance needs an averaging hook")
         if parsed.local_size > 1:

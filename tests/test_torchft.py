@@ -176,7 +176,7 @@ def test_the_fault_tolerant_ddp_refuses_what_torchfts_groups_cannot_carry() -> N
     from gradcomp.hooks.fault_tolerant import DistributedDataParallel
 
     model = torch.nn.Linear(4, 2)
-    refused = [("auto:candidates=fp16|topk:ratio=0.1", "auto is no compressor"),
+    refused = [("auto:candidates=fp16|topk:ratio=0.1", "auto does not run on torchft"),
                ("noop", "sends nothing"), ("sign:ef=true,local_size=2", "local_size makes node groups")]  # fmt: skip
     for spec, message in refused:
         with pytest.raises(ValueError, match=message):
