@@ -52,7 +52,8 @@ from torch import Tensor
 from torch.distributed import GradBucket
 
 from gradcomp.collectives.cost_model import LinkCosts
-from gradcomp.collectives.executor import executor, join
+from gradcomp.collectives.executor import Handle, executor, join
+from gradcomp.collectives.groups import registered
 from gradcomp.collectives.hierarchical import subgroups
 from gradcomp.cost import online
 from gradcomp.cost.choose import choose, explain
@@ -90,19 +91,23 @@ class AutoState(TrainingHookState):
         timeout: datetime.timedelta | None,
         link: LinkCosts | None = None,
     ) -> None:
-        self.spec = spec
-        self.link = link
-        """A link given instead of measured (then the engine's overhead is not measured either)."""
+        self._start(spec, link)
         self.world = dist.get_world_size(group)
-        self.candidates = spec.hook_specs
-        self.methods = [method_of(c) for c in self.candidates]
         self.engines = [Engine(c, group=group, timeout=timeout) for c in self.candidates]
         self.group = self.engines[0].group  # gradcomp's own (shared by every engine of these ranks)
-        self.local = spec.local_size
-        """Ranks per node of the candidates across nodes (0: none): the nodes are probed too."""
         self._nodes = subgroups(self.group, self.local) if self.local > 1 else None  # the engines' own
         self._parent, self._timeout = group, timeout
         self.rank = dist.get_rank(self.group)
+
+    def _start(self, spec: AutoSpec, link: LinkCosts | None) -> None:
+        """What does not depend on the group: the candidates, the decision, what was measured."""
+        self.spec = spec
+        self.link = link
+        """A link given instead of measured (then the engine's overhead is not measured either)."""
+        self.candidates = spec.hook_specs
+        self.methods = [method_of(c) for c in self.candidates]
+        self.local = spec.local_size
+        """Ranks per node of the candidates across nodes (0: none): the nodes are probed too."""
         self.error: BaseException | None = None
         self.step = 0
         self.choice: dict[int, int] = {}
@@ -163,19 +168,24 @@ class AutoState(TrainingHookState):
 
     def reduce(self, bucket: GradBucket) -> torch.futures.Future[Tensor]:
         """Average one of DDP's buckets with the candidate chosen for it."""
+        return deliver(self, self._average(bucket, bucket.buffer()))
+
+    def _average(self, bucket: GradBucket, buffer: Tensor, flush: bool = True) -> Handle[Tensor]:
+        """``buffer`` (the bucket's) averaged by the candidates chosen for its tensors; ``flush``: with
+        the residuals of compressors its tensors left (else they wait for a later step)."""
         now = time.perf_counter()
         if self.loss_scale is not None and bucket.index() == 0:  # DDP hands buckets over in index order
             self.follow_scale()
         parameters = bucket.parameters()
         keys, shapes = self.keys(parameters), shapes_of(parameters)
         identity = tuple(keys)
-        buffer = bucket.buffer()
         self._shapes[identity] = shapes
         if self._timelines:
             self._timelines[-1].handed[identity] = now
         if self._measuring_now():
             self._copies[identity] = buffer.clone()  # the gradients the kernels are timed on
-        self._flush(buffer, keys, shapes)
+        if flush:
+            self._flush(buffer, keys, shapes)
         handles, start, first = [], 0, 0
         for end in range(1, len(keys) + 1):  # runs of consecutive tensors with the same candidate
             candidate = self.choice.get(keys[first], 0)
@@ -195,7 +205,7 @@ class AutoState(TrainingHookState):
                 self.step += 1
                 for engine in self.engines:  # one clock: every candidate's warm-up and records follow the hook's steps
                     engine.end_step()
-        return deliver(self, handle)
+        return handle
 
     # -- statistics and checkpoints --------------------------------------------------------------
 
@@ -374,10 +384,11 @@ class AutoState(TrainingHookState):
 
     def _broadcast(self, values: Tensor) -> list[float]:
         """Rank 0's ``values`` on every rank (through the ordered executor, on gradcomp's group)."""
-        source = dist.get_global_rank(self.group, 0)
-
         def send() -> tuple[list[float], None]:
-            dist.broadcast(values, src=source, group=self.group)
+            if registered(self.group):
+                dist.broadcast(values, src=dist.get_global_rank(self.group, 0), group=self.group)
+            else:  # a group torch.distributed does not know (torchft's): its rank 0 as the group numbers it
+                dist.broadcast(values, group=self.group, group_src=0)
             return values.tolist(), None
 
         return executor().submit(send, wait=True).wait()

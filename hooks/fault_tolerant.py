@@ -9,6 +9,8 @@ gradcomp hook on that group, in place of torchft's uncompressed all-reduce:
 >>> model = fault_tolerant.DistributedDataParallel(manager, module, "topk:ratio=0.01,ef=true")
 >>> optimizer = torchft.optim.OptimizerWrapper(manager, torch.optim.SGD(model.parameters(), lr=0.1))
 
+(``"auto"`` as the spec: :mod:`gradcomp.hooks.fault_tolerant_auto`.)
+
 Each step (``optimizer.zero_grad`` starts the quorum, ``optimizer.step`` commits only where the
 manager says every group's step succeeded), every bucket is averaged by gradcomp's engine on the
 manager's group itself (``Engine(own_group=False)``: no group of its own, which a dead member would
@@ -18,7 +20,8 @@ bucket comes back as it was, ``should_commit`` says no on every group, and the n
 without the dead group.
 
 State across quorums: the engine is made again when the quorum's group changes (a group lost or
-joined, the world size with it) or a step failed. What error feedback had not sent yet (each
+joined, the world size with it) or state starts anew on every rank alike (:class:`Restarts`: the
+last step committed nowhere, or a group heals in this one). What error feedback had not sent yet (each
 tensor's residual, in units of the gradient over the old world size) is carried over: taken from the
 old engine and added to the tensor's next gradient times the old world size, so that it reaches the
 average once, whatever the new world size (as ``auto`` hands residuals between its candidates). The
@@ -29,29 +32,50 @@ a group's own unsent gradients, which no peer holds.
 """
 
 # No ``from __future__ import annotations`` here: DDP checks a hook's annotations at run time.
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 from torch.distributed import GradBucket
 
+from gradcomp.collectives.executor import Handle
+from gradcomp.collectives.groups import size_of
 from gradcomp.compressors import fusion
 from gradcomp.engine import Engine
 from gradcomp.engine.quorum import QuorumEngine
 from gradcomp.engine.spec import HookSpec, HookSpecLike
 from gradcomp.engine.stats import StepStats
-from gradcomp.hooks.auto_spec import is_auto_spec
+from gradcomp.hooks.auto_spec import AutoSpec, is_auto_spec
 from gradcomp.hooks.ddp import ParameterKeys, shapes_of
+
+
+class Restarts:
+    """When every rank of the quorum makes its state anew, all of them alike: at a step's first bucket,
+    when the last step was committed nowhere here (its collectives failed midway: should_commit said
+    no on every group) or a group heals in this step (one that joined, or fell behind because its own
+    step failed: its state is a peer's now). Both are read from the manager, the same on every rank;
+    a failure seen on one rank only is not (the others' engines would go on as they were)."""
+
+    def __init__(self, manager: Any, group: Any) -> None:
+        self.manager, self.group = manager, group
+        self._seen: int | None = None
+
+    def due(self) -> bool:
+        """At a step's first bucket, after its quorum: whether state starts anew in this step."""
+        step = self.manager.current_step()
+        uncommitted, self._seen = step == self._seen, step
+        return uncommitted or self.manager.num_participants() < size_of(self.group)
 
 
 class FaultTolerantState:
     """What the hook keeps between steps: the manager, the spec, and the engine of the current
     quorum's group (:class:`~gradcomp.engine.quorum.QuorumEngine`: made again when the group changes
-    or a step failed, its residuals carried)."""
+    or state starts anew, :class:`Restarts`; its residuals carried)."""
 
     def __init__(self, manager: Any, spec: HookSpec, group: Any) -> None:
         self.manager, self.spec, self.group = manager, spec, group
         self.engines = QuorumEngine(spec, group)
+        self.restarts = Restarts(manager, group)
         self.keys = ParameterKeys()
         self.error: BaseException | None = None
         """The last error a step's averaging reported to the manager (its step was discarded)."""
@@ -64,22 +88,50 @@ class FaultTolerantState:
     @property
     def quorums(self) -> int:
         """How many engines the hook has made: one per quorum group it averaged on, and one after
-        each step that failed here (1 while nothing changed)."""
+        each step that started anew (1 while nothing changed)."""
         return self.engines.quorums
 
     def failed(self, error: BaseException) -> None:
-        """A step's averaging failed here: reported to the manager (which discards the step), and
-        the engine made again at the next step."""
+        """A step's averaging failed here: reported to the manager, which discards the step."""
         self.error = error
-        self.engines.failed()
         self.manager.report_error(error)
+
+    def average(self, bucket: GradBucket, buffer: Tensor, participating: bool) -> tuple[Handle[Tensor], int]:
+        """``buffer`` (the bucket's) averaged by the current quorum's engine: its handle, and the
+        world size it averages over."""
+        engines = self.engines
+        if bucket.index() == 0 and self.restarts.due():
+            engines.restart()
+        engine = engines.current(renew=bucket.index() == 0)
+        keys, shapes = None, None
+        if engine.per_tensor:
+            parameters = bucket.parameters()
+            keys, shapes = self.keys(parameters), shapes_of(parameters)
+            engines.remember(keys, shapes)
+            if engines.pending and participating:  # else they wait for a step it takes part in
+                engines.add_pending(buffer, keys, shapes)
+        handle = engine.reduce(buffer, keys, shapes, bucket.index(), bucket.is_last())
+        if bucket.is_last():
+            engine.end_step()
+        return handle, engine.world
 
     def steps_since(self, first: int) -> list[StepStats]:
         """Per step, what averaging cost (``TrainingHookState.steps_since``), across quorums."""
         return self.engines.steps_since(first)
 
 
-def hook(state: FaultTolerantState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
+class Averaging(Protocol):
+    """A fault-tolerant hook's state: :class:`FaultTolerantState`, or ``auto``'s
+    (:class:`~gradcomp.hooks.fault_tolerant_auto.FaultTolerantAutoState`)."""
+
+    manager: Any
+
+    def average(self, bucket: GradBucket, buffer: Tensor, participating: bool) -> tuple[Handle[Tensor], int]: ...
+
+    def failed(self, error: BaseException) -> None: ...
+
+
+def hook(state: Averaging, bucket: GradBucket) -> torch.futures.Future[Tensor]:
     """The bucket averaged by gradcomp's engine over the replica groups taking part in the step; a
     failure is reported to the manager, which then discards the step (the module's notes)."""
     manager = state.manager
@@ -88,25 +140,14 @@ def hook(state: FaultTolerantState, bucket: GradBucket) -> torch.futures.Future[
     if manager.errored() is not None:  # this step is lost already: nothing more to send
         return _done(buffer)
     try:
-        engines = state.engines
-        engine = engines.current(renew=bucket.index() == 0)
         participating = manager.is_participating()
         if not participating:  # healing: its gradients are not the others' model's
             buffer.zero_()
-        keys, shapes = None, None
-        if engine.per_tensor:
-            parameters = bucket.parameters()
-            keys, shapes = state.keys(parameters), shapes_of(parameters)
-            engines.remember(keys, shapes)
-            if engines.pending and participating:  # else they wait for a step it takes part in
-                engines.add_pending(buffer, keys, shapes)
-        handle = engine.reduce(buffer, keys, shapes, bucket.index(), bucket.is_last())
-        if bucket.is_last():
-            engine.end_step()
+        handle, world = state.average(bucket, buffer, participating)
     except Exception as error:  # a peer died: reported, and the step discarded by should_commit
         state.failed(error)
         return _done(buffer)
-    participants, world = manager.num_participants(), engine.world
+    participants = manager.num_participants()
     done: torch.futures.Future[Tensor] = torch.futures.Future()
 
     def landed(handle: Any) -> None:  # on the engine's executor, while backward goes on
@@ -135,30 +176,38 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     own ``torchft.ddp.DistributedDataParallel`` averages them uncompressed): the same conventions
     (the model is synchronized by the manager at step 0, not by DDP; buckets are never rebuilt, so
     that a healed group's match the others'). ``spec``: any hook spec on a flat group (a compressor,
-    error feedback, ``allreduce``; not ``local_size``). ``group``: the process group the manager
-    reconfigures (default: the manager's own). The hook's state is :attr:`gradcomp_state`."""
+    error feedback, ``allreduce``, ``auto``: :mod:`gradcomp.hooks.fault_tolerant_auto`; not
+    ``local_size``). ``group``: the process group the manager reconfigures (default: the manager's
+    own). The hook's state is :attr:`gradcomp_state`."""
 
-    def __init__(self, manager: Any, module: nn.Module, spec: HookSpecLike, *, group: Any = None,
+    def __init__(self, manager: Any, module: nn.Module, spec: HookSpecLike | AutoSpec, *, group: Any = None,
                  **kwargs: Any) -> None:  # fmt: skip
         from torchft.process_group import ProcessGroupDummy
 
-        if is_auto_spec(spec):
-            raise ValueError(
-                "auto does not run on torchft's replica groups: its measurements and its decision would have "
-                "to follow every quorum change and reach a healing group before that group's backward. Give a "
-                "compressor: what auto chose on a fault-free run (its state's decisions) or what "
-                "`gradcomp plan` recommends")  # fmt: skip
-        parsed = HookSpec.parse(spec)  # torch's hooks: refused here by the owners of their specs
-        if parsed.compressor is None:
-            raise ValueError(f"{parsed} sends nothing: fault tolerance needs an averaging hook")
-        if parsed.local_size > 1:
-            raise ValueError("local_size makes node groups, which torchft's reconfigured group cannot carry")
+        from gradcomp.hooks.fault_tolerant_auto import FaultTolerantAutoState
+
+        given = AutoSpec.parse(spec) if isinstance(spec, str) and is_auto_spec(spec) else spec
+        auto = given if isinstance(given, AutoSpec) else None
+        specs = auto.hook_specs if auto is not None else [HookSpec.parse(given)]  # type: ignore[arg-type]
+        for parsed in specs:  # torch's hooks: refused by the owners of their specs
+            if parsed.compressor is None:
+                raise ValueError(f"{parsed} sends nothing: fault tolerance needs an averaging hook")
+            if parsed.local_size > 1:
+                raise ValueError("local_size makes node groups, which torchft's reconfigured group cannot carry")
         # torchft's own choices: a dummy group soaks up DDP's initial broadcast (the manager syncs
         # the model), and unused-parameter detection keeps DDP from rebuilding its buckets
         super().__init__(module, process_group=ProcessGroupDummy(0, 1), find_unused_parameters=True, **kwargs)
         pg = group if group is not None else manager._pg  # the group the manager configures at each quorum
-        self.gradcomp_state = FaultTolerantState(manager, parsed, pg)
+        self.gradcomp_state: FaultTolerantState | FaultTolerantAutoState
+        if auto is not None:
+            self.gradcomp_state = FaultTolerantAutoState(manager, auto, pg, len(list(module.parameters())))
+            # auto times the model's compute from its forward (as gradcomp.hooks.auto.register does)
+            self.register_forward_pre_hook(torch.compiler.disable(self.gradcomp_state.forward_started))
+            self.register_forward_hook(torch.compiler.disable(self.gradcomp_state.forward_ended))
+        else:
+            self.gradcomp_state = FaultTolerantState(manager, specs[0], pg)
         self.register_comm_hook(self.gradcomp_state, hook)
         parameter = next(module.parameters(), None)
         if parameter is not None:  # compiled now, not in a step the other groups wait on (a rejoin's)
-            fusion.precompile(parsed.compressor, parameter.dtype, parameter.device)
+            for parsed in specs:
+                fusion.precompile(parsed.compressor, parameter.dtype, parameter.device)

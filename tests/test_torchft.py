@@ -86,10 +86,10 @@ def test_an_engine_on_a_group_it_does_not_own_makes_no_group_of_its_own() -> Non
         Engine("sign:ef=true", group=None, own_group=False, timeout=5.0)
 
 
-def trained_on_plain_ddp(spec: str, batches: list[Any]) -> torch.nn.Module:
+def trained_on_plain_ddp(spec: str, batches: list[Any], with_state: bool = False) -> Any:
     """The toy model trained on ``batches`` with gradcomp's hook on plain DDP over the world, made as
     torchft's DDP is (no bucket rebuild: the order DDP first hands the parameters over numbers them,
-    and with them the keys that stochastic rounding's noise follows)."""
+    and with them the keys that stochastic rounding's noise follows); ``with_state``: and the hook's state."""
     import torch.nn.functional as F
 
     from gradcomp import hooks
@@ -97,13 +97,13 @@ def trained_on_plain_ddp(spec: str, batches: list[Any]) -> torch.nn.Module:
 
     reference = torch.nn.parallel.DistributedDataParallel(toy_model(), bucket_cap_mb=BUCKET_CAP_MB,
                                                           find_unused_parameters=True)  # fmt: skip
-    hooks.register(reference, spec)
+    state = hooks.register(reference, spec)
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     for x, y in batches:
         optimizer.zero_grad()
         F.cross_entropy(reference(x), y).backward()
         optimizer.step()
-    return reference
+    return (reference, state) if with_state else reference
 
 
 def trained_on_torchfts_ddp(rank: int, world: int, batches: list[Any]) -> torch.nn.Module:
@@ -176,7 +176,7 @@ def test_the_fault_tolerant_ddp_refuses_what_torchfts_groups_cannot_carry() -> N
     from gradcomp.hooks.fault_tolerant import DistributedDataParallel
 
     model = torch.nn.Linear(4, 2)
-    refused = [("auto:candidates=fp16|topk:ratio=0.1", "auto does not run on torchft"),
+    refused = [("auto:candidates=fp16|topk:ratio=0.1,local_size=2", "local_size makes node groups"),
                ("noop", "sends nothing"), ("sign:ef=true,local_size=2", "local_size makes node groups")]  # fmt: skip
     for spec, message in refused:
         with pytest.raises(ValueError, match=message):
@@ -191,8 +191,8 @@ def replica_group(replica: int, lighthouse: str, spec: str, steps: int, die_at: 
     ``die_at`` it kills itself (SIGKILL: no goodbye), before the step or (``mid_step``) after its
     forward, while the others' collectives wait for it. Replica 0 posts its step in
     ``shared["progress"]``. Puts (replica, final parameters, steps committed and attempted here, how
-    many quorum groups its hook averaged on, whether a step's averaging failed, the final step) on
-    ``results``."""
+    many quorum groups its hook averaged on, whether a step's averaging failed, the final step,
+    ``auto``'s candidate per tensor) on ``results``."""
     import os
     import signal
 
@@ -237,7 +237,8 @@ def replica_group(replica: int, lighthouse: str, spec: str, steps: int, die_at: 
     parameters = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     # pickled by value: a tensor through the queue's pickler is served by this process until it exits
     state = model.gradcomp_state
-    outcome = (parameters, committed, attempted, state.quorums, state.error is not None, manager.current_step())
+    outcome = (parameters, committed, attempted, state.quorums, state.error is not None, manager.current_step(),
+               dict(getattr(state, "choice", {})))  # fmt: skip
     results.put(pickle.dumps((replica, *outcome)))
     manager.shutdown(wait=False)
 
@@ -261,9 +262,9 @@ def test_a_lost_replica_group_leaves_the_others_training_and_heals_when_restarte
         return (replica, shared["lighthouse"], spec, steps, die_at if dies else None, mid_step, shared, results)
 
     finished = lose_and_restart(replica_group, arguments, die_at, shared, results)
-    first, last_step = finished[0][0], finished[0][-1]
-    assert all(torch.equal(outcome[0], first) and outcome[-1] == last_step for outcome in finished.values())
-    for _, committed, attempted, quorums, failed, _ in (finished[0], finished[1]):
+    first, last_step = finished[0][0], finished[0][5]
+    assert all(torch.equal(outcome[0], first) and outcome[5] == last_step for outcome in finished.values())
+    for _, committed, attempted, quorums, failed, *_ in (finished[0], finished[1]):
         # the survivors lose the step the death broke (mid-step: their collectives failed, which was
         # reported and not committed) and at most one more while the quorum settles, and averaged
         # on three quorum groups: all three, the two, all three again
@@ -294,7 +295,7 @@ def made_again_mid_run(rank: int, world: int, spec: str) -> list[float]:
             optimizer = torchft.optim.OptimizerWrapper(manager, torch.optim.SGD(model.parameters(), lr=0.1))
             for step, (x, y) in enumerate(batches):
                 if step == 3:
-                    state.engines.failed()  # the engine is made again at this step's first bucket
+                    state.engines.restart()  # the engine is made again at this step's first bucket
                 optimizer.zero_grad()
                 F.cross_entropy(model(x), y).backward()
                 optimizer.step()
@@ -355,3 +356,23 @@ def test_the_torchft_example_trains_two_replica_groups() -> None:
     diloco = ("--sync", "diloco:every=4,fragments=2,delay=1,early=true", "--spec", "quantize:bits=4,ef=true")
     for group, printed in enumerate(spawn_ranks(2, example_run, (40, diloco), timeout=150)):
         assert f"group {group} step 20 " in printed and "groups 2" in printed, printed
+
+
+def test_state_starts_anew_on_every_rank_alike_read_from_the_manager() -> None:
+    """Restarts: after a step committed nowhere, and in a step where a group heals; not after a step
+    that committed, nor because of a failure seen on this rank only (the others would not know)."""
+    from types import SimpleNamespace
+
+    from gradcomp.hooks.fault_tolerant import Restarts
+
+    manager = SimpleNamespace(step=0, participants=3)
+    manager.current_step = lambda: manager.step
+    manager.num_participants = lambda: manager.participants
+    group = SimpleNamespace(size=lambda: 3)
+    restarts = Restarts(manager, group)
+    seen = []
+    for step, participants in [(0, 3), (1, 3), (1, 3), (2, 2), (3, 3), (4, 3)]:
+        manager.step, manager.participants = step, participants
+        seen.append(restarts.due())
+    # the first step; committed; not committed (step 1 again); a group heals; committed twice
+    assert seen == [False, False, True, True, False, False]

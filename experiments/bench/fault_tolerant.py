@@ -9,7 +9,8 @@ a lighthouse of rank 0 (one per variant: a quorum never mixes variants); each va
 next), a quorum at every step as torchft trains. Variants:
 
 - ``torchft-ddp``: torchft's own DDP (its uncompressed all-reduce): the anchor;
-- a gradcomp hook spec (``allreduce``, ``quantize:bits=4,ef=true``, ...): gradcomp's fault-tolerant DDP;
+- a gradcomp hook spec (``allreduce``, ``quantize:bits=4,ef=true``, ``auto``, ...): gradcomp's
+  fault-tolerant DDP (``auto``'s decision printed below the table);
 - ``torchft-diloco``: torchft's DiLoCo, synchronizing every ``--every`` inner steps uncompressed;
 - ``diloco:<hook spec>``: gradcomp's DiLoCo on the manager, its outer gradients through the spec.
 
@@ -22,6 +23,7 @@ a synchronization's cost spread over ``--every`` steps.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -137,8 +139,9 @@ class Variant:
             self.outer.step()
 
 
-def measure(rank: int, world: int, settings: Settings) -> dict[str, dict[str, list[float]]]:
-    """Inside each rank: per variant, each timed step's seconds (the slowest group's) and bytes sent."""
+def measure(rank: int, world: int, settings: Settings) -> dict[str, dict[str, Any]]:
+    """Inside each rank: per variant, each timed step's seconds (the slowest group's), bytes sent, and
+    what ``auto`` chose."""
     torch.set_num_threads(1)
     lighthouses = _lighthouses(rank, len(settings.variants))
     variants = [Variant(name, rank, lighthouses[i], settings, i) for i, name in enumerate(settings.variants)]
@@ -166,7 +169,16 @@ def measure(rank: int, world: int, settings: Settings) -> dict[str, dict[str, li
         variant.manager.shutdown(wait=False)
     slowest = {v: [max(r[0][v][i] for r in everyone) for i in range(len(seconds[v]))] for v in seconds}
     mean_sent = {v: [statistics.mean(r[1][v][i] for r in everyone) for i in range(len(sent[v]))] for v in sent}
-    return {v: {"step_s": slowest[v], "sent_bytes": mean_sent[v]} for v in seconds}
+    return {v.name: {"step_s": slowest[v.name], "sent_bytes": mean_sent[v.name], "chose": _chosen(v)} for v in variants}
+
+
+def _chosen(variant: Variant) -> str | None:
+    """What an ``auto`` variant's last decision put on the buckets (how many buckets each)."""
+    decisions = getattr(getattr(variant.trained, "gradcomp_state", None), "decisions", None)
+    if not decisions:
+        return None
+    counts = collections.Counter(decisions[-1]["buckets"])
+    return ", ".join(f"{spec} ({n} of {len(decisions[-1]['buckets'])} buckets)" for spec, n in counts.items())
 
 
 def run(settings: Settings, network: str) -> dict[str, Any]:
@@ -184,6 +196,7 @@ def run(settings: Settings, network: str) -> dict[str, Any]:
             "step_vs_anchor": step / statistics.median(base["step_s"]) if base else None,
             "bytes_vs_anchor": sent / statistics.median(base["sent_bytes"]) if base else None,
             "rounds_ms": [s * 1e3 for s in figures["step_s"]],
+            "chose": figures["chose"],
         }
     return table
 
@@ -196,7 +209,8 @@ def markdown(network: str, table: dict[str, Any]) -> str:
         ratio = "-" if r["step_vs_anchor"] is None else f"{r['step_vs_anchor']:.2f}"
         sent = "-" if r["bytes_vs_anchor"] is None else f"{r['bytes_vs_anchor']:.3f}"
         rows.append(f"| `{name}` | {r['step_ms']:.0f} ({rounds}) | {ratio} | {r['sent_mb']:.2f} | {sent} |")
-    return "\n".join(rows)
+    chosen = [f"`{name}` chose {r['chose']}" for name, r in table.items() if r.get("chose")]
+    return "\n".join(rows + (["", *chosen] if chosen else []))
 
 
 def command_parser() -> argparse.ArgumentParser:

@@ -44,7 +44,7 @@ from gradcomp.cost.kernels import KernelCost
 from gradcomp.cost.profile import COLLECTIVES, INSIDE, Profile, Timings, fit_links
 from gradcomp.cost.step import Workload, method_of, predict
 from gradcomp.engine import Engine
-from gradcomp.engine.transport import all_gather_single
+from gradcomp.engine.transport import all_gather_into
 from gradcomp.launch import spawn
 
 WARMUP = 3
@@ -87,13 +87,13 @@ def time_collectives(
     largest = torch.zeros(max(sizes) // 4)
     for _ in range(warmup):
         dist.all_reduce(largest, group=group)
-        all_gather_single(torch.empty(world * largest.numel()), largest, group=group)
+        all_gather_into(torch.empty(world * largest.numel()), largest, group)
     for size in sizes:
         tensor = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
         gathered = torch.empty(world * tensor.numel())
         runs: dict[str, Callable[[], Any]] = {
             "all_reduce": functools.partial(dist.all_reduce, tensor, group=group),
-            "all_gather": functools.partial(all_gather_single, gathered, tensor, group=group),
+            "all_gather": functools.partial(all_gather_into, gathered, tensor, group),
         }
         for name, run in runs.items():
             seconds = _slowest_median(run, repeats, warmup, functools.partial(tensor.div_, world), group)

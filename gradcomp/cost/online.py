@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gradcomp.collectives.executor import executor
+from gradcomp.collectives.groups import rank_of, registered, size_of
 from gradcomp.compressors import make_compressor
 from gradcomp.cost import kernels
 from gradcomp.cost.calibrate import time_bucket, time_collectives
@@ -98,7 +99,7 @@ def probe_link(group: dist.ProcessGroup, largest_bytes: int) -> Timings:
     ordered executor (every rank calls this): :func:`gradcomp.cost.calibrate.time_collectives`."""
     top = min(max(largest_bytes, 2 << 20), 16 << 20)
     sizes = (*PROBE_BYTES, top - top % 4)
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank, world = rank_of(group), size_of(group)
 
     def probe() -> tuple[Timings, None]:
         return time_collectives(rank, world, sizes, PROBE_REPEATS, warmup=1, group=group), None
@@ -155,7 +156,9 @@ def time_engines(
     slowest rank's seconds). Every rank calls this, in the same order."""
     seconds = []
     for spec in specs:
-        engine = Engine(spec, group=group, timeout=timeout)
+        # on a group torch.distributed does not know (torchft's): on that group itself, as its hook runs
+        known = registered(group)
+        engine = Engine(spec, group=group, timeout=timeout) if known else Engine(spec, group=group, own_group=False)
         seconds.append(time_bucket(engine, bucket, keys, shapes, repeats=1, group=engine.group))
     return seconds
 

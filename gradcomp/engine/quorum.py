@@ -3,8 +3,9 @@
 torchft's ``Manager`` configures one process group anew at each quorum (a replica group lost or
 joined: another world size, other ranks). An engine's state is of its group (the ranks it exchanges
 with, its learned capacities, its compressor's state), so :class:`QuorumEngine` makes a fresh
-engine on that group when its configuration changed or a step failed on it, at a point the caller
-chooses (a step's first bucket, a synchronization's start), and carries over what error feedback
+engine on that group when its configuration changed or the caller restarts it (after a step that
+failed), at a point the caller chooses (a step's first bucket, a synchronization's start), and
+carries over what error feedback
 had not sent yet: each tensor's residual, taken from the old engine in units of the gradient over
 the old world size, is added to the tensor's next input times that size, so that it reaches the
 average once, whatever the new world size (as ``auto`` hands residuals between its candidates).
@@ -34,6 +35,12 @@ RECORDS_KEPT = 10_000
 """Records of earlier quorums' engines kept for statistics (the latest)."""
 
 
+def configuration_of(group: Any) -> tuple[int, int, int]:
+    """What identifies the quorum ``group`` is configured for: its size, this rank, and the group
+    inside (torchft makes another at each reconfiguration)."""
+    return size_of(group), rank_of(group), id(getattr(group, "parent", group))
+
+
 class QuorumEngine:
     """The engine of ``group``'s current configuration, made again when it changes.
 
@@ -49,33 +56,33 @@ class QuorumEngine:
         self.engine: Engine | None = None
         self.quorums = 0
         """How many engines have been made: one per quorum configuration averaged on, and one after
-        each failed step (1 while nothing changed)."""
+        each restart (1 while nothing changed)."""
         self.pending: dict[Hashable, Tensor] = {}
         """Per key, what an engine of an earlier quorum had not sent yet (times its world size), to be
         added to the tensor's next input (:meth:`add_pending`)."""
         self._made_for: tuple[int, int, int] | None = None
-        self._failed = False
+        self._restart = False
         self._records: collections.deque[BucketRecord] = collections.deque(maxlen=RECORDS_KEPT)
         self._shapes: dict[Hashable, torch.Size] = {}
 
-    def failed(self) -> None:
-        """A step failed on the current engine: the next :meth:`current` with ``renew`` makes it again
-        (an engine whose collectives failed midway starts over)."""
-        self._failed = True
+    def restart(self) -> None:
+        """The next :meth:`current` with ``renew`` makes the engine again, even on the same group: after
+        a step whose collectives failed midway (the caller makes sure every rank restarts alike)."""
+        self._restart = True
 
     def current(self, renew: bool = True) -> Engine:
         """The engine for the group as it is now; with ``renew`` (at a step's first bucket, a
         synchronization's start: never inside a step) made again first if the group's configuration
-        changed or the last step failed."""
+        changed or :meth:`restart` was called."""
         if self.engine is not None and not renew:  # inside a step: the step's engine, nothing read
             return self.engine
-        configuration = (size_of(self.group), rank_of(self.group), id(getattr(self.group, "parent", self.group)))
-        if self.engine is None or configuration != self._made_for or self._failed:
+        configuration = configuration_of(self.group)
+        if self.engine is None or configuration != self._made_for or self._restart:
             if self.engine is not None:
                 self._records.extend(self.engine.records)
                 self._take_residuals(self.engine)
             self.engine = Engine(self.spec, group=self.group, own_group=False, history=self.history)
-            self._made_for, self._failed = configuration, False
+            self._made_for, self._restart = configuration, False
             self.quorums += 1
         return self.engine
 

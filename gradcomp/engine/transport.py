@@ -73,6 +73,15 @@ class Transport(Protocol):
         ...
 
 
+def all_gather_into(out: Tensor, tensor: Tensor, group: dist.ProcessGroup | None, async_op: bool = False) -> Any:
+    """Every rank's ``tensor`` into ``out`` (its ``world`` rows, in rank order) by the backend's
+    all-gather, on ``group`` whether ``torch.distributed`` knows it or not (torchft's groups
+    all-gather into a list only); the backend's work with ``async_op``."""
+    if registered(group):
+        return all_gather_single(out, tensor, group=group, async_op=async_op)
+    return dist.all_gather(list(out.view(size_of(group), -1)), tensor, group=group, async_op=async_op)
+
+
 class GroupTransport:
     """:class:`Transport` over a process group (on the calling thread, which is the ordered
     executor's when an engine calls), reporting the traffic to ``meter``. All-to-all and
@@ -82,7 +91,6 @@ class GroupTransport:
     def __init__(self, group: dist.ProcessGroup, meter: Meter, native: bool = False) -> None:
         self.group, self.meter, self.native = group, meter, native
         self.rank, self.world = rank_of(group), size_of(group)
-        self.known = registered(group)
 
     def all_gatherv(self, tensor: Tensor, sizes: Sequence[int]) -> list[Tensor]:
         handle = collectives.all_gatherv(tensor, sizes, group=self.group)
@@ -101,10 +109,7 @@ class GroupTransport:
     def _issue_all_gather(self, tensor: Tensor, async_op: bool) -> tuple[list[Tensor], Any]:
         out = torch.empty(self.world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         try:
-            if self.known:
-                work = all_gather_single(out, tensor, group=self.group, async_op=async_op)
-            else:  # torchft's groups all-gather into a list only
-                work = dist.all_gather(list(out.view(self.world, -1)), tensor, group=self.group, async_op=async_op)
+            work = all_gather_into(out, tensor, self.group, async_op)
         except RuntimeError as error:
             raise backend_failure(ALL_GATHER, self.rank, self.world, error) from error
         # gloo's and NCCL's all-gathers are rings: each rank forwards p - 1 blocks and receives as many

@@ -188,7 +188,7 @@ class FaultTolerantSynchronizer(Synchronizer):
 
     def _failed(self, error: BaseException) -> None:
         self.error = error
-        self.engines.failed()
+        self.engines.restart()
         self.manager.report_error(error)
 
     # -- state --------------------------------------------------------------------------------
