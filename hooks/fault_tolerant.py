@@ -20,15 +20,16 @@ bucket comes back as it was, ``should_commit`` says no on every group, and the n
 without the dead group.
 
 State across quorums: the engine is made again when the quorum's group changes (a group lost or
-joined, the world size with it) or state starts anew on every rank alike (:class:`Restarts`: the
-last step committed nowhere, or a group heals in this one). What error feedback had not sent yet (each
-tensor's residual, in units of the gradient over the old world size) is carried over: taken from the
-old engine and added to the tensor's next gradient times the old world size, so that it reaches the
-average once, whatever the new world size (as ``auto`` hands residuals between its candidates). The
-rest of the compressor state starts anew: momentum correction's velocities, EF21's estimates,
-PowerSGD's warm starts, the noise counters. A healed group gets the model and the optimizer from a
-live peer (torchft's checkpoint transport) and starts with an empty compressor state: residuals are
-a group's own unsent gradients, which no peer holds.
+joined, the world size with it) or state starts anew on every rank alike
+(:class:`~gradcomp.engine.quorum.Restarts`: the last step committed nowhere, or a group heals in
+this one). What error feedback had not sent yet (each tensor's residual, in units of the gradient
+over the old world size) is carried over: taken from the old engine and added to the tensor's next
+gradient times the old world size, so that it reaches the average once, whatever the new world
+size (as ``auto`` hands residuals between its candidates). The rest of the compressor state starts
+anew: momentum correction's velocities, EF21's estimates, PowerSGD's warm starts, the noise
+counters. A healed group gets the model and the optimizer from a live peer (torchft's checkpoint
+transport) and starts with an empty compressor state: residuals are a group's own unsent
+gradients, which no peer holds.
 """
 
 # No ``from __future__ import annotations`` here: DDP checks a hook's annotations at run time.
@@ -39,38 +40,19 @@ from torch import Tensor, nn
 from torch.distributed import GradBucket
 
 from gradcomp.collectives.executor import Handle
-from gradcomp.collectives.groups import size_of
 from gradcomp.compressors import fusion
 from gradcomp.engine import Engine
-from gradcomp.engine.quorum import QuorumEngine
+from gradcomp.engine.quorum import QuorumEngine, Restarts
 from gradcomp.engine.spec import HookSpec, HookSpecLike
 from gradcomp.engine.stats import StepStats
 from gradcomp.hooks.auto_spec import AutoSpec, is_auto_spec
 from gradcomp.hooks.ddp import ParameterKeys, shapes_of
 
 
-class Restarts:
-    """When every rank of the quorum makes its state anew, all of them alike: at a step's first bucket,
-    when the last step was committed nowhere here (its collectives failed midway: should_commit said
-    no on every group) or a group heals in this step (one that joined, or fell behind because its own
-    step failed: its state is a peer's now). Both are read from the manager, the same on every rank;
-    a failure seen on one rank only is not (the others' engines would go on as they were)."""
-
-    def __init__(self, manager: Any, group: Any) -> None:
-        self.manager, self.group = manager, group
-        self._seen: int | None = None
-
-    def due(self) -> bool:
-        """At a step's first bucket, after its quorum: whether state starts anew in this step."""
-        step = self.manager.current_step()
-        uncommitted, self._seen = step == self._seen, step
-        return uncommitted or self.manager.num_participants() < size_of(self.group)
-
-
 class FaultTolerantState:
     """What the hook keeps between steps: the manager, the spec, and the engine of the current
     quorum's group (:class:`~gradcomp.engine.quorum.QuorumEngine`: made again when the group changes
-    or state starts anew, :class:`Restarts`; its residuals carried)."""
+    or state starts anew, :class:`~gradcomp.engine.quorum.Restarts`; its residuals carried)."""
 
     def __init__(self, manager: Any, spec: HookSpec, group: Any) -> None:
         self.manager, self.spec, self.group = manager, spec, group

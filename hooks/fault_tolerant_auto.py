@@ -10,7 +10,7 @@ the engine on the quorum's group, a choice per bucket broadcast by the group's r
 torchft's groups three things differ, so that every rank of a quorum keeps doing the same:
 
 - **Engines per quorum.** Each candidate's engine is made again when the quorum's group changes or
-  state starts anew on every rank (:class:`~gradcomp.hooks.fault_tolerant.Restarts`: the last step
+  state starts anew on every rank (:class:`~gradcomp.engine.quorum.Restarts`: the last step
   committed nowhere, or a group heals in this step). What error feedback had not sent yet is carried
   over (added to the tensor's next gradient), as for a single compressor
   (:mod:`gradcomp.engine.quorum`).
@@ -42,12 +42,11 @@ from torch.distributed import GradBucket
 from gradcomp.collectives.executor import Handle, executor
 from gradcomp.collectives.groups import rank_of, size_of
 from gradcomp.engine import Engine
-from gradcomp.engine.quorum import RECORDS_KEPT, configuration_of
+from gradcomp.engine.quorum import RECORDS_KEPT, Restarts, configuration_of
 from gradcomp.engine.stats import BucketRecord, StepStats, per_step
 from gradcomp.flat import views
 from gradcomp.hooks.auto import AutoState
 from gradcomp.hooks.auto_spec import AutoSpec
-from gradcomp.hooks.fault_tolerant import Restarts
 
 
 class FaultTolerantAutoState(AutoState):

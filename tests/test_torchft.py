@@ -363,7 +363,7 @@ def test_state_starts_anew_on_every_rank_alike_read_from_the_manager() -> None:
     that committed, nor because of a failure seen on this rank only (the others would not know)."""
     from types import SimpleNamespace
 
-    from gradcomp.hooks.fault_tolerant import Restarts
+    from gradcomp.engine.quorum import Restarts
 
     manager = SimpleNamespace(step=0, participants=3)
     manager.current_step = lambda: manager.step

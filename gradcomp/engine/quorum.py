@@ -117,3 +117,23 @@ class QuorumEngine:
     def steps_since(self, first: int) -> list[StepStats]:
         """Per step, what averaging cost, across quorums."""
         return steps_since(self.records, first)
+
+
+class Restarts:
+    """When every rank of torchft's quorum restarts its engines, all of them alike: at a step's start
+    (a DDP step's first bucket, a synchronization's start), when the last step was committed nowhere
+    (its collectives failed midway: should_commit said no on every group) or a group heals in this
+    step (one that joined, or fell behind because its own step failed: its state is a peer's now).
+    Both are read from torchft's ``manager``, the same on every rank; a failure seen on one rank
+    only is not (the others' engines would go on as they were, and a stateful compressor, PowerSGD's
+    warm starts, would average with mismatched state)."""
+
+    def __init__(self, manager: Any, group: Any) -> None:
+        self.manager, self.group = manager, group
+        self._seen: int | None = None
+
+    def due(self) -> bool:
+        """At a step's start, after its quorum: whether state starts anew in this step."""
+        step = self.manager.current_step()
+        uncommitted, self._seen = step == self._seen, step
+        return uncommitted or self.manager.num_participants() < size_of(self.group)
