@@ -45,6 +45,7 @@ import torch
 
 from gradcomp import netem
 from gradcomp.engine.spec import HookSpec
+from gradcomp.hooks.auto_spec import AutoSpec, is_auto_spec
 from gradcomp.launch import rank_context
 from gradcomp.sync.spec import SyncSpec
 
@@ -84,7 +85,10 @@ class FaultConfig:
     twin: bool = True
 
     def __post_init__(self) -> None:
-        HookSpec.parse(self.hook)
+        if self.sync is not None or not is_auto_spec(self.hook):  # auto averages under the hook only
+            HookSpec.parse(self.hook)
+        else:
+            AutoSpec.parse(self.hook)
         if self.sync is not None:
             SyncSpec.parse(self.sync)
         if self.groups < 2:
@@ -181,7 +185,7 @@ def group_main(config: FaultConfig, group: int, place: tuple[str | None, str], l
     finished.value = 1  # a group restarted too late for the others then stops at its quorum's timeout
     sent = _sent_bytes(trained, outer)
     write({"kind": "end", "committed": manager.current_step(), "attempted": attempted, "sent_bytes": sent,
-           "inner_steps": inner_steps})  # fmt: skip
+           "inner_steps": inner_steps, "chosen": _chosen(trained)})  # fmt: skip
     lines.close()
     manager.shutdown()
 
@@ -255,11 +259,19 @@ def _evaluate(task: Any, model: torch.nn.Module, outer: Any) -> dict[str, float]
         return task.eval_metrics(task.eval_sums(synchronized(x), y).double())
 
 
+def _chosen(trained: Any) -> list[str] | None:
+    """``auto``'s candidates in use at the end (a restarted group's: the decision it was sent)."""
+    state: Any = getattr(trained, "gradcomp_state", None)
+    if not hasattr(state, "choice"):
+        return None
+    return sorted({str(state.candidates[c]) for c in state.choice.values()} or {str(state.candidates[0])})
+
+
 def _sent_bytes(trained: Any, outer: Any) -> float | None:
     """What this group's engines sent, across quorums; None where a step's bytes are not counted
     (a native all-reduce's travel inside the backend)."""
-    engines = outer.engines if outer is not None else trained.gradcomp_state.engines
-    sent = [step.sent_bytes for step in engines.steps_since(0)]
+    averaged = outer.engines if outer is not None else trained.gradcomp_state  # either: steps across quorums
+    sent = [step.sent_bytes for step in averaged.steps_since(0)]
     return None if any(b is None for b in sent) else float(sum(sent))
 
 
@@ -395,6 +407,7 @@ def summarize(config: FaultConfig, folder: Path, faulted: bool) -> dict[str, Any
             for g in groups
         },
         "survivors_recorded_every_step": whole_record,
+        "auto_chose": {g: end.get("chosen") for g in groups if (end := ends[g]) is not None and end.get("chosen")},
     }
 
 
@@ -475,6 +488,12 @@ def table(results: dict[str, Any], config: FaultConfig) -> str:
         sent = [v for g, v in r["sent_mb"].items() if v is not None and not (r["faulted"] and g == config.kill)]
         mb = f"{statistics.mean(sent):.2f}" if sent else "-"
         rows.append(f"| {name} | {shown} | {lost} | {ms} | {r['steps_during_loss']} | {mb} | {r['wall_s']:.1f} |")
+    for name in ("fault-free", "faulted"):  # auto's candidates at the end: the same on every group, or each's
+        chose = results.get(name, {}).get("auto_chose")
+        if chose:
+            alike = len({tuple(c) for c in chose.values()}) == 1
+            said = "every group " + ", ".join(next(iter(chose.values()))) if alike else str(chose)
+            rows.append(f"\n{name}: auto ended with {said}")
     return "\n".join(rows)
 
 

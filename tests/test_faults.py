@@ -26,6 +26,9 @@ def test_a_bad_study_is_refused_naming_what_is_wrong() -> None:
         FaultConfig(out="x", groups=1, kill=0)
     with pytest.raises(ValueError, match="unknown compressor"):
         FaultConfig(out="x", hook="nonsense")
+    FaultConfig(out="x", hook="auto:measure_at=3")  # auto under the hook; not as DiLoCo's outer gradients'
+    with pytest.raises(ValueError, match="auto is no compressor"):
+        FaultConfig(out="x", hook="auto", sync="diloco:every=10")
 
 
 def _lines(folder: Path, group: int, entries: list[dict[str, Any]]) -> None:

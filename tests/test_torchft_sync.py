@@ -189,3 +189,35 @@ def test_a_group_lost_with_a_fragment_in_flight_leaves_the_others_synchronizing_
         assert failed <= 2, finished
     restarted_steps = finished[2][2]
     assert restarted_steps < finished[0][2] - 2 * die_at, finished  # healed at the others' commit, not from 0
+
+
+def restart_on_one_group(rank: int, world: int) -> Failures:
+    """DiLoCo over PowerSGD (its warm starts are state) on two groups; before the third
+    synchronization group 1 alone restarts its engine (as after a failure only it saw): every group
+    makes its engine again there, and they stay bitwise alike."""
+    import torch.nn.functional as F
+
+    from gradcomp.sync import fault_tolerant
+    from tests.distributed import parameters_identical_on_all_ranks
+    from tests.toy_ddp import toy_batches, toy_model
+
+    failures = Failures()
+    model = toy_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    with replica(rank, world, asynchronous=False) as manager:
+        manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
+        outer = fault_tolerant.DiLoCo(manager, model, inner, every=2, spec="powersgd:rank=2,ef=true")
+        for step, (x, y) in enumerate(toy_batches(rank, 10)):
+            if step == 5 and rank == 1:
+                outer.engines.restart()
+            inner.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            inner.step()
+            outer.step()
+    failures.expect(outer.engines.quorums == 2, f"group {rank} made {outer.engines.quorums} engines, not 2")
+    failures.expect(parameters_identical_on_all_ranks(list(model.parameters())), "the groups' parameters differ")
+    return failures
+
+
+def test_a_restart_one_group_asks_for_is_every_groups() -> None:
+    run_checks(2, restart_on_one_group, timeout=120)

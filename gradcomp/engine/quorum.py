@@ -70,6 +70,11 @@ class QuorumEngine:
         a step whose collectives failed midway (the caller makes sure every rank restarts alike)."""
         self._restart = True
 
+    @property
+    def restarting(self) -> bool:
+        """Whether :meth:`restart` was called since the engine was last made."""
+        return self._restart
+
     def current(self, renew: bool = True) -> Engine:
         """The engine for the group as it is now; with ``renew`` (at a step's first bucket, a
         synchronization's start: never inside a step) made again first if the group's configuration

@@ -27,7 +27,10 @@ State on a failure: the global parameters and the outer optimizers are registere
 (key ``gradcomp_sync``): a restarted group heals them, with the model and inner optimizer the
 training script registers, from a live group at the quorum it joins. Error feedback's residuals are
 a group's own unsent outer gradients: a healed group starts without them, and across quorums of
-other sizes they are carried (:class:`~gradcomp.engine.quorum.QuorumEngine`).
+other sizes they are carried (:class:`~gradcomp.engine.quorum.QuorumEngine`). The engine is made
+again on every group alike: when the quorum changes, and when any group saw a failure or restarted
+(one small all-reduce at each synchronization's start says so), so that a stateful compressor's
+state (PowerSGD's warm starts) never differs between groups.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from gradcomp.collectives.executor import executor
 from gradcomp.collectives.groups import rank_of
 from gradcomp.engine import HookSpecLike
 from gradcomp.engine.quorum import QuorumEngine
@@ -143,6 +148,8 @@ class FaultTolerantSynchronizer(Synchronizer):
         fragment = manager.current_step() % self.sync.fragments
         lands = self.steps_done + self.sync.delay
         try:
+            if self._any_restarts():
+                self.engines.restart()
             engine = self.engines.current(renew=True)
             self.engine, self.world = engine, engine.world
             buffer, members, shapes = self._outer_gradient(fragment)
@@ -188,8 +195,21 @@ class FaultTolerantSynchronizer(Synchronizer):
 
     def _failed(self, error: BaseException) -> None:
         self.error = error
-        self.engines.restart()
+        self.engines.restart()  # on every rank at the next start (_any_restarts)
         self.manager.report_error(error)
+
+    def _any_restarts(self) -> bool:
+        """Whether any group restarts its engine at this synchronization (one that saw a failure, or
+        has none yet: it restarted): then every group does, so that their compressors' state stays
+        alike (PowerSGD's warm starts, warm-up counts). One small all-reduce per synchronization,
+        through the ordered executor (a synchronization in flight may be using the group)."""
+        flag = torch.tensor([float(self.engines.engine is None or self.engines.restarting)])
+
+        def reduce() -> tuple[float, None]:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            return float(flag[0]), None
+
+        return executor().submit(reduce, wait=True).wait() > 0
 
     # -- state --------------------------------------------------------------------------------
 
