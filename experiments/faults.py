@@ -45,6 +45,7 @@ import torch
 
 from gradcomp import netem
 from gradcomp.engine.spec import HookSpec
+from gradcomp.experiments.sweep.plan import slug
 from gradcomp.hooks.auto_spec import AutoSpec, is_auto_spec
 from gradcomp.launch import rank_context
 from gradcomp.sync.spec import SyncSpec
@@ -504,6 +505,9 @@ def command_parser() -> argparse.ArgumentParser:
         flag = "--" + field.name.replace("_", "-")
         if field.name == "out":
             parser.add_argument(flag, required=True, help="the study's folder")
+        elif field.name == "hook":
+            parser.add_argument(flag, action="append", help=f"the hook spec (default {defaults.hook}); repeated: "
+                                "a study per method, each in a folder of its own, compared on one page")  # fmt: skip
         elif field.type == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=getattr(defaults, field.name))
         else:
@@ -517,24 +521,39 @@ def command_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = command_parser()
     args = vars(parser.parse_args(argv))
-    seeds = args.pop("seeds")
-    try:
-        config = FaultConfig(**args)
+    seeds, hooks = args.pop("seeds"), args.pop("hook") or [FaultConfig.hook]
+    out = Path(args.pop("out"))
+    try:  # every method's configuration checked before anything runs
+        configs = [FaultConfig(**args, hook=hook, out=str(out if len(hooks) == 1 else out / slug(hook)))
+                   for hook in hooks]  # fmt: skip
         chosen = [int(s) for s in seeds.split(",")] if seeds else None
-        if chosen is not None and not config.twin:
+        if chosen is not None and not configs[0].twin:
             raise ValueError("--seeds compares each faulted run with its twin: not with --no-twin")
+        if len(hooks) > 1 and not configs[0].twin:
+            raise ValueError("several --hook compare each method's faulted run with its twin: not with --no-twin")
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     from gradcomp.experiments.report import faults as page  # matplotlib: the experiments extra
 
-    if chosen is None:
+    methods = {config.hook: one_method(config, chosen, page) for config in configs}
+    if len(methods) > 1:  # a sweep over methods: their accuracy differences side by side
+        (out / "summary.json").write_text(json.dumps({"methods": methods}, indent=2))
+        written = page.write_methods(out, methods, {config.hook: slug(config.hook) for config in configs})
+        sys.stdout.write(page.methods_text(methods) + f"\n{written}\n")
+    return 0
+
+
+def one_method(config: FaultConfig, seeds: list[int] | None, page: Any) -> dict[str, Any]:
+    """One method's study (one per seed with ``seeds``), its page and printed comparison; returns its
+    accuracy differences across seeds (:func:`across_seeds`)."""
+    if seeds is None:
         results = study(config)
         comparison = table(results, config)
         written = page.write(Path(config.out), results, comparison)
         sys.stdout.write(f"{comparison}\n{Path(config.out) / 'summary.json'}\n{written}\n")
-        return 0
+        return across_seeds({config.seed: results}, config)
     studies = {}
-    for seed in chosen:  # each seed a study of its own, with its page, in out/seed<S>
+    for seed in seeds:  # each seed a study of its own, with its page, in out/seed<S>
         one = dataclasses.replace(config, seed=seed, out=str(Path(config.out) / f"seed{seed}"))
         studies[seed] = study(one)
         page.write(Path(one.out), studies[seed], table(studies[seed], one))
@@ -542,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     (Path(config.out) / "summary.json").write_text(json.dumps({"seeds": studies, "accuracy": figures}, indent=2))
     written = page.write_seeds(Path(config.out), studies, figures, config)
     sys.stdout.write(page.seeds_text(studies, figures, config) + f"\n{written}\n")
-    return 0
+    return figures
 
 
 if __name__ == "__main__":

@@ -192,7 +192,8 @@ def test_command_lines_in_the_docs_parse(where: str, line: str) -> None:
 
         options = vars(faults.command_parser().parse_args(words[3:]))
         options.pop("seeds")
-        faults.FaultConfig(**options)
+        for hook in options.pop("hook") or [faults.FaultConfig.hook]:  # --hook repeated: a study per method
+            faults.FaultConfig(**options, hook=hook)
     elif words[:3] == ["python", "-m", "gradcomp.experiments.bench.fault_tolerant"]:
         from gradcomp.experiments.bench import fault_tolerant
 

@@ -117,3 +117,31 @@ def test_a_study_loses_a_group_restarts_it_and_the_survivors_go_on(tmp_path: Pat
     results = {"config": dataclasses.asdict(config), "faulted": summary}
     written = page.write(tmp_path, results, table(results, config)).read_text()
     assert written.count("<svg") == 1 and "group 2 killed" in written and "<td>faulted</td>" in written
+
+
+def test_several_methods_each_get_a_folder_and_one_page_compares_them(tmp_path: Path, monkeypatch: Any) -> None:
+    """``--hook`` repeated: a study per method under ``--out/<method>``, then their accuracy
+    differences side by side in ``summary.json`` and ``report.html`` (each method's page linked)."""
+    from gradcomp.experiments import faults
+
+    ran: dict[str, str] = {}
+
+    def one_method(config: Any, seeds: Any, page: Any) -> dict[str, Any]:
+        ran[config.hook] = config.out
+        differences = {seed: 0.25 * (seed + 1) for seed in seeds}
+        return {"difference_pp": differences, "mean_pp": 0.375, "interval_pp": [-2.8, 3.55], "largest_pp": 0.5}
+
+    monkeypatch.setattr(faults, "one_method", one_method)
+    hooks = ["topk:ratio=0.01,ef=true", "auto:candidates=fp16|quantize:bits=4"]
+    argv = [arg for hook in hooks for arg in ("--hook", hook)] + ["--seeds", "0,1", "--out", str(tmp_path)]
+    assert faults.main(argv) == 0
+    assert ran == {hooks[0]: str(tmp_path / "topk-ratio=0.01-ef=true"),
+                   hooks[1]: str(tmp_path / "auto-candidates=fp16-quantize-bits=4")}  # fmt: skip
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert list(summary["methods"]) == hooks and summary["methods"][hooks[0]]["mean_pp"] == 0.375
+    page = (tmp_path / "report.html").read_text()
+    # auto's '|' stays inside its cell: every row has the header's five cells
+    assert page.count("<td>") == 2 * 5 and "<td>auto:candidates=fp16|quantize:bits=4</td>" in page
+    assert 'href="topk-ratio=0.01-ef=true/report.html"' in page and "+0.38" in page and "[-2.80, +3.55]" in page
+    with pytest.raises(SystemExit):  # no twin to compare with
+        faults.main(argv + ["--no-twin"])

@@ -8,6 +8,7 @@ before, during and after the loss, bytes)."""
 from __future__ import annotations
 
 import html
+import re
 from pathlib import Path
 from typing import Any
 
@@ -124,22 +125,52 @@ def seeds_text(studies: dict[int, dict[str, Any]], figures: dict[str, Any], conf
 
 def write_seeds(out: Path, studies: dict[int, dict[str, Any]], figures: dict[str, Any], config: Any) -> Path:
     """``out/report.html`` across seeds: the table of :func:`seeds_text`, and each seed's own page."""
-    text = seeds_text(studies, figures, config)
-    table, _, verdict = text.partition("\n\n")
-    rows = [line.strip("|").split("|") for line in table.splitlines() if not line.startswith("|---")]
-    head = "".join(f"<th>{html.escape(c.strip())}</th>" for c in rows[0])
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c.strip())}</td>" for c in row) + "</tr>" for row in rows[1:])
     links = " ".join(f'<a href="seed{seed}/report.html">seed {seed}</a>' for seed in studies)
     method = config.hook if config.sync is None else f"{config.sync} over {config.hook}"
+    title = f"A lost replica group, over {len(studies)} seeds: {method}"
+    return _summary_page(out, title, seeds_text(studies, figures, config), f"Per seed, its curves: {links}.")
+
+
+def methods_text(methods: dict[str, dict[str, Any]]) -> str:
+    """Several methods' studies side by side, as Markdown: each one's accuracy differences (faulted
+    less fault-free) over its seeds."""
+    rows = ["| method | seeds | mean difference (pp) | 95% interval | largest difference, either way (pp) |",
+            "|---|---|---|---|---|"]  # fmt: skip
+    for method, figures in methods.items():
+        interval = figures["interval_pp"]
+        shown = "-" if interval is None else f"[{interval[0]:+.2f}, {interval[1]:+.2f}]"
+        name = method.replace("|", "\\|")  # auto's candidates: not the table's cells
+        rows.append(f"| {name} | {len(figures['difference_pp'])} | {_f(figures['mean_pp'], '+.2f')} | {shown} | "
+                    f"{_f(figures['largest_pp'], '.2f')} |")  # fmt: skip
+    largest = max((f["largest_pp"] for f in methods.values() if f["largest_pp"] is not None), default=None)
+    rows.append(f"\nthe largest |difference| of any method: {_f(largest, '.2f')} pp")
+    return "\n".join(rows)
+
+
+def write_methods(out: Path, methods: dict[str, dict[str, Any]], folders: dict[str, str]) -> Path:
+    """``out/report.html`` across methods: the table of :func:`methods_text`, and each method's page."""
+    links = " ".join(f'<a href="{html.escape(folders[m])}/report.html">{html.escape(m)}</a>' for m in methods)
+    title = f"A lost replica group, {len(methods)} methods"
+    return _summary_page(out, title, methods_text(methods), f"Per method, its page: {links}.")
+
+
+def _summary_page(out: Path, title: str, text: str, note: str) -> Path:
+    """``out/report.html``: a Markdown table and the line below it (``text``) as one page, ``note``
+    (HTML, its text escaped by the caller) under it."""
+    table, _, verdict = text.partition("\n\n")
+    rows = [[cell.replace("\\|", "|").strip() for cell in re.split(r"(?<!\\)\|", line.strip("|"))]
+            for line in table.splitlines() if not line.startswith("|---")]  # fmt: skip
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in rows[0])
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows[1:])
     path = out / "report.html"
     path.write_text("\n".join([
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>gradcomp fault study: {html.escape(str(out))}</title><style>{STYLE}</style></head><body>",
-        f"<h1>A lost replica group, over {len(studies)} seeds: {html.escape(method)}</h1>",
+        f"<h1>{html.escape(title)}</h1>",
         f'<p class="verdict">{html.escape(verdict.strip())}</p>',
         f'<div class="scroll"><table><tr>{head}</tr>{body}</table></div>',
-        f'<p class="note">Per seed, its curves: {links}.</p>',
+        f'<p class="note">{note}</p>',
         "</body></html>",
     ]) + "\n")  # fmt: skip
     return path

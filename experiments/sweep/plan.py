@@ -172,10 +172,10 @@ def _expand_entry(
             settings["data"] = os.path.join(base, chosen["data"])
         probe = from_mapping({**settings, "out": "."}, where)  # checks every value
         run_label = label or _default_label(probe)
-        parts = [run_label, *(f"{k}={_slug(str(chosen[k]))}" for k in order if k not in AXES)]
+        parts = [run_label, *(f"{k}={slug(str(chosen[k]))}" for k in order if k not in AXES)]
         effective = probe.effective  # the canonical texts
-        parts += [_slug(effective.sync)] if effective.sync != NO_SYNC else []
-        parts += [_slug(effective.hook), f"p{probe.ranks}", _slug(probe.network), f"seed{probe.seed}"]
+        parts += [slug(effective.sync)] if effective.sync != NO_SYNC else []
+        parts += [slug(effective.hook), f"p{probe.ranks}", slug(probe.network), f"seed{probe.seed}"]
         name = "_".join(parts)
         config = dataclasses.replace(probe, out=os.path.join(out, name), resume="auto")
         runs.append(Run(name, config, run_label))
@@ -184,13 +184,13 @@ def _expand_entry(
 
 def _default_label(config: TrainConfig) -> str:
     family, _ = parse_task(config.task)
-    label = _slug(config.task) + "-" + (config.model or family.models[0])
+    label = slug(config.task) + "-" + (config.model or family.models[0])
     if config.data:
-        label += "-" + _slug(os.path.splitext(os.path.basename(config.data))[0])
+        label += "-" + slug(os.path.splitext(os.path.basename(config.data))[0])
     return label
 
 
-def _slug(text: str) -> str:
+def slug(text: str) -> str:
     """A name fit for a directory: ``topk:ratio=0.01,ef=true`` -> ``topk-ratio=0.01-ef=true``."""
     return re.sub(r"[^A-Za-z0-9._=+]+", "-", text.strip()).strip("-") or "x"
 
