@@ -144,4 +144,4 @@ def test_several_methods_each_get_a_folder_and_one_page_compares_them(tmp_path: 
     assert page.count("<td>") == 2 * 5 and "<td>auto:candidates=fp16|quantize:bits=4</td>" in page
     assert 'href="topk-ratio=0.01-ef=true/report.html"' in page and "+0.38" in page and "[-2.80, +3.55]" in page
     with pytest.raises(SystemExit):  # no twin to compare with
-        faults.main(argv + ["--no-twin"])
+        faults.main([*argv, "--no-twin"])
