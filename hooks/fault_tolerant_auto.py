@@ -26,11 +26,14 @@ torchft's groups three things differ, so that every rank of a quorum keeps doing
 A measurement that fails (a peer died during the probes) is a failed step like any other: reported
 to the manager, discarded, and measured again at the next step the whole quorum takes part in.
 Costs: as ``auto``'s, plus the two all-reduces in the steps where state starts anew and one before
-each measurement. Not checkpointed with the hook's state (torchft's checkpoints hold the model and
-the optimizer): a restarted job measures and decides again.
+each measurement; a group's start compiles every candidate's fused kernels (so that a rejoining
+group does not make the others wait on its first step), seconds per candidate. Not checkpointed
+with the hook's state (torchft's checkpoints hold the model and the optimizer): a restarted job
+measures and decides again.
 """
 
-# No ``from __future__ import annotations`` here: DDP checks a hook's annotations at run time.
+from __future__ import annotations
+
 import collections
 from typing import Any
 

@@ -243,6 +243,21 @@ def replica_group(replica: int, lighthouse: str, spec: str, steps: int, die_at: 
     manager.shutdown(wait=False)
 
 
+def three_groups_one_lost(target: Any, spec: str, steps: int, die_at: int, mid_step: bool) -> dict[int, Any]:
+    """:func:`replica_group` (or ``target``, which runs it) for three groups, the third killed at
+    ``die_at`` and restarted (:func:`tests.torchft_groups.lose_and_restart`): each one's outcome."""
+    from gradcomp.launch import rank_context
+
+    context = rank_context()
+    results = context.Queue()
+    shared = {"progress": context.Value("i", 0), "rejoined": context.Value("i", 0)}
+
+    def arguments(replica: int, dies: bool) -> tuple[Any, ...]:
+        return (replica, shared["lighthouse"], spec, steps, die_at if dies else None, mid_step, shared, results)
+
+    return lose_and_restart(target, arguments, die_at, shared, results)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("spec", "mid_step"), [("quantize:bits=4,ef=true", True), ("topk:ratio=0.25,ef=true", False)])
 def test_a_lost_replica_group_leaves_the_others_training_and_heals_when_restarted(spec: str, mid_step: bool) -> None:
@@ -251,17 +266,8 @@ def test_a_lost_replica_group_leaves_the_others_training_and_heals_when_restarte
     again once the others have trained three steps without it: they go on without it (losing at
     most the broken step and one while the quorum settles), it heals from a live one at their step
     and rejoins, and all three end at the same step with the same parameters."""
-    from gradcomp.launch import rank_context
-
-    context = rank_context()
-    results = context.Queue()
-    shared = {"progress": context.Value("i", 0), "rejoined": context.Value("i", 0)}
-    steps, die_at = 12, 4
-
-    def arguments(replica: int, dies: bool) -> tuple[Any, ...]:
-        return (replica, shared["lighthouse"], spec, steps, die_at if dies else None, mid_step, shared, results)
-
-    finished = lose_and_restart(replica_group, arguments, die_at, shared, results)
+    die_at = 4
+    finished = three_groups_one_lost(replica_group, spec, 12, die_at, mid_step)
     first, last_step = finished[0][0], finished[0][5]
     assert all(torch.equal(outcome[0], first) and outcome[5] == last_step for outcome in finished.values())
     for _, committed, attempted, quorums, failed, *_ in (finished[0], finished[1]):

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tests.distributed import Failures, parameters_identical_on_all_ranks, run_checks
-from tests.test_torchft import replica_group, trained_on_plain_ddp
-from tests.torchft_groups import lose_and_restart, replica
+from tests.test_torchft import replica_group, three_groups_one_lost, trained_on_plain_ddp
+from tests.torchft_groups import replica
 
 pytest.importorskip("torchft")
 
@@ -80,17 +80,8 @@ def test_a_group_restarted_after_autos_decision_averages_with_the_others() -> No
     """Three groups; auto decides at step 2; the third is killed (SIGKILL) at step 6 and restarted
     with nothing decided: it takes the others' decision before its first bucket, heals and ends
     with the same parameters at the same step, its choice theirs."""
-    from gradcomp.launch import rank_context
-
-    context = rank_context()
-    results = context.Queue()
-    shared = {"progress": context.Value("i", 0), "rejoined": context.Value("i", 0)}
-    steps, die_at = 14, 6
-
-    def arguments(replica: int, dies: bool) -> tuple[Any, ...]:
-        return (replica, shared["lighthouse"], SPEC, steps, die_at if dies else None, False, shared, results)
-
-    finished = lose_and_restart(forced_replica_group, arguments, die_at, shared, results)
+    die_at = 6
+    finished = three_groups_one_lost(forced_replica_group, SPEC, 14, die_at, mid_step=False)
     first, last_step, choice = finished[0][0], finished[0][5], finished[0][6]
     assert choice and set(choice.values()) == {1}, finished
     for parameters, _, _, _, _, step, theirs in finished.values():
