@@ -489,13 +489,20 @@ def table(results: dict[str, Any], config: FaultConfig) -> str:
         sent = [v for g, v in r["sent_mb"].items() if v is not None and not (r["faulted"] and g == config.kill)]
         mb = f"{statistics.mean(sent):.2f}" if sent else "-"
         rows.append(f"| {name} | {shown} | {lost} | {ms} | {r['steps_during_loss']} | {mb} | {r['wall_s']:.1f} |")
-    for name in ("fault-free", "faulted"):  # auto's candidates at the end: the same on every group, or each's
+    return "\n".join(rows)
+
+
+def auto_text(results: dict[str, Any]) -> str:
+    """Per run, the candidates ``auto`` ended with on each group that finished ("" without auto)."""
+    lines = []
+    for name in ("fault-free", "faulted"):
         chose = results.get(name, {}).get("auto_chose")
         if chose:
+            groups = ", ".join(str(g) for g in chose)
             alike = len({tuple(c) for c in chose.values()}) == 1
-            said = "every group " + ", ".join(next(iter(chose.values()))) if alike else str(chose)
-            rows.append(f"\n{name}: auto ended with {said}")
-    return "\n".join(rows)
+            said = ", ".join(next(iter(chose.values()))) if alike else str(chose)
+            lines.append(f"{name}: auto ended with {said} (groups {groups})")
+    return "\n".join(lines)
 
 
 def command_parser() -> argparse.ArgumentParser:
@@ -550,7 +557,9 @@ def one_method(config: FaultConfig, seeds: list[int] | None, page: Any) -> dict[
         results = study(config)
         comparison = table(results, config)
         written = page.write(Path(config.out), results, comparison)
-        sys.stdout.write(f"{comparison}\n{Path(config.out) / 'summary.json'}\n{written}\n")
+        chose = auto_text(results)
+        sys.stdout.write(f"{comparison}\n{chose + chr(10) if chose else ''}{Path(config.out) / 'summary.json'}\n"
+                         f"{written}\n")  # fmt: skip
         return across_seeds({config.seed: results}, config)
     studies = {}
     for seed in seeds:  # each seed a study of its own, with its page, in out/seed<S>

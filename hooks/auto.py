@@ -383,7 +383,7 @@ class AutoState(TrainingHookState):
         return max([last, *finished])
 
     def _broadcast(self, values: Tensor) -> list[float]:
-        """Rank 0's ``values`` on every rank (through the ordered executor, on gradcomp's group)."""
+        """Rank 0's ``values`` on every rank (through the ordered executor, on the hook's group)."""
         def send() -> tuple[list[float], None]:
             if registered(self.group):
                 dist.broadcast(values, src=dist.get_global_rank(self.group, 0), group=self.group)

@@ -145,3 +145,15 @@ def test_several_methods_each_get_a_folder_and_one_page_compares_them(tmp_path: 
     assert 'href="topk-ratio=0.01-ef=true/report.html"' in page and "+0.38" in page and "[-2.80, +3.55]" in page
     with pytest.raises(SystemExit):  # no twin to compare with
         faults.main([*argv, "--no-twin"])
+
+
+def test_what_auto_ended_with_names_the_groups_that_finished() -> None:
+    from gradcomp.experiments.faults import auto_text
+
+    results = {"fault-free": {"auto_chose": {0: ["fp16"], 1: ["fp16"], 2: ["fp16"]}},
+               "faulted": {"auto_chose": {0: ["fp16", "topk:ratio=0.01"], 1: ["fp16"]}}}  # fmt: skip
+    assert auto_text(results).splitlines() == [
+        "fault-free: auto ended with fp16 (groups 0, 1, 2)",
+        "faulted: auto ended with {0: ['fp16', 'topk:ratio=0.01'], 1: ['fp16']} (groups 0, 1)",
+    ]
+    assert auto_text({"faulted": {"auto_chose": {}}}) == ""  # not auto

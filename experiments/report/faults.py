@@ -69,6 +69,8 @@ def figure(out: Path, observed: int, kill: int, at: int | None, restarted_at: in
 def render(out: Path, results: dict[str, Any], table: str) -> str:
     """The page for the study in ``out`` (its ``results`` as ``summary.json`` holds them, and the
     comparison as a Markdown ``table``)."""
+    from gradcomp.experiments.faults import auto_text
+
     config = results["config"]
     observed = 0 if config["kill"] != 0 else 1
     faulted = results.get("faulted", {})
@@ -89,6 +91,7 @@ def render(out: Path, results: dict[str, Any], table: str) -> str:
         f'<p class="note">{html.escape(setting)}. Curves: group {observed}\'s evaluations.</p>',
         figure(out, observed, config["kill"], at, faulted.get("restarted_at")),
         f'<div class="scroll"><table><tr>{cells}</tr>{lines}</table></div>',
+        *(f'<p class="note">{html.escape(line)}</p>' for line in auto_text(results).splitlines()),
         '<p class="note">Steps lost: run by a survivor but not committed. Step times: the survivors\' busy time '
         "(quorum, compute, averaging; without the pacing wait), median before, during (fewer groups than all "
         "took part) and after the loss, and the longest step during it.</p>",
