@@ -20,6 +20,8 @@ they return is a :class:`~gradcomp.state.TrainingHookState` (statistics, traces,
 error). See ``docs/hooks.md``.
 """
 
+import importlib
+import sys
 import typing
 from typing import Any
 
@@ -28,15 +30,19 @@ import torch
 from gradcomp import launch
 from gradcomp.engine.sharded import ShardSpec
 from gradcomp.engine.spec import HookSpec
-from gradcomp.hooks import auto, ddp, fsdp2, hybrid, torch_fsdp, torch_hooks
-from gradcomp.hooks.auto import AutoSpec, AutoState, is_auto_spec
+from gradcomp.hooks import ddp, torch_hooks
+from gradcomp.hooks.auto_spec import AutoSpec, is_auto_spec
 from gradcomp.hooks.compressed_adamw import CompressedAdamW, CompressedAdamWState
 from gradcomp.hooks.compressed_adamw_spec import CompressedAdamWSpec
 from gradcomp.hooks.ddp import HookState, make
-from gradcomp.hooks.hybrid import HSDPState
-from gradcomp.hooks.torch_fsdp import TorchFSDPSpec, TorchFSDPState
+from gradcomp.hooks.torch_fsdp_spec import TorchFSDPSpec
 from gradcomp.hooks.torch_hooks import TorchHookSpec, TorchHookState, is_torch_spec
 from gradcomp.state import TrainingHookState
+
+if typing.TYPE_CHECKING:
+    from gradcomp.hooks.auto import AutoState
+    from gradcomp.hooks.hybrid import HSDPState
+    from gradcomp.hooks.torch_fsdp import TorchFSDPState
 
 __all__ = [
     "AnyShardedSpec",
@@ -62,8 +68,25 @@ __all__ = [
     "register",
 ]
 
-fsdp = fsdp2.fsdp
-hsdp = hybrid.hsdp
+LAZY = {
+    "fsdp": ("gradcomp.hooks.fsdp2", "fsdp"),
+    "hsdp": ("gradcomp.hooks.hybrid", "hsdp"),
+    "HSDPState": ("gradcomp.hooks.hybrid", "HSDPState"),
+    "TorchFSDPState": ("gradcomp.hooks.torch_fsdp", "TorchFSDPState"),
+    "AutoState": ("gradcomp.hooks.auto", "AutoState"),
+}
+"""Names imported on first use: FSDP2's hooks import FSDP2 itself (0.6 s here), ``auto`` its cost
+model; a DDP script that imports the hooks needs neither."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in LAZY:
+        module, attribute = LAZY[name]
+        value = getattr(importlib.import_module(module), attribute)
+        globals()[name] = value  # once
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 launch.preload(__name__)  # ranks started from this process find the hooks imported (gradcomp.launch.preload)
 
@@ -103,6 +126,8 @@ def parse_hybrid(spec: "str | HookSpec | TorchFSDPSpec", seed: int | None = None
     (a hook spec that works on a flat shard: :func:`gradcomp.hooks.hybrid.parse`) or FSDP2's own
     HSDP (``torch:reduce_scatter``, ``torch:bf16``, ``torch:fp16``: the 2-D mesh, uncompressed).
     ``seed`` applies to gradcomp's generators unless the spec sets one."""
+    from gradcomp.hooks import hybrid
+
     if isinstance(spec, TorchFSDPSpec):
         return spec
     if isinstance(spec, str) and is_torch_spec(spec):
@@ -135,7 +160,9 @@ def register(
     (:func:`fsdp`, or FSDP2's own for ``torch:reduce_scatter`` and the like); returns its state (for
     statistics and checkpoints). ``options`` as :func:`make`'s (``auto`` takes ``group``, ``timeout``
     and ``seed``; FSDP2 :func:`fsdp`'s)."""
-    if fsdp2.is_fsdp(model):
+    if _is_fsdp(model):
+        from gradcomp.hooks import fsdp2, torch_fsdp
+
         if isinstance(spec, HookState):
             raise TypeError("a state made by hooks.make is a DDP hook's; give an FSDP2 model a sharded spec")
         if isinstance(spec, AutoSpec):
@@ -151,7 +178,19 @@ def register(
     if isinstance(spec, (ShardSpec, TorchFSDPSpec)):
         raise TypeError(f"{spec} is a spec of sharded training; this model is DDP's")
     if isinstance(spec, AutoSpec) or (isinstance(spec, str) and is_auto_spec(spec)):
+        from gradcomp.hooks import auto
+
         return auto.register(model, spec, **options)
     if isinstance(spec, TorchHookSpec) or (isinstance(spec, str) and is_torch_spec(spec)):
         return torch_hooks.register(model, spec, **options)  # torch's own, recorded (as FSDP2's are above)
     return ddp.register(model, spec, **options)
+
+
+def _is_fsdp(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds an FSDP2 module. Its classes come from ``torch.distributed.fsdp``:
+    where that was never imported, none was made, and it is not imported to ask."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return False
+    from gradcomp.hooks import fsdp2
+
+    return fsdp2.is_fsdp(model)

@@ -21,59 +21,25 @@ reduce-scatter as ``intra_node_bytes`` and a ring all-reduce's 2 (r - 1) / r of 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import os
 import time
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradcomp.engine.stats import BucketRecord, CallSteps, StepStats, steps_since, write_trace
 from gradcomp.hooks.ddp import check_saved
 from gradcomp.hooks.fsdp2 import DTensor, shard_group, sharded_modules
-from gradcomp.hooks.torch_hooks import PREFIX, is_torch_spec
+from gradcomp.hooks.torch_fsdp_spec import TorchFSDPSpec
 from gradcomp.state import TrainingHookState
 
 try:
-    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 except ImportError:  # pragma: no cover - torch without FSDP2's custom reduce-scatter
-    MixedPrecisionPolicy = DefaultReduceScatter = None  # type: ignore[assignment,misc]
+    DefaultReduceScatter = None  # type: ignore[assignment,misc]
 
-REDUCE_DTYPES: dict[str, torch.dtype | None] = {"reduce_scatter": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""FSDP2's reductions by name (after ``torch:``), with the reduce dtype each sets (None: the gradient's)."""
 RECORDS = 10_000
-
-
-@dataclasses.dataclass(frozen=True)
-class TorchFSDPSpec:
-    """A parsed ``torch:`` spec of a sharded run: FSDP2's own reduce-scatter, in a reduce dtype."""
-
-    name: str
-
-    def __post_init__(self) -> None:
-        if self.name not in REDUCE_DTYPES:
-            valid = ", ".join(PREFIX + n for n in REDUCE_DTYPES)
-            raise ValueError(f"unknown FSDP2 reduction {PREFIX + self.name!r}; valid in sharded runs: {valid}")
-
-    @classmethod
-    def parse(cls, text: str) -> TorchFSDPSpec:
-        if not is_torch_spec(text):
-            raise ValueError(f"an FSDP2 reduction spec starts with {PREFIX!r}, got {text!r}")
-        return cls(text.strip()[len(PREFIX) :])
-
-    def __str__(self) -> str:
-        return PREFIX + self.name
-
-    @property
-    def reduce_dtype(self) -> torch.dtype | None:
-        return REDUCE_DTYPES[self.name]
-
-    def policy(self) -> Any:
-        """The ``MixedPrecisionPolicy`` to shard the model with (None: FSDP2's default)."""
-        return None if self.reduce_dtype is None else MixedPrecisionPolicy(reduce_dtype=self.reduce_dtype)
 
 
 class TorchFSDPState(TrainingHookState):
