@@ -8,6 +8,8 @@ restarted takes the decision from the others before its first bucket and ends wh
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,15 +24,22 @@ pytest.importorskip("torchft")
 SPEC = "auto:candidates=topk:ratio=0.25,ef=true,measure_at=2,check_every=0"
 
 
-def force_the_compressor() -> None:
+@contextlib.contextmanager
+def compressor_forced() -> Iterator[None]:
     """``auto``'s decision (rank 0's: the others receive it) made the compressor, candidate 1, for
-    every bucket, whatever the link measured."""
+    every bucket, whatever the link measured; as it was after the block (a test's ranks serve the
+    file's other tests)."""
     from gradcomp.hooks.auto import AutoState
 
     def forced(self: AutoState, *_: Any, **__: Any) -> list[float]:
         return [0.01, *[0.01] * len(self.methods), *[1.0] * len(self.order)]
 
+    decide = AutoState._decide
     AutoState._decide = forced  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        AutoState._decide = decide  # type: ignore[method-assign]
 
 
 def healthy(rank: int, world: int) -> list[str]:
@@ -42,10 +51,9 @@ def healthy(rank: int, world: int) -> list[str]:
     from gradcomp.hooks.fault_tolerant import DistributedDataParallel
     from tests.toy_ddp import BUCKET_CAP_MB, toy_batches, toy_model
 
-    force_the_compressor()
     failures = Failures()
     batches = toy_batches(rank, 8)
-    with replica(rank, world) as manager:
+    with compressor_forced(), replica(rank, world) as manager:
         model = DistributedDataParallel(manager, toy_model(), SPEC, bucket_cap_mb=BUCKET_CAP_MB)
         optimizer = torchft.optim.OptimizerWrapper(manager, torch.optim.SGD(model.parameters(), lr=0.1))
         for x, y in batches:
@@ -53,7 +61,8 @@ def healthy(rank: int, world: int) -> list[str]:
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
     state = model.gradcomp_state
-    reference, theirs = trained_on_plain_ddp(SPEC, batches, with_state=True)
+    with compressor_forced():
+        reference, theirs = trained_on_plain_ddp(SPEC, batches, with_state=True)
     failures.expect(bool(state.decisions) and set(state.choice.values()) == {1}, f"no decision: {state.decisions}")
     steps = ([d["step"] for d in state.decisions], [d["step"] for d in theirs.decisions])
     failures.expect(steps[0] == steps[1], f"decided at steps {steps[0]} through torchft, {steps[1]} on DDP")
@@ -70,9 +79,10 @@ def test_auto_through_torchft_trains_as_auto_on_ddp() -> None:
 
 
 def forced_replica_group(*arguments: Any) -> None:
-    """:func:`tests.test_torchft.replica_group` with ``auto``'s decision forced to the compressor."""
-    force_the_compressor()
-    replica_group(*arguments)
+    """:func:`tests.test_torchft.replica_group` with ``auto``'s decision forced to the compressor
+    (in a process of its own)."""
+    with compressor_forced():
+        replica_group(*arguments)
 
 
 @pytest.mark.timeout(240)
