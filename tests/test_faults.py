@@ -145,6 +145,11 @@ def test_several_methods_each_get_a_folder_and_one_page_compares_them(tmp_path: 
     assert 'href="topk-ratio=0.01-ef=true/report.html"' in page and "+0.38" in page and "[-2.80, +3.55]" in page
     with pytest.raises(SystemExit):  # no twin to compare with
         faults.main([*argv, "--no-twin"])
+    from gradcomp.experiments.report.faults import methods_text
+
+    # +0.25 and -0.25 points read back from accuracies need not cancel exactly: no "-0.00"
+    tiny = {"difference_pp": {0: 0.25, 1: -0.25}, "mean_pp": -1e-17, "interval_pp": None, "largest_pp": 0.25}
+    assert "| m | 2 | +0.00 | - | 0.25 |" in methods_text({"m": tiny})
 
 
 def test_what_auto_ended_with_names_the_groups_that_finished() -> None:

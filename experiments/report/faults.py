@@ -180,4 +180,7 @@ def _summary_page(out: Path, title: str, text: str, note: str) -> Path:
 
 
 def _f(value: float | None, form: str) -> str:
-    return "-" if value is None else format(value, form)
+    if value is None:
+        return "-"
+    text = format(value, form)
+    return format(0.0, form) if text.startswith("-") and float(text) == 0 else text  # no "-0.00"
