@@ -27,9 +27,8 @@ A measurement that fails (a peer died during the probes) is a failed step like a
 to the manager, discarded, and measured again at the next step the whole quorum takes part in.
 Costs: as ``auto``'s, plus the two all-reduces in the steps where state starts anew and one before
 each measurement; a group's start compiles every candidate's fused kernels (so that a rejoining
-group does not make the others wait on its first step), seconds per candidate. Not checkpointed
-with the hook's state (torchft's checkpoints hold the model and the optimizer): a restarted job
-measures and decides again.
+group does not make the others wait on its first step), seconds per candidate. A checkpoint of the
+state (``state_dict``) holds the decision, not the residuals: a resumed job goes on with it.
 """
 
 from __future__ import annotations
@@ -42,10 +41,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import GradBucket
 
-from gradcomp.collectives.executor import Handle, executor
+from gradcomp.collectives.executor import Handle
 from gradcomp.collectives.groups import rank_of, size_of
 from gradcomp.engine import Engine
-from gradcomp.engine.quorum import RECORDS_KEPT, Restarts, configuration_of
+from gradcomp.engine.quorum import RECORDS_KEPT, Restarts, agreed, configuration_of, take_residuals
 from gradcomp.engine.stats import BucketRecord, StepStats, per_step
 from gradcomp.flat import views
 from gradcomp.hooks.auto import AutoState
@@ -102,13 +101,10 @@ class FaultTolerantAutoState(AutoState):
     def _renew(self, configuration: tuple[int, int, int]) -> None:
         """Every candidate's engine made again on the group as it is; what their error feedback had
         not sent yet carried into the tensors' next gradients."""
-        shapes = {key: shape for keys, held in self._shapes.items() for key, shape in zip(keys, held, strict=True)}
+        shapes = self._known_shapes()
         for engine in self.engines:
             self._records.extend(engine.records)
-            for key, shape in shapes.items():
-                residual = engine.take_residual(key, shape)
-                if residual is not None:
-                    self._carry(key, residual.mul_(engine.world))
+            take_residuals(engine, shapes, self.pending)
         self.world, self.rank = size_of(self.group), rank_of(self.group)
         self.engines = [Engine(c, group=self.group, own_group=False) for c in self.candidates]
         self._made_for = configuration
@@ -117,10 +113,17 @@ class FaultTolerantAutoState(AutoState):
     def _resync(self) -> None:
         """The decision of the lowest-ranked participating group, on every rank (two all-reduces:
         who sends, then its values, every other rank adding zeros: exact)."""
-        participating = self.manager.is_participating()
-        lowest = torch.tensor([float(self.rank if participating else self.world)], dtype=torch.float64)
-        source = int(self._all_reduce(lowest, dist.ReduceOp.MIN)[0])
-        mine = [
+        mine = self.rank if self.manager.is_participating() else self.world
+        source = int(agreed([mine], dist.ReduceOp.MIN, self.group)[0])
+        decision = self._decision()
+        self._adopt(agreed(decision if self.rank == source else [0.0] * len(decision), dist.ReduceOp.SUM, self.group))
+        self.resyncs += 1
+
+    def _decision(self) -> list[float]:
+        """What every rank must hold alike, as numbers: the hook's step, when it measured (-1: not
+        yet), whether a measurement is due, the prediction (-1: none), the unfitted measurements in
+        a row, and every tensor's candidate."""
+        return [
             float(self.step),
             float(-1 if self.measured_at is None else self.measured_at),
             float(self._measure_next),
@@ -128,22 +131,14 @@ class FaultTolerantAutoState(AutoState):
             float(self._unfitted),
             *(float(self.choice.get(key, 0)) for key in range(self.parameters)),
         ]  # fmt: skip
-        values = torch.tensor(mine if self.rank == source else [0.0] * len(mine), dtype=torch.float64)
-        step, measured_at, measure_next, predicted, unfitted, *choice = self._all_reduce(values, dist.ReduceOp.SUM)
+
+    def _adopt(self, decision: list[float]) -> None:
+        """Take :meth:`_decision`'s numbers (another rank's, or a checkpoint's)."""
+        step, measured_at, measure_next, predicted, unfitted, *choice = decision
         self.step, self._measure_next, self._unfitted = int(step), bool(measure_next), int(unfitted)
         self.measured_at = None if measured_at < 0 else int(measured_at)
         self.predicted_s = None if predicted < 0 else predicted
         self._install({key: int(c) for key, c in enumerate(choice)})
-        self.resyncs += 1
-
-    def _all_reduce(self, values: Tensor, op: Any) -> list[float]:
-        """``values`` reduced over the group (through the ordered executor, as every collective on it)."""
-
-        def reduce() -> tuple[list[float], None]:
-            dist.all_reduce(values, op=op, group=self.group)
-            return values.tolist(), None
-
-        return executor().submit(reduce, wait=True).wait()
 
     # -- measuring -------------------------------------------------------------------------------
 
@@ -166,31 +161,23 @@ class FaultTolerantAutoState(AutoState):
         ready = (self.compute is not None and set(self.order) == copies) or any(
             set(t.handed) == copies for t in self._whole_steps()
         )
-        if self._all_reduce(torch.tensor([float(ready)], dtype=torch.float64), dist.ReduceOp.MIN)[0] < 1:
+        if agreed([float(ready)], dist.ReduceOp.MIN, self.group)[0] < 1:
             self._measure_next = True
             return
         super()._measure_and_decide()
 
     # -- residuals in units of the gradient (the world size changes between quorums) -------------
 
-    def _carry(self, key: int, residual: Tensor) -> None:
-        held = self.pending.get(key)
-        self.pending[key] = residual if held is None else held.add_(residual.view_as(held))
-
-    def _take_residual(self, candidate: int, key: int, shape: torch.Size) -> Tensor | None:
-        residual = super()._take_residual(candidate, key, shape)
-        return None if residual is None else residual.mul_(self.world)
-
     def _install(self, choice: dict[int, int]) -> None:
-        """``auto``'s, adding to what a tensor holds already (residuals of an earlier quorum's engines
-        too), and for the tensors this rank has seen: a healed group takes the decision before its
-        first bucket, its engines holding nothing yet."""
-        shapes = {key: shape for keys, held in self._shapes.items() for key, shape in zip(keys, held, strict=True)}
+        """``auto``'s: a tensor leaving a candidate takes what that candidate had not sent yet into
+        its next gradient, here in the units of the gradient, added to what it holds already
+        (residuals of an earlier quorum's engines too); for the tensors this rank has seen (a group
+        healed or resumed takes the decision before its first bucket, its engines holding nothing)."""
+        shapes = self._known_shapes()
         for key, new in choice.items():
             old = self.choice.get(key, 0)
-            residual = self._take_residual(old, key, shapes[key]) if old != new and key in shapes else None
-            if residual is not None:
-                self._carry(key, residual)
+            if old != new and key in shapes:
+                take_residuals(self.engines[old], {key: shapes[key]}, self.pending)
         self.choice = choice
 
     def _flush(self, buffer: Tensor, keys: list[int], shapes: list[torch.Size]) -> None:
@@ -199,6 +186,9 @@ class FaultTolerantAutoState(AutoState):
             if residual is not None:
                 part.add_(residual.view_as(part))
 
+    def _known_shapes(self) -> dict[int, torch.Size]:
+        return {key: shape for keys, held in self._shapes.items() for key, shape in zip(keys, held, strict=True)}
+
     # -- statistics ------------------------------------------------------------------------------
 
     def steps_since(self, first: int) -> list[StepStats]:
@@ -206,7 +196,13 @@ class FaultTolerantAutoState(AutoState):
         return per_step(sorted(fresh, key=lambda r: (r.step, r.queued)))
 
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError("auto on torchft is not checkpointed: a restarted job measures and decides again")
+        """The decision (:meth:`_decision`): what a job resumed from a checkpoint starts with instead
+        of measuring again. Not the residuals: a group's own unsent gradients, which start empty as a
+        healed group's do. Not for the manager's state (``register_state_dict_fn``): the hook sends
+        the decision to a healing group itself, before its step; torchft's copy would land after it."""
+        return {"spec": str(self.spec), "decision": self._decision()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError("auto on torchft is not checkpointed: a restarted job measures and decides again")
+        if state.get("spec") != str(self.spec):
+            raise ValueError(f"this state is of {state.get('spec')!r}, not of this hook's {str(self.spec)!r}")
+        self._adopt([float(v) for v in state["decision"]])

@@ -97,3 +97,26 @@ def test_a_group_restarted_after_autos_decision_averages_with_the_others() -> No
     for parameters, _, _, _, _, step, theirs in finished.values():
         assert torch.equal(parameters, first) and step == last_step and theirs == choice, finished
     assert finished[2][1] < last_step - die_at - 2, finished  # it healed at the survivors' step, not from 0
+
+
+def test_a_checkpoint_holds_the_decision_and_a_resumed_state_takes_it() -> None:
+    """state_dict: the decision (step, when it measured, the prediction, every tensor's candidate),
+    not the residuals; loaded into a fresh state it is that decision; another spec's is refused."""
+    from types import SimpleNamespace
+
+    from gradcomp.hooks.auto_spec import AutoSpec
+    from gradcomp.hooks.fault_tolerant_auto import FaultTolerantAutoState
+
+    def fresh(spec: str = SPEC) -> FaultTolerantAutoState:
+        return FaultTolerantAutoState(SimpleNamespace(), AutoSpec.parse(spec), SimpleNamespace(), parameters=4)
+
+    decided = fresh()
+    decided.step, decided.measured_at, decided.predicted_s, decided.choice = 9, 2, 0.0125, {0: 1, 3: 1}
+    saved = decided.state_dict()
+    assert set(saved) == {"spec", "decision"}  # nothing per rank
+    resumed = fresh()
+    resumed.load_state_dict(saved)
+    assert (resumed.step, resumed.measured_at, resumed.predicted_s) == (9, 2, 0.0125)
+    assert resumed.choice == {0: 1, 1: 0, 2: 0, 3: 1} and not resumed._measure_next
+    with pytest.raises(ValueError, match="not of this hook's"):
+        fresh("auto:candidates=fp16,measure_at=2").load_state_dict(saved)

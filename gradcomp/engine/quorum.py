@@ -20,19 +20,47 @@ dead member would leave broken).
 from __future__ import annotations
 
 import collections
-from collections.abc import Hashable, Sequence
-from typing import Any
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from gradcomp.collectives.executor import executor
 from gradcomp.collectives.groups import rank_of, size_of
 from gradcomp.engine.pipeline import Engine
 from gradcomp.engine.spec import HookSpec
 from gradcomp.engine.stats import BucketRecord, StepStats, steps_since
 
+Key = TypeVar("Key", bound=Hashable)
+
 RECORDS_KEPT = 10_000
 """Records of earlier quorums' engines kept for statistics (the latest)."""
+
+
+def take_residuals(engine: Engine, shapes: Mapping[Key, torch.Size], pending: dict[Key, Tensor]) -> None:
+    """What ``engine`` had not sent yet of each tensor of ``shapes`` (its key's shape), times its
+    world size (the units of the tensor's input, whatever the next engine's world size), added to
+    ``pending``: to be added to the tensor's next input once."""
+    for key, shape in shapes.items():
+        residual = engine.take_residual(key, shape)
+        if residual is not None:
+            residual.mul_(engine.world)
+            held = pending.get(key)
+            pending[key] = residual if held is None else held.add_(residual)
+
+
+def agreed(values: Sequence[float], op: Any, group: Any) -> list[float]:
+    """``values`` (float64) all-reduced with ``op`` over ``group``, through the ordered executor: small
+    host values every rank must agree on, in order with the engines' collectives on that group."""
+    tensor = torch.tensor(list(values), dtype=torch.float64)
+
+    def reduce() -> tuple[list[float], None]:
+        dist.all_reduce(tensor, op=op, group=group)
+        return tensor.tolist(), None
+
+    return executor().submit(reduce, wait=True).wait()
 
 
 def configuration_of(group: Any) -> tuple[int, int, int]:
@@ -106,13 +134,7 @@ class QuorumEngine:
             at += numel
 
     def _take_residuals(self, engine: Engine) -> None:
-        """What ``engine`` had not sent yet of every tensor, kept in input units until it is added."""
-        for key, shape in self._shapes.items():
-            residual = engine.take_residual(key, shape)
-            if residual is not None:
-                residual.mul_(engine.world)
-                held = self.pending.get(key)
-                self.pending[key] = residual if held is None else held.add_(residual)
+        take_residuals(engine, self._shapes, self.pending)
 
     @property
     def records(self) -> list[BucketRecord]:

@@ -42,10 +42,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradcomp.collectives.executor import executor
 from gradcomp.collectives.groups import rank_of
 from gradcomp.engine import HookSpecLike
-from gradcomp.engine.quorum import QuorumEngine
+from gradcomp.engine.quorum import QuorumEngine, agreed
 from gradcomp.engine.stats import BucketRecord, write_trace
 from gradcomp.sync.spec import SyncSpecLike
 from gradcomp.sync.synchronizer import ENGINE_HISTORY, Synchronizer, _InFlight
@@ -203,13 +202,8 @@ class FaultTolerantSynchronizer(Synchronizer):
         has none yet: it restarted): then every group does, so that their compressors' state stays
         alike (PowerSGD's warm starts, warm-up counts). One small all-reduce per synchronization,
         through the ordered executor (a synchronization in flight may be using the group)."""
-        flag = torch.tensor([float(self.engines.engine is None or self.engines.restarting)])
-
-        def reduce() -> tuple[float, None]:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            return float(flag[0]), None
-
-        return executor().submit(reduce, wait=True).wait() > 0
+        mine = float(self.engines.engine is None or self.engines.restarting)
+        return agreed([mine], dist.ReduceOp.MAX, self.group)[0] > 0
 
     # -- state --------------------------------------------------------------------------------
 
