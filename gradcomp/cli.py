@@ -21,37 +21,44 @@ import os
 import sys
 import typing
 from collections.abc import Sequence
-from importlib.metadata import entry_points
+from importlib.metadata import PackageNotFoundError, entry_points, version
 
-import torch
-
-from gradcomp import __version__, collectives, netem
+# Only what the command line needs: torch and the compressors load inside the commands that use them,
+# so that `gradcomp --help` answers in a fraction of torch's import time (tests/test_cli.py).
+from gradcomp import __version__, netem
 from gradcomp.bench.units import ACCEPTED, parse_sizes
-from gradcomp.compressors import REGISTRY
-from gradcomp.compressors.registry import WRAPPER_OPTIONS
 from gradcomp.netem import NetemError
-from gradcomp.options import format_value, split_list
+from gradcomp.options import split_list
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = command_parser()
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    parser = command_parser(words)
+    args = parser.parse_args(words)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         return int(args.run(args))
     except (ValueError, NetemError) as error:
         parser.exit(2, f"gradcomp: error: {error}\n")
+    except ImportError as error:  # a command of an extra that is not installed: one line, no traceback
+        parser.exit(2, f"gradcomp: error: {_missing(error, _extras(args))}\n")
     except BrokenPipeError:  # the reader left (`gradcomp compressors | head`): not an error
         sys.stderr.close()
         return 0
 
 
-def command_parser() -> argparse.ArgumentParser:
-    """The ``gradcomp`` command line, with the commands the installed layers add."""
+def command_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``gradcomp`` command line, with the commands the installed layers add.
+
+    With ``argv`` (the words it will parse), a layer's command that ``argv`` does not run is listed
+    without being imported, so that ``gradcomp --help`` or ``gradcomp compressors`` pays for neither
+    torch nor the experiments' imports; without it, every command is loaded (as documentation checks
+    need)."""
     parser = argparse.ArgumentParser(prog="gradcomp", description="Gradient compression for PyTorch.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
-    parser.add_argument("--version", action="version", version=f"gradcomp {__version__} (torch {torch.__version__})")
+    parser.add_argument("--version", action="version", version=f"gradcomp {__version__} (torch {_torch_version()})")
     commands = parser.add_subparsers(dest="command", required=True)
+    named = _named(argv)
 
     listing = commands.add_parser("compressors", help="list the registered compressors and their options")
     listing.set_defaults(run=_list_compressors)
@@ -73,7 +80,7 @@ def command_parser() -> argparse.ArgumentParser:
         "--sizes", default="4KiB,64KiB,1MiB,4MiB,16MiB", help=f"comma-separated tensor sizes: {SIZES_HELP}"
     )
     links.add_argument(
-        "--algos", default=",".join(collectives.ALGORITHMS), help="comma-separated all-reduce algorithms (default all)"
+        "--algos", default=None, help="comma-separated all-reduce algorithms (default: every one, native first)"
     )
     links.add_argument("--local-size", type=int, default=None, help="ranks per group for hierarchical (default 2)")
     links.add_argument("--repeats", type=int, default=10, help="timed runs per figure; the median is kept")
@@ -105,8 +112,8 @@ def command_parser() -> argparse.ArgumentParser:
     cleanup.set_defaults(run=_netem_cleanup)
     listing = network_commands.add_parser("list", help="list gradcomp's namespaces on this machine")
     listing.set_defaults(run=_netem_list)
-    _add_plugins(commands, "gradcomp.commands")
-    _add_plugins(bench, "gradcomp.bench")
+    _add_plugins(commands, "gradcomp.commands", None if named is None else named[:1])
+    _add_plugins(bench, "gradcomp.bench", None if named is None else named[1:2] if named[:1] == ["bench"] else [])
     return parser
 
 
@@ -118,18 +125,106 @@ NET_HELP = (
 )
 
 
-def _add_plugins(commands: argparse._SubParsersAction, group: str) -> None:
-    """Let the installed layers above the core (``experiments``) add their commands to ``group``."""
+# What `gradcomp --help` says of the commands of gradcomp's own layers without importing them (their
+# parsers say the same: tests/test_cli.py). Another package's command is imported to be listed.
+SUMMARIES = {
+    "gradcomp.commands": {
+        "explain": "print what a hook spec does with each bucket of a model, and why",
+        "plan": "predict every compressor and algorithm on a cluster; recommend one",
+        "report": "an HTML page comparing a sweep's runs by time to accuracy",
+        "sweep": "run a grid of trainings from a TOML config",
+    },
+    "gradcomp.bench": {
+        "ddp": "DDP step time: gradcomp hooks beside torch's, per network",
+        "fsdp": "FSDP2 step time: gradcomp's reduce-scatter beside FSDP2's own, per network",
+        "hsdp": "HSDP step time: gradcomp's all-reduce across nodes beside FSDP2's own HSDP",
+        "predict": "the cost model's step times against measured ones",
+    },
+}
+
+
+CORE_EXTRAS = {"calibrate": "calibrate"}
+"""The core's commands that need an extra (pyproject.toml): calibration fits its costs with scipy."""
+
+
+def _named(argv: Sequence[str] | None) -> list[str] | None:
+    """The command words of ``argv`` (``["bench", "ddp"]``): its words before the first option that
+    follows a command. None when every command must be loaded."""
+    if argv is None:
+        return None
+    words: list[str] = []
+    for word in argv:
+        if word.startswith("-"):
+            if words:
+                break
+            continue  # the options before the command (-v, --version, --help) take no value
+        words.append(word)
+    return words
+
+
+def _add_plugins(commands: argparse._SubParsersAction, group: str, wanted: Sequence[str] | None) -> None:
+    """Add the commands the installed layers above the core (``experiments``) give to ``group``: those
+    in ``wanted`` (all when None) loaded, the others listed by their summary. A layer whose extra is
+    not installed still lists its commands; running one says in one line what to install."""
+    summaries = SUMMARIES.get(group, {})
     for entry in sorted(entry_points(group=group), key=lambda e: e.name):
+        if wanted is not None and entry.name not in wanted and entry.name in summaries:
+            commands.add_parser(entry.name, help=summaries[entry.name])
+            continue
         try:
             add_command = entry.load()
-        except ImportError as error:  # one broken layer must not take every other command with it
-            logging.getLogger(__name__).warning("gradcomp: command %r unavailable: %s", entry.name, error)
+        except ImportError as error:
+            # Its words, options included (no prefix character matches them), lead to the one line.
+            unavailable = commands.add_parser(
+                entry.name, help=summaries.get(entry.name, "(not installed)"), prefix_chars="\0", add_help=False
+            )
+            unavailable.add_argument("words", nargs="*", help=argparse.SUPPRESS)
+            unavailable.set_defaults(run=_unavailable(_missing(error, entry.extras)))
             continue
         add_command(commands)
 
 
+def _unavailable(message: str) -> typing.Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        raise ValueError(message)
+
+    return run
+
+
+def _extras(args: argparse.Namespace) -> list[str]:
+    """The extras of the entry point that gave ``args``' command, or of a core command that needs one."""
+    if args.command in CORE_EXTRAS:
+        return [CORE_EXTRAS[args.command]]
+    group, name = ("gradcomp.bench", args.bench) if args.command == "bench" else ("gradcomp.commands", args.command)
+    return next((list(e.extras) for e in entry_points(group=group) if e.name == name), [])
+
+
+def _missing(error: ImportError, extras: Sequence[str]) -> str:
+    """One line: the module a command lacks and the extra that brings it. Re-raises ``error`` where
+    no third-party module is missing (gradcomp's own import failing is a defect: its traceback)."""
+    missing = error if isinstance(error, ModuleNotFoundError) else error.__cause__
+    module = (getattr(missing, "name", None) or "gradcomp").partition(".")[0]
+    if not isinstance(missing, ModuleNotFoundError) or module == "gradcomp":
+        raise error
+    if missing is not error:  # gradcomp's own message, which names the extra
+        return str(error)
+    install = f"pip install 'gradcomp[{','.join(extras)}]'" if extras else f"pip install {module}"
+    return f"this command needs {module}, which is not installed: {install}"
+
+
+def _torch_version() -> str:
+    """torch's version from its metadata: importing torch for it would cost seconds."""
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def _list_compressors(args: argparse.Namespace) -> int:
+    from gradcomp.compressors import REGISTRY
+    from gradcomp.compressors.registry import WRAPPER_OPTIONS
+    from gradcomp.options import format_value
+
     for name, cls in sorted(REGISTRY.items()):
         hints = typing.get_type_hints(cls.Config)
         options = [
@@ -153,6 +248,8 @@ def _type_name(hint: object) -> str:
 
 
 def _bench_compressors(args: argparse.Namespace) -> int:
+    import torch
+
     from gradcomp.bench import compressors as bench
     from gradcomp.bench import launches
     from gradcomp.bench.report import machine, write_report
@@ -190,13 +287,14 @@ def _bench_compressors(args: argparse.Namespace) -> int:
 
 
 def _bench_collectives(args: argparse.Namespace) -> int:
+    from gradcomp import collectives
     from gradcomp.bench import collectives as bench
     from gradcomp.bench.report import machine, write_report
 
     if args.ranks < 1:
         raise ValueError(f"--ranks must be >= 1, got {args.ranks}")
     sizes = [size.as_bytes() for size in parse_sizes(args.sizes)]
-    algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+    algos = split_list(args.algos) if args.algos else list(collectives.ALGORITHMS)
     networks = netem.parse_profiles(args.net)
     for network in networks:
         netem.check(network, args.ranks)  # a network this machine cannot build fails before any rank starts
@@ -230,6 +328,8 @@ def _check_writable(path: str) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    import scipy.stats  # noqa: F401  # the fit needs it: without the extra, refuse before minutes of measurements
+
     from gradcomp.cost import calibrate
 
     profiles = netem.parse_profiles(args.net)

@@ -3,16 +3,19 @@ clear messages naming the extra where an optional dependency is missing."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import subprocess
 import sys
+from importlib.metadata import EntryPoint
 
 import pytest
 
 import gradcomp
 import gradcomp.experiments
 import gradcomp.hooks
-from gradcomp.cli import main
+from gradcomp import cli
+from gradcomp.cli import SUMMARIES, command_parser, main
 from gradcomp.experiments.sweep import plan
 from gradcomp.experiments.tasks import build_task
 
@@ -49,3 +52,64 @@ def test_a_missing_tqdm_names_the_extra() -> None:
     code = "import sys; sys.modules['tqdm'] = None; import gradcomp.experiments.sweep.runner"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode != 0 and "pip install 'gradcomp[experiments]'" in run.stderr
+
+
+def _command(*words: str, missing: str = "") -> subprocess.CompletedProcess[str]:
+    """``gradcomp WORDS`` in a fresh interpreter, ``missing`` (a module) made unimportable; its stderr
+    ends with whether torch was imported."""
+    code = (
+        f"import sys\nif {missing!r}: sys.modules[{missing!r}] = None\nfrom gradcomp.cli import main\n"
+        f"try:\n    main({list(words)!r})\nexcept SystemExit as exit:\n    code = exit.code\n"
+        "else:\n    code = 0\nprint('torch' in sys.modules, file=sys.stderr)\nsys.exit(code)"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=60)
+
+
+@pytest.mark.parametrize("words", [("--help",), ("bench", "--help"), ("--version",)])
+def test_the_command_line_answers_without_importing_torch(words: tuple[str, ...]) -> None:
+    answer = _command(*words)
+    assert answer.returncode == 0 and answer.stderr == "False\n" and answer.stdout
+
+
+def test_the_layers_commands_are_listed_as_their_own_parsers_describe_them() -> None:
+    parser = command_parser()  # every command loaded
+    found: dict[str, dict[str, str]] = {}
+    for group, subparsers in (("gradcomp.commands", _subcommands(parser)), ("gradcomp.bench", None)):
+        subparsers = subparsers or _subcommands(_subcommands(parser).choices["bench"])
+        found[group] = {a.dest: a.help for a in subparsers._choices_actions if a.dest in SUMMARIES[group]}
+    assert found == SUMMARIES
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
+@pytest.mark.parametrize(
+    ("words", "missing", "says"),
+    [
+        (("report", "."), "matplotlib", "gradcomp report draws with matplotlib: pip install 'gradcomp[experiments]'"),
+        (("sweep", "--dry-run", "quick"), "tqdm", "pip install 'gradcomp[experiments]'"),
+        (("calibrate", "-o", "profile.json"), "scipy", "needs scipy, which is not installed: pip install 'gradcomp[calibrate]'"),  # noqa: E501
+    ],
+)  # fmt: skip
+def test_a_command_without_its_extra_says_which_to_install_in_one_line(
+    words: tuple[str, ...], missing: str, says: str
+) -> None:
+    answer = _command(*words, missing=missing)
+    message, _torch_imported = answer.stderr.splitlines()
+    assert answer.returncode == 2 and message.startswith("gradcomp: error: ") and says in message
+
+
+def test_a_command_of_a_layer_whose_import_fails_is_still_listed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broken = EntryPoint("fake", "gradcomp_no_such_module:add_command [experiments]", "gradcomp.commands")
+    monkeypatch.setattr(cli, "entry_points", lambda group: [broken] if group == "gradcomp.commands" else [])
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    listed = capsys.readouterr()
+    assert "fake" in listed.out and listed.err == ""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fake", "--anything"])
+    expected = "this command needs gradcomp_no_such_module, which is not installed: pip install 'gradcomp[experiments]'"
+    assert exit_info.value.code == 2 and capsys.readouterr().err == f"gradcomp: error: {expected}\n"

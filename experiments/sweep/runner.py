@@ -32,6 +32,7 @@ from gradcomp.bench.report import markdown_table
 from gradcomp.experiments.sweep.plan import Run
 from gradcomp.experiments.training import runinfo
 from gradcomp.experiments.training.config import PATH_FIELDS
+from gradcomp.experiments.training.metrics import require_tensorboard
 from gradcomp.experiments.training.run import launch
 from gradcomp.launch import RankError
 from gradcomp.netem import NetemError
@@ -127,6 +128,8 @@ def run_sweep(runs: Sequence[Run], progress: Progress | None = None) -> list[Row
     Returns the summary of all runs."""
     statuses = existing(runs)
     todo = [run for run in runs if statuses[run.name] != "finished"]
+    if todo:
+        require_tensorboard()  # here, not in each run's ranks
     logger.info("%d runs, %d finished before, %d to run", len(runs), len(runs) - len(todo), len(todo))
     if progress:
         progress.begin(len(runs), len(todo))

@@ -27,6 +27,7 @@ meaning something else, go to ``curves.jsonl`` (:mod:`gradcomp.experiments.train
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 from collections.abc import Mapping
@@ -184,6 +185,14 @@ LAYOUT = {
 curve of one tag (pick runs, a method per run, in the run selector)."""
 
 
+def require_tensorboard() -> None:
+    """Refuse, naming the extra, where TensorBoard is not installed (the core installs without it):
+    a launcher calls it before any rank starts."""
+    if importlib.util.find_spec("tensorboard") is None:
+        missing = ModuleNotFoundError("No module named 'tensorboard'", name="tensorboard")
+        raise ImportError("training runs log to TensorBoard: pip install 'gradcomp[experiments]'") from missing
+
+
 class TensorBoardWriter:
     """Scalars, HParams and the layout in ``logdir``, every event at wall time ``origin + elapsed``;
     curve points in its ``curves.jsonl``.
@@ -194,6 +203,7 @@ class TensorBoardWriter:
     """
 
     def __init__(self, logdir: str, origin: float, resume_step: int | None = None) -> None:
+        require_tensorboard()
         from torch.utils.tensorboard import SummaryWriter
 
         purge = None if resume_step is None else resume_step + 1
