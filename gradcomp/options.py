@@ -10,10 +10,11 @@ anything else is a ValueError that names the option and what it takes.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, Union
 
 Options = TypeVar("Options")
@@ -26,6 +27,27 @@ _FALSE = {"false", "0", "no", "off"}
 def format_value(value: Any) -> str:
     """A value as a spec writes it (booleans as true/false): what :func:`convert` reads back."""
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def closest(word: str, valid: Iterable[str]) -> str | None:
+    """The valid choice closest to ``word`` (:func:`difflib.get_close_matches`, case aside), None where
+    none is close."""
+    choices = {choice.lower(): choice for choice in valid}
+    close = difflib.get_close_matches(str(word).strip().lower(), list(choices), n=1)
+    return choices[close[0]] if close else None
+
+
+def did_you_mean(word: str, valid: Iterable[str]) -> str:
+    """`` (did you mean 'topk'?)`` for the valid choice closest to ``word``, ``""`` where none is close:
+    what every "unknown" message of a spec puts right after the word it refuses."""
+    match = closest(word, valid)
+    return f" (did you mean {match!r}?)" if match else ""
+
+
+def unknown(what: str, word: str, valid: Sequence[str]) -> str:
+    """The one-line message for ``word`` that is no valid ``what``: ``unknown compressor 'topkk' (did you
+    mean 'topk'?); valid: allreduce, noop, ...``, every valid choice listed."""
+    return f"unknown {what} {word!r}{did_you_mean(word, valid)}; valid: {', '.join(valid) or 'none'}"
 
 
 def is_option(piece: str) -> bool:
@@ -102,7 +124,8 @@ def split_nesting_spec(text: str, name: str, options: Sequence[str], nesting: Se
         elif current is not None and current in nesting:
             found[current] += "," + piece
         else:
-            raise ValueError(f"unknown {name} option {piece!r}; valid: {', '.join(options)}")
+            hint = did_you_mean(key, options)
+            raise ValueError(f"unknown {name} option {piece!r}{hint}; valid: {', '.join(options)}")
     return found
 
 
@@ -112,16 +135,25 @@ def options_from(cls: type[Options], options: Mapping[str, Any], owner: str, als
     ``cls`` refuses are ValueErrors naming ``owner`` and the valid options (``also_valid``: options
     the caller takes besides the fields, listed with them)."""
     fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(options) - fields)
-    if unknown:
-        valid = ", ".join([*sorted(fields), *also_valid]) or "none"
-        raise ValueError(f"unknown option(s) {unknown} for {owner}; valid options: {valid}")
+    wrong = sorted(set(options) - fields)
+    if wrong:
+        valid = [*sorted(fields), *also_valid]
+        raise ValueError(f"unknown option(s) {wrong} for {owner}{_hints(wrong, valid)}; "
+                         f"valid options: {', '.join(valid) or 'none'}")  # fmt: skip
     hints = typing.get_type_hints(cls)
     values = {key: convert(key, value, hints[key]) for key, value in options.items()}
     try:
         return cls(**values)
     except ValueError as error:
         raise ValueError(f"invalid options for {owner}: {error}") from None
+
+
+def _hints(wrong: Sequence[str], valid: Sequence[str]) -> str:
+    """`` (did you mean 'ratio'?)`` for one unknown option; for several, each one's closest."""
+    if len(wrong) == 1:
+        return did_you_mean(wrong[0], valid)
+    close = [f"{match!r} for {word!r}" for word in wrong if (match := closest(word, valid))]
+    return f" (did you mean {', '.join(close)}?)" if close else ""
 
 
 def convert(key: str, value: Any, hint: Any) -> Any:
@@ -132,7 +164,8 @@ def convert(key: str, value: Any, hint: Any) -> Any:
     if origin is Literal:
         choices = typing.get_args(hint)
         if value not in choices:
-            raise ValueError(f"option {key!r} must be one of {', '.join(map(str, choices))}; got {value!r}")
+            close = did_you_mean(str(value), [str(c) for c in choices])
+            raise ValueError(f"option {key!r} must be one of {', '.join(map(str, choices))}; got {value!r}{close}")
         return value
     if origin in (Union, types.UnionType):
         members = [m for m in typing.get_args(hint) if m is not type(None)]

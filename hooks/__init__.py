@@ -11,10 +11,11 @@
 Specs are gradcomp compressor specs (``gradcomp compressors`` lists them), plus ``allreduce`` (the
 gradient itself, as DDP's default) and ``noop`` (no communication at all: the compute floor, for
 benchmarks; training with it does not average anything), with the engine's options (``algo``,
-``aggregation``, ``seed``). ``HookSpec.parse`` checks one without a process group. ``auto`` chooses
-among candidates with the cost model (:mod:`gradcomp.hooks.auto`). torch's own hooks, as baselines
-spelt ``torch:fp16`` and the like: :mod:`gradcomp.hooks.torch_hooks`. :func:`parse` reads any of
-them. FSDP2's compressed reduce-scatter: :mod:`gradcomp.hooks.fsdp2` (``docs/fsdp.md``); HSDP's
+``aggregation``, ``seed``, ...). ``auto`` chooses among candidates with the cost model
+(:mod:`gradcomp.hooks.auto`). torch's own hooks, as baselines spelt ``torch:fp16`` and the like:
+:mod:`gradcomp.hooks.torch_hooks`. :func:`parse` checks any of them without a process group (a
+wrong one is a one-line ValueError with the closest valid name or option and all of them);
+``HookSpec.parse`` parses the engine's own (not ``auto``, not ``torch:...``). FSDP2's compressed reduce-scatter: :mod:`gradcomp.hooks.fsdp2` (``docs/fsdp.md``); HSDP's
 compressed all-reduce across nodes: :mod:`gradcomp.hooks.hybrid`. Every state
 they return is a :class:`~gradcomp.state.TrainingHookState` (statistics, traces, checkpoints, the
 error). See ``docs/hooks.md``.
@@ -97,8 +98,12 @@ AnyShardedSpec = ShardSpec | TorchFSDPSpec
 
 
 def parse(spec: "str | AnySpec", seed: int | None = None) -> AnySpec:
-    """Any hook spec, checked without a process group (a ValueError names what is wrong and the
-    valid choices). ``seed`` applies to gradcomp's and ``auto``'s generators unless the spec sets one."""
+    """Any spec a DDP hook takes, checked without a process group: gradcomp's (:class:`HookSpec`),
+    ``auto`` (:class:`AutoSpec`) or torch's own (``torch:fp16``, :class:`TorchHookSpec`). The one
+    function to check a spec a user gives (``parse_sharded`` and ``parse_hybrid`` for FSDP2 and HSDP):
+    a wrong one is a ValueError of one line naming what is wrong, the closest valid name or option
+    ("did you mean"), and every valid one, the hooks' own and the engine's options included.
+    ``seed`` applies to gradcomp's and ``auto``'s generators unless the spec sets one."""
     if isinstance(spec, (HookSpec, TorchHookSpec, AutoSpec)):
         return spec
     if is_torch_spec(spec):

@@ -16,7 +16,8 @@ DEFAULT_CANDIDATES = ("fp16", "powersgd:rank=4,ef=true", "topk:ratio=0.01,ef=tru
 add_other_kind(
     NAME,
     "auto is no compressor: it chooses among hooks itself; attach it with "
-    "gradcomp.hooks.register(ddp_model, 'auto') (a training run's --hook auto)",
+    "gradcomp.hooks.register(ddp_model, 'auto') (a training run's --hook auto; gradcomp.hooks.parse checks it)",
+    {NAME: "measure the link and the candidates, then choose per bucket (auto:candidates=a|b,...)"},
 )
 
 

@@ -34,6 +34,7 @@ import collections
 import dataclasses
 import math
 import os
+import typing
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -47,16 +48,25 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from gradcomp.collectives.cost_model import ring_traffic
 from gradcomp.compressors import parse_spec
-from gradcomp.cost.step import Method
 from gradcomp.engine.spec import HookSpec, add_other_kind
 from gradcomp.engine.stats import StepStats, newest, write_trace
 from gradcomp.hooks.ddp import check_saved
-from gradcomp.options import format_value, options_from, split_spec
+from gradcomp.options import closest, format_value, options_from, split_spec
 from gradcomp.state import TrainingHookState
 
+if typing.TYPE_CHECKING:
+    from gradcomp.cost.step import Method
+
 PREFIX = "torch:"
-NAMES = ("allreduce", "allreduce_hook", "fp16", "bf16", "powersgd")
-"""torch's hooks by name (after ``torch:``)."""
+HOOKS = {
+    "allreduce": "DDP's built-in all-reduce (no hook registered)",
+    "allreduce_hook": "the same all-reduce through torch's Python hook interface",
+    "fp16": "torch's fp16_compress_hook",
+    "bf16": "torch's bf16_compress_hook",
+    "powersgd": "torch's powerSGD_hook (options: rank, start, ef, warm_start, min_compression_rate, batched)",
+}
+"""torch's hooks by name (after ``torch:``), each with what it is."""
+NAMES = tuple(HOOKS)
 BUILTIN = "allreduce"
 """DDP's own all-reduce: nothing is registered."""
 Hook = Callable[["TorchHookState", GradBucket], torch.futures.Future[Tensor]]
@@ -66,7 +76,9 @@ RECORDS = 10_000
 add_other_kind(
     PREFIX.rstrip(":"),
     "torch's hooks (torch:fp16, torch:powersgd, ...) are DDP's own, not gradcomp's engine's: attach one "
-    "with gradcomp.hooks.register(ddp_model, 'torch:fp16'); here take gradcomp's (fp16, powersgd, ...)",
+    "with gradcomp.hooks.register(ddp_model, 'torch:fp16') (gradcomp.hooks.parse checks it); here take "
+    "gradcomp's (fp16, powersgd, ...)",
+    {PREFIX + name: what for name, what in HOOKS.items()},
 )
 
 
@@ -112,7 +124,9 @@ class TorchHookSpec:
             raise ValueError(f"a torch hook spec starts with {PREFIX!r}, got {text!r}")
         name, options = split_spec(text.strip()[len(PREFIX) :])
         if name not in NAMES:
-            raise ValueError(f"unknown torch hook {name!r}; valid: {', '.join(PREFIX + n for n in NAMES)}")
+            match = closest(name, NAMES)
+            hint = f" (did you mean {PREFIX + match!r}?)" if match else ""
+            raise ValueError(f"unknown torch hook {name!r}{hint}; valid: {', '.join(PREFIX + n for n in NAMES)}")
         if name == "powersgd":
             return cls(name, options_from(PowerSGDOptions, options, "torch:powersgd"))
         if options:
@@ -131,10 +145,12 @@ class TorchHookSpec:
         ]
         return text + (":" + ",".join(changed) if changed else "")
 
-    def cost_method(self) -> Method:
+    def cost_method(self) -> "Method":
         """How the cost model (:mod:`gradcomp.cost.step`) prices this hook: the all-reduce hooks send
         the bucket as it is, the casts run the same kernel as gradcomp's ``fp16``/``bf16``, and
         PowerSGD is priced as gradcomp's ``powersgd`` of the same rank and error feedback."""
+        from gradcomp.cost.step import Method  # here: the cost model is not a hook's import
+
         if self.name in ("allreduce", "allreduce_hook"):
             compressor = parse_spec("none")
         elif self.name in ("fp16", "bf16"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import gradcomp.hooks  # (auto and torch's hooks tell the engine where their specs go)
-import gradcomp.sync  # noqa: F401  (and so do localsgd and diloco)
+import gradcomp.sync  # (and so do localsgd and diloco)
 from gradcomp.compressors import parse_spec
 from gradcomp.engine import spec as hook_spec
 from gradcomp.engine.spec import HookSpec
@@ -52,9 +52,10 @@ def test_defaults_apply_where_the_text_is_silent() -> None:
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("topq", "unknown compressor 'topq'; valid hook names: allreduce, noop, bf16"),
+        ("topq", r"unknown compressor 'topq' \(did you mean 'topk'\?\); valid: allreduce, noop, auto, torch:"),
         ("fp16:aggregation=two_phase", "two_phase is for gather compressors"),
         ("topk:algo=hierarchical", "unknown all-reduce algorithm 'hierarchical'; valid: native, ring, tree"),
+        ("topk:algo=rign", r"unknown all-reduce algorithm 'rign' \(did you mean 'ring'\?\); valid: native, ring"),
         ("noop:ratio=1", "noop takes no options"),
         ("sign:seed=1.5", "seed must be an integer"),
         ("topk:ratio=2", "invalid options for 'topk'"),
@@ -74,9 +75,51 @@ def test_bad_specs_are_refused_with_the_valid_choices(spec: str, message: str) -
 def test_with_the_engine_alone_other_kinds_are_unknown_compressors(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine names no other kind of spec: those who own one register it (hook_spec.add_other_kind)."""
     monkeypatch.setattr(hook_spec, "OTHER_KINDS", {})
+    monkeypatch.setattr(hook_spec, "HOOK_NAMES", {})
     name = spec.partition(":")[0]
-    with pytest.raises(ValueError, match=f"unknown compressor '{name}'; valid hook names: allreduce, noop, bf16"):
+    with pytest.raises(ValueError, match=f"unknown compressor '{name}'; valid: allreduce, noop, bf16"):
         HookSpec.parse(spec)
+
+
+ENGINE_OPTIONS = "algo, aggregation, seed, warmup, min_numel, vectors, pieces, local_size"
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        # a wrong name: the closest, then every name a DDP hook takes, the hooks' own (auto, torch's) included
+        ("topkk:ratio=0.01", "unknown compressor 'topkk' (did you mean 'topk'?); valid: allreduce, noop, auto, "
+         "torch:allreduce, torch:allreduce_hook, torch:fp16, torch:bf16, torch:powersgd, bf16, fp16"),
+        ("atuo", "unknown compressor 'atuo' (did you mean 'auto'?)"),
+        ("Torch_FP16", "unknown compressor 'Torch_FP16' (did you mean 'torch:fp16'?)"),
+        ("torch:fp61", "unknown torch hook 'fp61' (did you mean 'torch:fp16'?); valid: torch:allreduce,"),
+        # a wrong option: the closest, then every option, error feedback's and the engine's included
+        ("topk:ratoi=0.01", "unknown option(s) ['ratoi'] for 'topk' (did you mean 'ratio'?); valid options: "
+         f"method, ratio, tolerance, ef, momentum, nesterov, mask, clip, {ENGINE_OPTIONS}"),
+        ("sign:ef=true,warmpu=10", "(did you mean 'warmup'?)"),
+        ("allreduce:min_numle=5", "unknown option(s) ['min_numle'] for 'none' (did you mean 'min_numel'?)"),
+        ("topk:ratoi=0.1,methd=exact", "(did you mean 'method' for 'methd', 'ratio' for 'ratoi'?)"),
+        ("topk:method=exakt", "option 'method' must be one of exact, sampled; got 'exakt' (did you mean 'exact'?)"),
+        ("auto:rechek=5", "unknown auto option 'rechek=5' (did you mean 'recheck'?); valid: candidates,"),
+        ("auto:candidates=fp61|sign", "unknown compressor 'fp61' (did you mean 'fp16'?)"),
+        ("torch:powersgd:rnak=2", "unknown option(s) ['rnak'] for torch:powersgd (did you mean 'rank'?)"),
+        ("sign:vectors=dens", "vectors must be one of compressed, dense, got 'dens' (did you mean 'dense'?)"),
+    ],
+)  # fmt: skip
+def test_a_wrong_spec_is_one_line_with_the_closest_and_every_valid_choice(spec: str, message: str) -> None:
+    """gradcomp.hooks.parse (what README and docs point a user at) checks any spec a DDP hook takes."""
+    with pytest.raises(ValueError) as info:
+        gradcomp.hooks.parse(spec)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("spec", ["auto", "auto:recheck=50", "torch:fp16", "torch:powersgd:rank=2", "topk:ratio=0.1"])
+def test_hooks_parse_takes_every_kind_and_hook_spec_parse_points_there(spec: str) -> None:
+    assert str(gradcomp.hooks.parse(str(gradcomp.hooks.parse(spec)))) == str(gradcomp.hooks.parse(spec))
+    if spec.startswith(("auto", "torch:")):
+        with pytest.raises(ValueError, match=r"gradcomp\.hooks\.parse checks it"):
+            HookSpec.parse(spec)
 
 
 def test_another_kind_cannot_take_a_hook_name() -> None:

@@ -45,6 +45,24 @@ def test_unknown_option_lists_valid_options() -> None:
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
+        ("quantise:bits=4", "unknown compressor 'quantise' (did you mean 'quantize'?); valid: bf16, fp16"),
+        ("PowerSGD", "(did you mean 'powersgd'?)"),
+        ("quantize:bit=4", "unknown option(s) ['bit'] for 'quantize' (did you mean 'bits'?); valid options:"),
+        ("topk:ratio=0.1,eff=true", "(did you mean 'ef'?)"),
+        ("quantize:rounding=nearset", "got 'nearset' (did you mean 'nearest'?)"),
+    ],
+)
+def test_a_wrong_name_or_option_says_which_was_meant(spec: str, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_spec(spec)
+    assert message in str(info.value)
+    with pytest.raises(ValueError, match="unknown compressor 'zip'; valid: "):  # nothing close: no guess
+        parse_spec("zip")
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
         ("topk:ratio=0", r"ratio must be in \(0, 1\]"),
         ("topk:ratio=1.5", r"ratio must be in \(0, 1\]"),
         ("randomk:ratio=-0.1", r"ratio must be in \(0, 1\]"),

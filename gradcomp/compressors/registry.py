@@ -16,12 +16,12 @@ valid ones.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from gradcomp.compressors.base import Capabilities, Compressor, CompressorConfig, spec_text
 from gradcomp.compressors.feedback import FEEDBACK_OPTIONS, ErrorFeedback, Feedback
-from gradcomp.options import options_from, split_spec
+from gradcomp.options import options_from, split_spec, unknown
 
 REGISTRY: dict[str, type[Compressor]] = {}
 """Every registered compressor, by name."""
@@ -69,23 +69,28 @@ class Spec:
 SpecLike = str | tuple[str, Mapping[str, Any]] | Spec
 
 
-def parse_spec(spec: SpecLike) -> Spec:
-    """Parse ``"name:key=value,..."``, ``(name, {key: value})`` or a :class:`Spec` into a :class:`Spec`."""
+def parse_spec(spec: SpecLike, *, names: Sequence[str] = (), options: Sequence[str] = ()) -> Spec:
+    """Parse ``"name:key=value,..."``, ``(name, {key: value})`` or a :class:`Spec` into a :class:`Spec`.
+
+    An unknown name or option is a one-line ValueError with the closest valid one ("did you mean") and
+    every valid one; ``names`` and ``options`` are what the caller takes besides a compressor's (a hook
+    spec's ``allreduce`` and the engine's ``algo``, ...), listed with them."""
     if isinstance(spec, Spec):
         return spec
     if isinstance(spec, str):
-        name, options = split_spec(spec)
+        name, given = split_spec(spec)
     elif isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str) and isinstance(spec[1], Mapping):
-        name, options = spec[0].strip(), dict(spec[1])
+        name, given = spec[0].strip(), dict(spec[1])
     else:
         raise TypeError(f"a compressor spec is a string or a (name, options) pair, got {spec!r}")
     if name not in REGISTRY:
-        raise ValueError(f"unknown compressor {name!r}; valid names: {', '.join(sorted(REGISTRY))}")
+        raise ValueError(unknown("compressor", name, [*names, *sorted(REGISTRY)]))
     try:
-        feedback = Feedback.parse({key: options.pop(key) for key in WRAPPER_OPTIONS if key in options})
+        feedback = Feedback.parse({key: given.pop(key) for key in WRAPPER_OPTIONS if key in given})
     except ValueError as error:
         raise ValueError(f"invalid options for {name!r}: {error}") from None
-    config = options_from(REGISTRY[name].Config, options, repr(name), also_valid=WRAPPER_OPTIONS)
+    also = [*WRAPPER_OPTIONS, *options]
+    config = options_from(REGISTRY[name].Config, given, repr(name), also_valid=also)
     problem = REGISTRY[name].declare(config).feedback_problem if feedback.variant else None
     if problem:
         raise ValueError(f"{name!r} with {feedback.words()[0]}: {problem}")

@@ -26,7 +26,7 @@ from gradcomp.collectives import FLAT_ALGORITHMS
 from gradcomp.compressors import REGISTRY, Spec, parse_spec
 from gradcomp.compressors.registry import SpecLike
 from gradcomp.engine import rules
-from gradcomp.options import convert, split_spec
+from gradcomp.options import convert, did_you_mean, split_spec, unknown
 
 ALGORITHMS = ("native", *FLAT_ALGORITHMS)
 """All-reduce algorithms for ``sum`` payloads (across nodes, with ``local_size``: the same)."""
@@ -48,16 +48,28 @@ OTHER_KINDS: dict[str, str] = {}
 """Spec names of other kinds that a hook spec is not, each with where it goes (a user's likely mix-up):
 added by the modules that own them when imported (:func:`add_other_kind`), the engine naming none.
 With only the engine imported, such a name is refused as any unknown compressor is."""
+HOOK_NAMES: dict[str, str] = {}
+"""What a DDP hook takes besides the engine's specs (``auto``, ``torch:fp16``, ...), each with what it
+is: registered with :func:`add_other_kind` by the modules that own them, and listed wherever a hook
+spec's valid names are (an unknown name's message, ``gradcomp compressors``)."""
 
 
-def add_other_kind(name: str, message: str) -> None:
+def add_other_kind(name: str, message: str, hook_names: Mapping[str, str] | None = None) -> None:
     """Refuse ``name`` (a spec's name before any ``:``) as a hook spec with ``message``, which says where
     such a spec goes, before its options are read as the engine's. For the modules that own a kind of
     spec beside the engine's (:mod:`gradcomp.sync` its ``localsgd`` and ``diloco``, the layers above
-    the core theirs), which call it for themselves when imported."""
+    the core theirs), which call it for themselves when imported. ``hook_names``: the spellings of a
+    kind that a DDP hook takes (``gradcomp.hooks.parse``), each with a few words on what it is."""
     if name in REGISTRY or name in (ALLREDUCE, NOOP):
         raise ValueError(f"{name!r} is a hook spec's name already; another kind of spec needs another name")
     OTHER_KINDS[name] = message
+    HOOK_NAMES.update(hook_names or {})
+
+
+def valid_names() -> list[str]:
+    """Every name a hook spec may start with: ``allreduce``, ``noop``, what the layers above add
+    (:data:`HOOK_NAMES`: ``auto``, ``torch:fp16``, ...) and every compressor."""
+    return [ALLREDUCE, NOOP, *HOOK_NAMES, *sorted(REGISTRY)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +110,9 @@ class HookSpec:
 
     def __post_init__(self) -> None:
         if self.algo not in ALGORITHMS:
-            raise ValueError(f"unknown all-reduce algorithm {self.algo!r}; valid: {', '.join(ALGORITHMS)}")
+            raise ValueError(unknown("all-reduce algorithm", self.algo, ALGORITHMS))
         if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"unknown aggregation {self.aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
+            raise ValueError(unknown("aggregation", self.aggregation, AGGREGATIONS))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         for option in ("warmup", "min_numel"):
@@ -112,14 +124,18 @@ class HookSpec:
         if isinstance(self.pieces, bool) or not isinstance(self.pieces, int) or self.pieces < 1:
             raise ValueError(f"pieces must be an integer >= 1, got {self.pieces!r}")
         if self.vectors not in VECTORS:
-            raise ValueError(f"vectors must be one of {', '.join(VECTORS)}, got {self.vectors!r}")
+            close = did_you_mean(self.vectors, VECTORS)
+            raise ValueError(f"vectors must be one of {', '.join(VECTORS)}, got {self.vectors!r}{close}")
         rules.check(self)  # how the options combine: the one table (gradcomp.engine.rules)
 
     @classmethod
     def parse(cls, spec: HookSpecLike, **defaults: Any) -> HookSpec:
-        """Parse a hook spec; ``defaults`` (``algo``, ``aggregation``, ``seed``) apply where the spec's
+        """Parse a gradcomp hook spec; ``defaults`` (``algo``, ``aggregation``, ``seed``) apply where the spec's
         text does not set them (a :class:`HookSpec` sets them all: it comes back as it is). Raises
-        ValueError naming what is wrong and the valid choices."""
+        ValueError naming what is wrong, the closest valid choice and all of them, in one line.
+
+        The engine's own specs only: ``auto`` and torch's hooks (``torch:fp16``) are the DDP hooks'
+        (refused here, saying so); :func:`gradcomp.hooks.parse` checks any spec a DDP hook takes."""
         if isinstance(spec, HookSpec):
             return spec
         unknown = sorted(set(defaults) - set(ENGINE_OPTIONS))
@@ -140,7 +156,8 @@ class HookSpec:
                 raise ValueError(f"noop takes no options, got {sorted(options)}")
             return cls(None, **engine)
         _check_name(name)
-        return cls(parse_spec(("none" if name == ALLREDUCE else name, options)), **engine)
+        compressor = parse_spec(("none" if name == ALLREDUCE else name, options), options=ENGINE_OPTIONS)
+        return cls(compressor, **engine)
 
     @property
     def noop(self) -> bool:
@@ -181,10 +198,9 @@ HookSpecLike = str | tuple[str, Mapping[str, Any]] | Spec | HookSpec
 
 def _check_name(name: str) -> None:
     """Refuse a name that is no hook's: with where it goes for a spec of another kind
-    (:data:`OTHER_KINDS`), else with the valid names."""
+    (:data:`OTHER_KINDS`), else with the closest valid name and all of them."""
     if name not in REGISTRY and name not in (ALLREDUCE, NOOP):
-        valid = ", ".join([ALLREDUCE, NOOP, *sorted(REGISTRY)])
-        raise ValueError(OTHER_KINDS.get(name) or f"unknown compressor {name!r}; valid hook names: {valid}")
+        raise ValueError(OTHER_KINDS.get(name) or unknown("compressor", name, valid_names()))
 
 
 def split_hook_spec(spec: str | tuple[str, Mapping[str, Any]] | SpecLike) -> tuple[str, dict[str, Any]]:
