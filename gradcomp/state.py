@@ -12,8 +12,10 @@ declared. It lives in the core because the synchronizer, which must not import
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from gradcomp.engine.stats import StepStats
@@ -37,6 +39,11 @@ class TrainingHookState(Protocol):
         bounded history). Read it after a step's backward (DDP has waited for every bucket by then)."""
         return self.steps_since(0)
 
+    def summary(self) -> RunSummary:
+        """What averaging cost over the run: the totals of :meth:`steps` (the steps the state keeps, the
+        latest 10,000; a resumed run's since it resumed), as :class:`RunSummary`."""
+        return RunSummary.of(self.steps())
+
     def write_trace(self, path: str | os.PathLike[str]) -> None:
         """A Chrome / Perfetto JSON trace of what was recorded (open it at ui.perfetto.dev): per
         bucket, when it was handed over, its wait, and its compress / communicate / decompress phases."""
@@ -51,3 +58,93 @@ class TrainingHookState(Protocol):
         """Restore what :meth:`state_dict` returned, from a state of the same spec and world size:
         anything else is refused, naming both."""
         ...
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    """A run's totals, what ``state.summary()`` returns: the steps' :class:`StepStats` summed (bytes,
+    seconds, reads), with the run's compression ratio and the mean of its steps'. ``str()`` reads as a
+    line for a log; :meth:`to_dict` is for JSON. A figure is None where a step could not observe it
+    (torch's own hooks time nothing), as in :class:`StepStats`."""
+
+    steps: int
+    """Steps summed."""
+    first_step: int | None
+    """The first one's number, by the hook's step clock (None: no step)."""
+    last_step: int | None
+    """The last one's."""
+    input_bytes: int
+    """Gradient bytes handed to the hook: what an uncompressed payload would have been."""
+    uncompressed_bytes: int
+    """Of :attr:`input_bytes`, what the spec's per-tensor policy sent uncompressed."""
+    payload_bytes: int
+    """The payloads the compressor produced."""
+    wire_bytes: float
+    """Bytes this rank sent (each step's :attr:`StepStats.wire_bytes`: measured, or the estimate)."""
+    inter_node_bytes: float | None
+    """Of those, the bytes to other nodes (None: a flat hook, which does not know the nodes)."""
+    mean_ratio: float
+    """The mean of the steps' compression ratios (those with a payload; inf: none had one)."""
+    compress_s: float | None
+    communicate_s: float | None
+    decompress_s: float | None
+    tail_s: float | None
+    """Seconds after backward's last bucket that the steps waited for (:attr:`StepStats.tail_s`)."""
+    host_reads: int | None
+
+    @classmethod
+    def of(cls, steps: Iterable[StepStats]) -> RunSummary:
+        """The totals of ``steps`` (each step once)."""
+        steps = list(steps)
+        total = sum(steps, StepStats.zero(steps[0].step if steps else 0))
+        ratios = [s.compression_ratio for s in steps if s.payload_bytes]
+        inter = [s.inter_node_bytes for s in steps]
+        return cls(
+            steps=len(steps),
+            first_step=steps[0].step if steps else None,
+            last_step=steps[-1].step if steps else None,
+            input_bytes=total.input_bytes,
+            uncompressed_bytes=total.uncompressed_bytes,
+            payload_bytes=total.payload_bytes,
+            wire_bytes=sum(s.wire_bytes for s in steps),
+            inter_node_bytes=None if not steps or None in inter else sum(b for b in inter if b is not None),
+            mean_ratio=sum(ratios) / len(ratios) if ratios else math.inf,
+            compress_s=total.compress_s,
+            communicate_s=total.communicate_s,
+            decompress_s=total.decompress_s,
+            tail_s=total.tail_s,
+            host_reads=total.host_reads,
+        )
+
+    @property
+    def compression_ratio(self) -> float:
+        """The run's gradient bytes over its payload bytes (inf without a payload): its bytes against
+        the uncompressed."""
+        return self.input_bytes / self.payload_bytes if self.payload_bytes else math.inf
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields and :attr:`compression_ratio`, as a plain dict."""
+        return {**dataclasses.asdict(self), "compression_ratio": self.compression_ratio}
+
+    def __str__(self) -> str:
+        if not self.steps:
+            return "no step averaged"
+        where = f"{self.first_step}" if self.steps == 1 else f"{self.first_step}-{self.last_step}"
+        text = (
+            f"{self.steps} {'step' if self.steps == 1 else 'steps'} ({where}): {_size(self.wire_bytes)} sent, "
+            f"{_size(self.payload_bytes)} of payload for {_size(self.input_bytes)} of gradients "
+            f"({self.compression_ratio:.1f}x fewer bytes, {self.mean_ratio:.1f}x a step on average)"
+        )
+        if self.inter_node_bytes is not None:
+            text += f", {_size(self.inter_node_bytes)} across nodes"
+        if self.communicate_s is not None:
+            text += f", {self.communicate_s:.3f} s communicating"
+        return text
+
+
+def _size(count: float) -> str:
+    """Bytes as a reader takes them in (decimal units: 1 MB = 1e6 bytes, as the ``hook/*_mb`` metrics)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(count) >= scale:
+            return f"{count / scale:.3g} {unit}"
+    return f"{count:.0f} B"

@@ -1,16 +1,22 @@
-"""What the integrations with trainers (Lightning, Accelerate) share: a step's statistics as logger
-metrics, and every rank's hook state in one checkpoint.
+"""What the integrations with trainers (Lightning, Accelerate, the Hugging Face Trainer) share: a step's
+statistics as logger metrics, and every rank's hook state in the trainer's checkpoints.
 
 Trainers write a checkpoint from one rank, but each rank's hook state is its own (error feedback's
-residuals are what that rank has not sent yet): :func:`every_rank` gathers them when the checkpoint is
-written (a collective: every rank calls it, as trainers ask every rank for the state), and
-:func:`own_rank` picks this rank's back when it is loaded.
+residuals are what that rank has not sent yet). Where the trainer keeps custom state in one file
+(Lightning, Accelerate), :func:`every_rank` gathers them when the checkpoint is written (a collective:
+every rank calls it, as trainers ask every rank for the state), and :func:`own_rank` picks this rank's
+back when it is loaded. Where it writes a file per rank itself (the Hugging Face Trainer's RNG states),
+:func:`save_own` writes this rank's beside them and :func:`load_own` reads it back: no collective, and
+on nodes without a shared disk each node keeps its own ranks' states, as it keeps their RNG states.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from gradcomp.engine.stats import StepStats
@@ -54,3 +60,34 @@ def own_rank(saved: dict[str, Any]) -> Any:
     if len(ranks) != world:
         raise ValueError(f"the checkpoint holds the hook states of {len(ranks)} ranks; this run has {world}")
     return ranks[rank]
+
+
+def own_file(folder: str | os.PathLike[str]) -> Path:
+    """Where :func:`save_own` writes this rank's hook state in ``folder``: ``gradcomp_rank<r>.pt``."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return Path(folder) / f"gradcomp_rank{rank}.pt"
+
+
+def save_own(state: TrainingHookState, folder: str | os.PathLike[str], step: int) -> Path:
+    """This rank's ``state.state_dict()``, saved at trainer step ``step``, into :func:`own_file` (no
+    collective: every rank calls it for itself). Returns the file."""
+    path = own_file(folder)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"step": step, "hook": state.state_dict()}, path)
+    return path
+
+
+def load_own(state: TrainingHookState, folder: str | os.PathLike[str], step: int) -> None:
+    """Restore this rank's hook state from what :func:`save_own` wrote in ``folder`` at trainer step
+    ``step``. Refused, with the reason: no file for this rank (a checkpoint written without gradcomp,
+    or by fewer ranks), a file of another step; the state itself refuses another spec or world size."""
+    path = own_file(folder)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no gradcomp hook state at {path}: resume from a checkpoint written with the hook (each rank "
+            "writes its own file), by as many ranks as this run has"
+        )
+    saved = torch.load(path, weights_only=True)
+    if saved["step"] != step:
+        raise ValueError(f"{path} holds the hook state of step {saved['step']}; the run resumes at step {step}")
+    state.load_state_dict(saved["hook"])

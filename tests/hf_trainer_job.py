@@ -1,0 +1,107 @@
+"""A 2-process Hugging Face Trainer job on the CPU for tests/test_hf_trainer.py, run as ``accelerate launch
+--multi_gpu --num_processes 2 -m tests.hf_trainer_job OUT``: a GPT-2 built from a small config (random
+weights, nothing downloaded) on random tokens, two micro-batches an optimizer step, in the same
+processes one run after another (starting the processes and importing transformers cost more than
+the runs):
+
+- ``plain``: DDP's own all-reduce (no callback), 4 steps;
+- ``allreduce``: :class:`GradcompCallback` with gradcomp's ``allreduce`` hook, 4 steps;
+- ``straight``: ``topk:ratio=0.1,ef=true``, 6 steps, a checkpoint every 3, a log line every step;
+- ``resumed``: the same from the straight run's step-3 checkpoint, copied into its own output folder
+  and found as ``train(resume_from_checkpoint=True)`` finds it;
+- ``adamw``: :class:`CompressedAdamW` (freeze 2, signs with error feedback) through the callback,
+  ``optimizers=(optimizer, None)``, clipping at 0.5 (after the freeze: each rank's own gradient), 4 steps.
+
+Each rank writes its parameters to OUT/<run>/rank<r>.pt and its hook's final state to
+OUT/<run>/hook<r>.pt; rank 0 of ``straight`` also writes what the Trainer logged (log.json), its hook's
+steps (steps.json) and ``summary()`` (summary.json)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+from gradcomp.hooks import CompressedAdamW
+from gradcomp.hooks.hf_trainer import GradcompCallback
+
+SPEC = "topk:ratio=0.1,ef=true"
+
+
+class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """48 sequences of 16 random tokens, the same in every run (the Trainer shards and shuffles them)."""
+
+    def __init__(self) -> None:
+        self.ids = torch.randint(0, 128, (48, 16), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=128, n_positions=16, n_embd=64, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def train(
+    out: Path, spec: str | None, steps: int, resume: bool = False, adamw: bool = False
+) -> GradcompCallback | None:
+    """One run into ``out``: a Trainer as a user makes one, with the callback unless ``spec`` is None."""
+    args = TrainingArguments(
+        output_dir=str(out), use_cpu=True, ddp_backend="gloo", max_steps=steps, per_device_train_batch_size=4,
+        gradient_accumulation_steps=2, learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1,
+        save_steps=3, report_to="none", disable_tqdm=True, seed=0, max_grad_norm=0.5 if adamw else 1.0,
+    )  # fmt: skip
+    model = gpt2()
+    optimizer = CompressedAdamW(model.parameters(), lr=1e-3, freeze=2, carrier="sign:ef=true") if adamw else None
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(optimizer, None))
+    callback = None
+    if spec is not None:
+        callback = GradcompCallback(trainer, spec)
+        trainer.add_callback(callback)
+    trainer.train(resume_from_checkpoint=resume or None)
+    rank = dist.get_rank()
+    torch.save([p.detach().clone() for p in model.parameters()], out / f"rank{rank}.pt")
+    if callback is not None:
+        assert callback.state is not None, "the hook is registered with two processes"
+        torch.save(callback.state.state_dict(), out / f"hook{rank}.pt")
+        if rank == 0 and out.name == "straight":
+            (out / "log.json").write_text(json.dumps(trainer.state.log_history))
+            steps: list[dict[str, Any]] = [step.to_dict() for step in callback.state.steps()]
+            (out / "steps.json").write_text(json.dumps(steps))
+            (out / "summary.json").write_text(json.dumps(callback.summary().to_dict()))
+        if adamw:
+            assert isinstance(optimizer, CompressedAdamW) and optimizer.compressing, "past the freeze"
+    return callback
+
+
+def main(out: Path) -> None:
+    train(out / "plain", None, 4)
+    train(out / "allreduce", "allreduce", 4)
+    train(out / "straight", SPEC, 6)
+    if dist.get_rank() == 0:  # the step-3 checkpoint, where a resumed run of its own finds it
+        shutil.copytree(out / "straight" / "checkpoint-3", out / "resumed" / "checkpoint-3")
+    dist.barrier()
+    train(out / "resumed", SPEC, 6, resume=True)
+    train(out / "adamw", "allreduce", 4, adamw=True)
+    dist.destroy_process_group()
+    # What this job checks is written; gloo's processes abort at exit now and then ("terminate called
+    # without an active exception", docs/reliability.md): leave without interpreter finalization.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
