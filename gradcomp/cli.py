@@ -29,6 +29,7 @@ from gradcomp import __version__, netem
 from gradcomp.bench.units import ACCEPTED, parse_sizes
 from gradcomp.netem import NetemError
 from gradcomp.options import split_list
+from gradcomp.progress import Progress
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -261,7 +262,8 @@ def _bench_compressors(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     sizes = [size.as_elements() for size in parse_sizes(args.sizes)]
     specs = split_list(args.specs) if args.specs else list(bench.DEFAULT_SPECS)
-    references, rows = bench.run(sizes, specs, repeats=args.repeats, seed=args.seed, device=args.device)
+    with Progress("bench compressors", len(sizes) * (len(specs) + 1)) as progress:  # stderr, on a terminal only
+        references, rows = bench.run(sizes, specs, args.repeats, args.seed, args.device, progress)
     host = machine()
     fused = fusion.enabled(torch.device(args.device))
     sys.stdout.write(
@@ -301,18 +303,16 @@ def _bench_collectives(args: argparse.Namespace) -> int:
     local_size = args.local_size or (2 if args.ranks % 2 == 0 else 1)
     host = machine()
     rows = []
-    for network in networks:
-        measured = bench.run(
-            args.ranks, sizes, algos, repeats=args.repeats, local_size=args.local_size, network=network
-        )
-        link = netem.describe(netem.parse(network))
-        sys.stdout.write(
-            f"gradcomp bench collectives: {args.ranks} ranks, network {network} ({link}), "
-            f"gloo, {host['cpu']}, torch {host['torch']}, median of {args.repeats}\n\n"
-        )
-        sys.stdout.write(bench.format_table(measured, local_size if "hierarchical" in algos else None) + "\n\n")
-        sys.stdout.flush()
-        rows += measured
+    with Progress("bench collectives", len(networks) * len(sizes)) as progress:  # stderr, on a terminal only
+        for network in networks:
+            measured = bench.run(args.ranks, sizes, algos, args.repeats, args.local_size, network, progress)
+            link = netem.describe(netem.parse(network))
+            table = bench.format_table(measured, local_size if "hierarchical" in algos else None)
+            progress.write(
+                f"gradcomp bench collectives: {args.ranks} ranks, network {network} ({link}), "
+                f"gloo, {host['cpu']}, torch {host['torch']}, median of {args.repeats}\n\n{table}\n\n"
+            )
+            rows += measured
     if args.json:
         write_report(args.json, host, ranks=args.ranks, networks=networks, rows=[r.as_dict() for r in rows])
     return 0
@@ -339,9 +339,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     sizes = [size.as_bytes() for size in parse_sizes(args.sizes)]
     specs = [s.strip() for s in args.specs.split(";") if s.strip()] if args.specs else list(calibrate.KERNEL_SPECS)
     _check_writable(args.output)  # before minutes of measurements that would have nowhere to go
-    profile = calibrate.calibrate(
-        profiles[0], args.ranks, name=args.name, sizes=sizes, repeats=args.repeats, specs=specs, device=args.device
-    )
+    with Progress("calibrate", calibrate.units(specs)) as progress:  # stderr, on a terminal only
+        profile = calibrate.calibrate(profiles[0], args.ranks, name=args.name, sizes=sizes, repeats=args.repeats,
+                                      specs=specs, device=args.device, progress=progress)  # fmt: skip
     profile.save(args.output)
     sys.stdout.write(f"{calibrate.describe(profile)}\nwritten to {args.output}\n")
     return 0

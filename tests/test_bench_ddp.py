@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import statistics
 import sys
 from pathlib import Path
@@ -14,12 +15,13 @@ from gradcomp.cli import main
 from gradcomp.experiments.bench.command import split_hooks
 from gradcomp.experiments.bench.modes import FSDP, NOOP, TORCH_ALLREDUCE
 from gradcomp.experiments.bench.results import Row, combine
-from gradcomp.experiments.bench.runner import failure, run
+from gradcomp.experiments.bench.runner import failure, run, units
 from gradcomp.experiments.bench.settings import BenchSettings
 from gradcomp.experiments.bench.table import format_phases, format_table
 from gradcomp.experiments.bench.workloads import PRESETS, user_model
 from gradcomp.experiments.tasks import build_task
 from gradcomp.launch import RankError
+from gradcomp.progress import Progress
 
 TORCH_FP16 = "torch:fp16"
 
@@ -151,7 +153,16 @@ def test_torch_powersgd_runs_alone_and_its_bytes_are_its_factors_and_vectors() -
     model = user_model("tests.bench_models:tiny", "16", batch_size=4)
     settings = BenchSettings(model, 2, "loopback", ("torch:powersgd:rank=1",), (), steps=2, rounds=1, warmup=2,
                              timeout=300)  # fmt: skip
-    rows = run(settings)
+    terminal = io.StringIO()
+    with Progress("bench ddp", units(settings), stream=terminal, enabled=True, tick=0) as progress:
+        rows = run(settings, progress)
+    # The parent says what each launch of ranks measures: the variants in rounds, then PowerSGD alone.
+    lines = [line for line in terminal.getvalue().split("\r\x1b[K") if line]
+    assert lines[0].startswith("bench ddp  0/3  loopback: 2 variants in rounds (noop, torch:allreduce)  elapsed ")
+    assert lines[1].startswith("bench ddp  2/3  loopback: 2 variants in rounds") and "ETA" in lines[1]
+    assert lines[2].startswith("bench ddp  2/3  loopback: torch:powersgd:rank=1 (alone)  elapsed ")
+    assert lines[-1].startswith("bench ddp  3/3  ") and lines[-1].endswith("ETA 0:00")
+    assert terminal.getvalue().endswith("\r\x1b[K")  # the line is taken away at the end
     assert [r.variant for r in rows] == [NOOP, TORCH_ALLREDUCE, "torch:powersgd:rank=1"]
     assert all(r.status == "ok" for r in rows)
     assert rows[-1].wire_mb_per_step == pytest.approx(120 * 4 / 1e6)
@@ -222,9 +233,34 @@ def test_a_failed_variant_has_a_row_without_figures() -> None:
         Row("torch:powersgd:rank=4", "loopback", None, None, "hung (killed after 70 s)"),
         Row("powersgd:rank=4", "loopback", 40.0, 0.16),
     ]
-    lines = [[cell.strip() for cell in line.strip("|").split("|")] for line in format_table(rows).splitlines()]
-    assert lines[4] == ["torch:powersgd:rank=4", "-", "-", "-", "-", "hung (killed after 70 s)"]
+    table, notes = format_table(rows).split("\n\n")
+    lines = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()]
+    assert lines[4] == ["torch:powersgd:rank=4", "-", "-", "-", "-", "hung [1]"]
     assert lines[5] == ["powersgd:rank=4", "40.0", "1.50x", "1.33", "0.16", "ok"]
+    assert notes == "[1] torch:powersgd:rank=4: hung (killed after 70 s)"
+
+
+def test_a_refusal_is_a_short_cell_and_a_footnote() -> None:
+    """torch's PowerSGD refused on gloo used to fill its cell with the whole exception line (over 100
+    columns): the cell says what happened, a note below the table why; the same reason twice is one note."""
+    refusal = ("aborted: ValueError: torch's powerSGD_hook issues collectives from a future's callback: on gloo "
+               "with several buckets it would hang; use gradcomp's powersgd")  # fmt: skip
+    rows = [
+        Row(NOOP, "loopback", 30.0, 0.0),
+        Row(TORCH_ALLREDUCE, "loopback", 60.0, 25.3),
+        Row("torch:powersgd:rank=4", "loopback", None, None, refusal),
+        Row("torch:powersgd:rank=1", "loopback", None, None, refusal),
+        combine([Row("fp16", "loopback", 40.0, 1.0, "ok", [40.0], None, [40.0]),
+                 Row("fp16", "loopback", None, None, "hung (killed after 70 s)", run_ms=[None])]),
+    ]  # fmt: skip
+    table, notes = format_table(rows).split("\n\n")
+    status = [line.strip("|").split("|")[-1].strip() for line in table.splitlines()[2:]]
+    assert max(len(line) for line in table.splitlines()) < 120 and max(map(len, status)) < 24
+    assert status == ["ok", "ok", "aborted [1]", "aborted [1]", "ok in 1 of 2 runs [2]"]
+    assert notes.splitlines() == [
+        f"[1] torch:powersgd:rank=4, torch:powersgd:rank=1: {refusal}",
+        "[2] fp16: ok in 1 of 2 runs; hung (killed after 70 s)",
+    ]
 
 
 def test_runs_combine_into_medians_with_the_range_of_each_runs_ratio() -> None:
@@ -261,7 +297,7 @@ def test_a_variant_that_failed_in_some_runs_says_so() -> None:
     # its ratios pair it with the anchors of the run where it completed, not with their medians
     noop = combine([Row(NOOP, "1gbit", t, 0.0, "ok", [t], None, [t]) for t in (20.0, 30.0)])
     anchor = combine([Row(TORCH_ALLREDUCE, "1gbit", t, 25.0, "ok", [t], None, [t]) for t in (40.0, 60.0)])
-    lines = [line.split("|")[2:5] for line in format_table([noop, anchor, row]).splitlines()]
+    lines = [line.split("|")[2:5] for line in format_table([noop, anchor, row]).split("\n\n")[0].splitlines()]
     assert [cell.strip() for cell in lines[4]] == ["50.0", "1.20x", "1.67"]  # 60 / 50 and 50 / 30
 
 
@@ -274,7 +310,9 @@ def test_the_command_finds_a_model_in_the_current_directory(
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
     arguments = ["--input-shape", "4", "--hooks", "fp16", "--torch-hooks", "none", "--steps", "2", "--rounds", "1"]
     assert main(["bench", "ddp", "--model", "my_models:small", *arguments, "--warmup", "2"]) == 0
-    assert "my_models:small, random inputs of shape [4]" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "my_models:small, random inputs of shape [4]" in printed.out
+    assert printed.err == ""  # stderr is no terminal here: no progress line
 
 
 def test_bench_fsdp_measures_fsdp2s_own_beside_gradcomps_reduce_scatter() -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,7 @@ import pytest
 from gradcomp.bench.compressors import DEFAULT_SPECS, Row, format_table, run
 from gradcomp.cli import main
 from gradcomp.compressors import REGISTRY
+from gradcomp.progress import Progress, clock
 
 
 def test_lists_every_compressor(capsys: pytest.CaptureFixture[str]) -> None:
@@ -20,14 +24,68 @@ def test_lists_every_compressor(capsys: pytest.CaptureFixture[str]) -> None:
     assert "ratio=0.01 (float)" in out and "ef" in out
 
 
-def test_bench_compressors_writes_a_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal: where a command shows its progress."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def drawn(terminal: io.StringIO) -> list[str]:
+    """The status lines drawn on ``terminal``, in order (each starts by taking the last away)."""
+    return [line for line in terminal.getvalue().split("\r\x1b[K") if line]
+
+
+def test_the_listing_names_every_hook_name_and_option(capsys: pytest.CaptureFixture[str]) -> None:
+    """What a hook spec takes besides a compressor's: the hooks' own names (auto, torch's) and the
+    engine's options, which the listing once left out."""
+    from importlib.metadata import entry_points
+
+    from gradcomp.engine import spec
+
+    assert main(["compressors"]) == 0
+    out = capsys.readouterr().out
+    names = [line.split()[0] for line in out.split("is a compressor spec or one of:")[1].split("\n\n")[0].splitlines()]
+    assert names == ["allreduce", "noop", "auto", *(f"torch:{n}" for n in ("allreduce", "allreduce_hook", "fp16", "bf16"))
+                     , "torch:powersgd"]  # fmt: skip
+    assert set(names) | set(REGISTRY) == set(spec.valid_names())
+    for option in spec.ENGINE_OPTIONS:
+        assert f"\n  {option}=" in out
+    assert "algo=native (native | ring | tree | halving_doubling)" in out
+    # a process that never imported the hooks (the command's) finds them through the installed entry point
+    assert "gradcomp.hooks" in {entry.value for entry in entry_points(group=spec.KINDS_GROUP)}
+
+
+def test_the_listing_takes_a_plugin_compressor_without_a_docstring(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gradcomp.compressors.topk import TopK
+
+    undocumented = type("Undocumented", (TopK,), {"name": "undocumented"})  # a class's docstring is not inherited
+    assert undocumented.__doc__ is None
+    monkeypatch.setitem(REGISTRY, "undocumented", undocumented)
+    assert main(["compressors"]) == 0
+    assert "undocumented gather -\n" in capsys.readouterr().out
+
+
+def test_bench_compressors_writes_a_table_and_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     report = tmp_path / "bench.json"
     specs = "fp16;topk:ratio=0.1;powersgd:rank=2"
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
     assert (
         main(["bench", "compressors", "--sizes", "4096,10K", "--repeats", "2", "--specs", specs, "--json", str(report)])
         == 0
     )
     out = capsys.readouterr().out
+    # On a terminal: what is timed, n of N, the time so far, then the rest; the line gone at the end.
+    lines = drawn(terminal)
+    assert lines[0].startswith("bench compressors  0/8  4096 elements: fp16 cast and torch.topk  elapsed 0:0")
+    assert any(line.startswith("bench compressors  6/8  10K elements: topk:ratio=0.1") for line in lines)
+    assert all("ETA" in line for line in lines[1:]) and lines[-1].startswith("bench compressors  8/8  ")
+    assert terminal.getvalue().endswith("\r\x1b[K") and "\r" not in out and "elapsed" not in out
     assert "| `fp16` " in out and "topk:ratio=0.1" in out
     data = json.loads(report.read_text())
     assert data["machine"]["threads"] == 1
@@ -73,7 +131,9 @@ def test_bench_collectives_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixt
     report = tmp_path / "collectives.json"
     argv = ["bench", "collectives", "--ranks", "2", "--sizes", "4KiB,64K", "--algos", "ring,tree"]
     assert main([*argv, "--repeats", "2", "--json", str(report)]) == 0
-    cells = [[c.strip() for c in line.split("|")[1:3]] for line in capsys.readouterr().out.splitlines() if "|" in line]
+    printed = capsys.readouterr()
+    assert printed.err == ""  # stderr is no terminal (a pipe, a log): no progress
+    cells = [[c.strip() for c in line.split("|")[1:3]] for line in printed.out.splitlines() if "|" in line]
     assert ["250 KiB", "native"] in cells and ["4 KiB", "tree"] in cells  # 64K float32 = 256,000 bytes
     data = json.loads(report.read_text())
     assert data["ranks"] == 2 and data["networks"] == ["loopback"]
@@ -123,3 +183,44 @@ def test_a_bad_spec_in_a_list_is_named_as_typed(argv: list[str], capsys: pytest.
     with pytest.raises(SystemExit):
         main(argv)
     assert "'topk:ratio=2': invalid options for 'topk': ratio must be in (0, 1], got 2.0" in capsys.readouterr().err
+
+
+def test_progress_says_what_runs_how_far_and_when_it_ends() -> None:
+    """One line, redrawn in place: the command, units done of all, the unit running, the time so far,
+    and the rest estimated from the units done (the estimate made when the last ended, counted down)."""
+    now = [100.0]
+    terminal = Terminal()
+    progress = Progress("bench ddp", 10, stream=terminal, tick=0, now=lambda: now[0])
+    with progress.step("loopback: 8 variants in rounds", 8):
+        assert progress.line() == "bench ddp  0/10  loopback: 8 variants in rounds  elapsed 0:00"
+        now[0] += 40
+    assert progress.line().endswith("elapsed 0:40  ETA 0:10")  # 8 units in 40 s: 2 more take 10 s
+    now[0] += 4
+    with progress.step("loopback: torch:powersgd:rank=4 (alone)", 2):
+        assert progress.line() == ("bench ddp  8/10  loopback: torch:powersgd:rank=4 (alone)  elapsed 0:44  ETA 0:06")
+        now[0] += 3600
+    assert progress.remaining() == 0 and progress.line().endswith("elapsed 1:00:44  ETA 0:00")
+    progress.write("| table |\n", terminal)  # a command's output: the line out of its way, then back
+    progress.close()
+    assert drawn(terminal)[-2:] == ["| table |\n", progress.line()]
+    assert terminal.getvalue().endswith("\r\x1b[K")
+
+
+def test_progress_is_silent_where_stderr_is_no_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    pipe, out = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", pipe)
+    with Progress("calibrate", 3, tick=0.001) as progress:
+        assert not progress.enabled
+        with progress.step("loopback: all-reduce and all-gather at 6 sizes"):
+            time.sleep(0.01)
+        progress.write("profile loopback-2ranks\n", out)
+    assert pipe.getvalue() == "" and out.getvalue() == "profile loopback-2ranks\n"
+
+
+def test_progress_never_wraps_and_shows_durations_as_clocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "40")
+    terminal = Terminal()
+    with Progress("bench collectives", 2, stream=terminal, tick=0) as progress, progress.step("x" * 100):
+        pass
+    assert drawn(terminal) and all(len(line) <= 39 for line in drawn(terminal))
+    assert [clock(s) for s in (0.4, 7, 61, 3599.6, 3723)] == ["0:00", "0:07", "1:01", "1:00:00", "1:02:03"]

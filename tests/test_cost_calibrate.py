@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 from pathlib import Path
 
@@ -14,18 +15,40 @@ from gradcomp.cost import calibrate
 from gradcomp.cost.profile import Profile
 from gradcomp.cost.step import Workload, method_of, predict
 from gradcomp.experiments.bench import predict as validation
+from gradcomp.progress import Progress
 from tests.distributed import spawn_ranks
 
 SPECS = ("none", "fp16")
 
 
+TERMINAL = io.StringIO()
+"""What the calibration of :func:`profile` showed on a terminal."""
+
+
 @pytest.fixture(scope="module")
 def profile() -> Profile:
     """A small calibration on loopback at 2 ranks (seconds, not the default minute)."""
-    return calibrate.calibrate(
-        "loopback", 2, sizes=(4096, 4 << 20, 16 << 20), repeats=5, specs=SPECS, kernel_repeats=2,
-        kernel_sides=(32, 128, 512), engine_sides=(64, 256),
-    )  # fmt: skip
+    with Progress("calibrate", calibrate.units(SPECS), stream=TERMINAL, enabled=True, tick=0) as progress:
+        return calibrate.calibrate(
+            "loopback", 2, sizes=(4096, 4 << 20, 16 << 20), repeats=5, specs=SPECS, kernel_repeats=2,
+            kernel_sides=(32, 128, 512), engine_sides=(64, 256), progress=progress,
+        )  # fmt: skip
+
+
+def test_a_calibration_says_what_it_times_from_the_parent(profile: Profile) -> None:
+    """The links first, then each spec's kernels and engine, each in ranks the parent starts."""
+    lines = [line for line in TERMINAL.getvalue().split("\r\x1b[K") if line]
+    running = [line.split("  ")[1:3] for line in lines]
+    assert running == [
+        ["0/3", "loopback: all-reduce and all-gather at 3 sizes"],
+        ["1/3", "loopback: all-reduce and all-gather at 3 sizes"],
+        ["1/3", "kernels and engine of none (1 of 2)"],
+        ["2/3", "kernels and engine of none (1 of 2)"],
+        ["2/3", "kernels and engine of fp16 (2 of 2)"],
+        ["3/3", "kernels and engine of fp16 (2 of 2)"],
+    ]
+    assert "ETA" in lines[-1] and TERMINAL.getvalue().endswith("\r\x1b[K")
+    assert calibrate.units(["sign", "sign:chunk=1024", "none"]) == 1 + 2  # canonical specs, each once
 
 
 def test_a_calibration_fits_the_link_and_times_the_kernels(profile: Profile) -> None:

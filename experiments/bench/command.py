@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import sys
 
 from gradcomp.experiments.bench import runner
 from gradcomp.experiments.bench.modes import DDP, Mode
@@ -109,13 +108,15 @@ def _command(args: argparse.Namespace, mode: Mode = DDP) -> int:
     if settings.backend == "nccl" and torch.cuda.device_count() < settings.ranks:
         gpus = torch.cuda.device_count()
         raise ValueError(f"--backend nccl needs a GPU per rank: {settings.ranks} ranks, {gpus} GPUs")
+    from gradcomp.progress import Progress
+
     host, rows = machine(), []
-    for network in networks:
-        on_network = dataclasses.replace(settings, network=network)
-        measured = runner.run(on_network)
-        sys.stdout.write(format_run(on_network, measured, host))
-        sys.stdout.flush()
-        rows += measured
+    with Progress(f"bench {mode.name}", runner.units(settings) * len(networks)) as progress:
+        for network in networks:
+            on_network = dataclasses.replace(settings, network=network)
+            measured = runner.run(on_network, progress)
+            progress.write(format_run(on_network, measured, host))
+            rows += measured
     if args.json:
         figures = {"model": args.model, "ranks": args.ranks, "networks": networks, "parallel": mode.name}
         write_report(args.json, host, **figures, rows=[dataclasses.asdict(r) for r in rows])

@@ -50,7 +50,7 @@ def combine(runs: list[Row]) -> Row:
         done[0].network,
         statistics.median(r.ms_per_step for r in done if r.ms_per_step is not None),
         statistics.median(r.wire_mb_per_step for r in done if r.wire_mb_per_step is not None),
-        "ok" if len(done) == len(runs) else f"ok in {len(done)} of {len(runs)} runs; {runs[0].status}",
+        "ok" if len(done) == len(runs) else f"ok in {len(done)} of {len(runs)} runs; {_failed(runs)}",
         [t for r in done for t in r.step_ms],
         phases,
         run_ms,
@@ -58,6 +58,11 @@ def combine(runs: list[Row]) -> Row:
         _median_or_none([r.kernels_ms for r in done]),
         _median_or_none([r.inter_node_mb_per_step for r in done]),
     )
+
+
+def _failed(runs: list[Row]) -> str:
+    """The status of the first run where the variant failed."""
+    return next(r.status for r in runs if r.ms_per_step is None)
 
 
 def _median_or_none(values: list[float | None]) -> float | None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from gradcomp.bench.report import markdown_table
+from gradcomp.bench.report import Footnotes, markdown_table
 from gradcomp.experiments.bench.modes import NOOP, TORCH_ALLREDUCE
 from gradcomp.experiments.bench.records import PHASES
 from gradcomp.experiments.bench.results import Row
@@ -40,24 +40,27 @@ def format_run(settings: BenchSettings, rows: Sequence[Row], host: dict[str, Any
 def format_table(rows: Sequence[Row], anchor_name: str = TORCH_ALLREDUCE) -> str:
     """Markdown: ms/step, speedup over the anchor (torch's all-reduce, or FSDP2's reduce-scatter),
     ratio to the noop floor, wire MB per step. Rows of several runs give both ratios as the median
-    of each run's ratio (against the same run's anchor), with their range."""
+    of each run's ratio (against the same run's anchor), with their range. A status with a reason
+    (``aborted: ...``) is a short cell and a note below the table (:class:`Footnotes`)."""
     by_name = {r.variant: r for r in rows}
     anchor, floor = by_name[anchor_name], by_name[NOOP]
     nodes = any(r.inter_node_mb_per_step is not None for r in rows)  # an emulated cluster: its uplinks counted
     header = ("hook", "ms/step", f"speedup vs {anchor_name}", "x noop floor", "wire MB/step",
               *(["across nodes MB/step"] if nodes else []), "status")  # fmt: skip
-    lines = []
+    lines, notes = [], Footnotes()
     for row in rows:
+        status = notes.cell(row.status, row.variant)
         crossed = row.inter_node_mb_per_step
         across = [] if not nodes else ["-" if crossed is None else f"{crossed:.2f}"]
         if row.ms_per_step is None:
-            lines.append((row.variant, "-", "-", "-", "-", *across, row.status))
+            lines.append((row.variant, "-", "-", "-", "-", *across, status))
             continue
         speedup = _ratio(anchor, row, "x")
         ratio = _ratio(row, floor, "")
         wire = f"{row.wire_mb_per_step:.2f}"
-        lines.append((row.variant, f"{row.ms_per_step:.1f}", speedup, ratio, wire, *across, row.status))
-    return markdown_table(header, lines, right=[False, True, True, True, True, *([True] if nodes else []), False])
+        lines.append((row.variant, f"{row.ms_per_step:.1f}", speedup, ratio, wire, *across, status))
+    right = [False, True, True, True, True, *([True] if nodes else []), False]
+    return notes.below(markdown_table(header, lines, right=right))
 
 
 def _ratio(numerator: Row, denominator: Row, unit: str) -> str:

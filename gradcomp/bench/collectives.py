@@ -24,6 +24,7 @@ from gradcomp.bench.report import markdown_table
 from gradcomp.bench.units import format_bytes
 from gradcomp.collectives.cost_model import busbw
 from gradcomp.launch import spawn
+from gradcomp.progress import Progress, step
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 """Bytes: 4 KiB to 16 MiB."""
@@ -96,8 +97,11 @@ def run(
     repeats: int = 10,
     local_size: int | None = None,
     network: str = "loopback",
+    progress: Progress | None = None,
 ) -> list[Row]:
-    """Measure on ``ranks`` ranks on ``network`` (a netem profile); ``native`` is always measured, as the anchor."""
+    """Measure on ``ranks`` ranks on ``network`` (a netem profile); ``native`` is always measured, as the
+    anchor. The ranks start once per size (a tenth of a second on loopback), so that ``progress``
+    hears of each size (``len(sizes)`` steps)."""
     unknown = sorted(set(algos) - set(collectives.ALGORITHMS))
     if unknown:
         raise ValueError(f"unknown algorithm(s) {unknown}; valid: {', '.join(collectives.ALGORITHMS)}")
@@ -110,7 +114,12 @@ def run(
     if not sizes or min(sizes) < 4 or any(size % 4 for size in sizes):
         raise ValueError(f"sizes must be whole numbers of float32 values (multiples of 4 bytes), got {list(sizes)}")
     ordered = ["native", *[a for a in algos if a != "native"]]
-    measured = spawn(ranks, measure, (list(sizes), ordered, repeats, local_size), timeout=3600, network=network)[0]
+    measured = []
+    for i, size in enumerate(sizes):
+        label = f"{network}: {format_bytes(size)} ({i + 1} of {len(sizes)} sizes), {len(ordered)} algorithms"
+        with step(progress, label):
+            args = ([size], ordered, repeats, local_size)
+            measured += spawn(ranks, measure, args, timeout=3600, network=network)[0]
     native = {r["size_bytes"]: r["time_s"] for r in measured if r["algo"] == "native"}
     return [
         Row(r["algo"], r["size_bytes"], ranks, r["time_s"] * 1e3, native[r["size_bytes"]] * 1e3, network)

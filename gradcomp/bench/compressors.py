@@ -24,6 +24,7 @@ from gradcomp.bench.units import format_elements
 from gradcomp.compressors import Aggregation, Compressor, make_compressor, parse_spec
 from gradcomp.compressors.sparse import kept
 from gradcomp.options import parse_naming
+from gradcomp.progress import Progress, step
 
 DEFAULT_SPECS = (
     "none",
@@ -180,17 +181,26 @@ def reference(x: Tensor, repeats: int) -> Reference:
 
 
 def run(
-    sizes: Sequence[int], specs: Sequence[str] = DEFAULT_SPECS, repeats: int = 5, seed: int = 0, device: str = "cpu"
+    sizes: Sequence[int],
+    specs: Sequence[str] = DEFAULT_SPECS,
+    repeats: int = 5,
+    seed: int = 0,
+    device: str = "cpu",
+    progress: Progress | None = None,
 ) -> tuple[list[Reference], list[Row]]:
-    """Time every spec at every size; the references come from the same run."""
+    """Time every spec at every size; the references come from the same run. ``progress`` hears of
+    each size's references and each spec at each size (``len(sizes) * (len(specs) + 1)`` steps)."""
     parsed = [parse_naming(spec, parse_spec) for spec in specs]  # refuse a bad spec before timing anything
     references, rows = [], []
     for numel in sizes:
-        x = gradient(numel, seed, device)
-        ref = reference(x, repeats)
+        size = f"{format_elements(numel)} elements"
+        with step(progress, f"{size}: fp16 cast and torch.topk", 1):
+            x = gradient(numel, seed, device)
+            ref = reference(x, repeats)
         references.append(ref)
         for spec in parsed:
-            timings = time_compressor(make_compressor(spec, seed=seed), x, repeats)
+            with step(progress, f"{size}: {spec}", 1):
+                timings = time_compressor(make_compressor(spec, seed=seed), x, repeats)
             rows.append(Row(str(spec), numel, *timings))
     return references, rows
 

@@ -45,6 +45,44 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]], righ
     return "\n".join([line(cells[0]), rule, *(line(row) for row in cells[1:])])
 
 
+class Footnotes:
+    """Short table cells, their reasons below the table: a status such as ``aborted: RuntimeError:
+    Received data size doesn't match ...`` would widen its column past any screen, so its cell says
+    ``aborted [1]`` and the table is followed by ``[1] torch:powersgd:rank=4: aborted: RuntimeError:
+    ...``. The same text in several rows shares one note."""
+
+    SHORT = 12
+    """A cell this long or shorter, without a reason (``:``, ``;``, ``(``), stays as it is."""
+
+    def __init__(self) -> None:
+        self.notes: dict[str, list[str]] = {}
+        """Each note's text, and the rows (subjects) that refer to it."""
+
+    def cell(self, text: str, subject: str = "") -> str:
+        """``text`` as a short cell: itself, or its first words and a note's number. ``subject``
+        (the row's name) starts the note."""
+        if len(text) <= self.SHORT and not any(mark in text for mark in ":;("):
+            return text
+        head = text
+        for mark in (";", ":", " ("):
+            head = head.split(mark, 1)[0]
+        subjects = self.notes.setdefault(text, [])
+        if subject and subject not in subjects:
+            subjects.append(subject)
+        return f"{head.strip()[: self.SHORT * 2]} [{list(self.notes).index(text) + 1}]"
+
+    def __str__(self) -> str:
+        """The notes, one line each (empty when no cell needed one)."""
+        return "\n".join(
+            f"[{i}] {', '.join(subjects) + ': ' if subjects else ''}{text}"
+            for i, (text, subjects) in enumerate(self.notes.items(), 1)
+        )
+
+    def below(self, table: str) -> str:
+        """``table`` followed by its notes, a blank line between them."""
+        return f"{table}\n\n{self}" if self.notes else table
+
+
 def write_report(path: str, host: dict[str, Any], **figures: Any) -> None:
     """``--json FILE`` of every benchmark: the machine, the command line, then ``figures``."""
     with open(path, "w") as file:

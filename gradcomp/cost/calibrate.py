@@ -46,6 +46,7 @@ from gradcomp.cost.step import Workload, method_of, predict
 from gradcomp.engine import Engine
 from gradcomp.engine.transport import all_gather_into
 from gradcomp.launch import spawn
+from gradcomp.progress import Progress, step
 
 WARMUP = 3
 """Untimed runs of each collective at each size first (connections, buffers, caches)."""
@@ -218,6 +219,25 @@ def time_everything(
     )
 
 
+def time_links(rank: int, world: int, sizes: Sequence[int], repeats: int, local: int = 1) -> tuple[Timings, Timings]:
+    """Inside every rank: :func:`time_collectives`, and with ``local`` > 1 (ranks per node) the
+    collectives inside every node at once (first, as :func:`time_everything`)."""
+    inside: Timings = {}
+    if local > 1:
+        node, _ = subgroups(None, local)
+        inside = time_collectives(rank, local, sizes, repeats, group=node)
+    return time_collectives(rank, world, sizes, repeats), inside
+
+
+def time_spec(
+    rank: int, world: int, spec: str, repeats: int, sides: tuple[Sequence[int], Sequence[int]], device: str = "cpu"
+) -> tuple[list[list[Any]], list[list[float]]]:
+    """Inside every rank: one spec's :func:`time_kernels` and (on the CPU) :func:`time_engine`."""
+    kernel = time_kernels(rank, world, [spec], repeats, sides[0], device)[spec]
+    engine = time_engine(rank, world, [spec], repeats, sides[1])[spec] if device == "cpu" else None
+    return kernel, engine or []
+
+
 def overheads(profile: Profile, engine: dict[str, list[list[float]]]) -> Profile:
     """``profile`` with each kernel's engine overhead: the engine's measured bucket time minus what
     the kernels and the link predict for the same bucket (:func:`gradcomp.cost.step.predict`)."""
@@ -248,10 +268,13 @@ def calibrate(
     engine_sides: Sequence[int] = ENGINE_SIDES,
     timeout: float = 1800.0,
     device: str = "cpu",
+    progress: Progress | None = None,
 ) -> Profile:
     """Measure and fit: the backend's collectives among ``ranks`` ranks on ``network`` (a netem
     profile), and the kernels of ``specs`` on ``device`` (``cpu``, or ``cuda``: each rank on a GPU,
-    the engine's overhead then not timed). Bad arguments fail before anything runs."""
+    the engine's overhead then not timed). Bad arguments fail before anything runs. The ranks start
+    once for the collectives, then once per spec (a tenth of a second each on loopback), so that
+    ``progress`` (:func:`units` steps) can say what runs; ``timeout`` bounds each start."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"--device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -266,20 +289,20 @@ def calibrate(
     cluster = netem.parse(network)
     local = cluster.per_node if isinstance(cluster, netem.Cluster) else 1
     sides = (list(kernel_sides), list(engine_sides))
-    arguments = (list(sizes), repeats, canonical, kernel_repeats, sides, device, local)
-    results = spawn(ranks, time_everything, arguments, timeout=timeout, network=network)
-    measured, engine, inside = results[0][0], results[0][2], results[0][3]
+    with step(progress, f"{network}: all-reduce and all-gather at {len(sizes)} sizes", 1):
+        measured, inside = spawn(ranks, time_links, (list(sizes), repeats, local), timeout=timeout, network=network)[0]
     links = fit_links(measured, ranks)
     if inside:  # rank 0's node; every node timed at once
         links.update({f"{INSIDE}{name}": fit for name, fit in fit_links(inside, local).items()})
-    # each kernel timing: the median over ranks (they timed it at the same moment)
-    timed = {
-        spec: [
-            [*results[0][1][spec][i][:-1], statistics.median(r[1][spec][i][-1] for r in results)]
-            for i in range(len(results[0][1][spec]))
-        ]
-        for spec in canonical
-    }
+    timed, engine = {}, {}
+    for i, spec in enumerate(canonical):
+        with step(progress, f"kernels and engine of {spec} ({i + 1} of {len(canonical)})", 1):
+            results = spawn(ranks, time_spec, (spec, kernel_repeats, sides, device), timeout=timeout, network=network)
+        # each kernel timing: the median over ranks (they timed it at the same moment)
+        rows = results[0][0]
+        timed[spec] = [[*rows[j][:-1], statistics.median(r[0][j][-1] for r in results)] for j in range(len(rows))]
+        if results[0][1]:
+            engine[spec] = results[0][1]
     fitted = Profile(
         name or f"{network}-{ranks}ranks",
         network,
@@ -290,6 +313,11 @@ def calibrate(
         {**measured, **{f"{INSIDE}{name}": rows for name, rows in inside.items()}, "kernels": timed, "engine": engine},
     )
     return overheads(fitted, engine)
+
+
+def units(specs: Sequence[str]) -> int:
+    """The steps :func:`calibrate` reports progress in: the links, then each spec."""
+    return 1 + len(dict.fromkeys(str(parse_spec(s)) for s in specs))
 
 
 def kernel_device(device: str) -> str:
