@@ -27,6 +27,7 @@ from importlib.metadata import PackageNotFoundError, entry_points, version
 # so that `gradcomp --help` answers in a fraction of torch's import time (tests/test_cli.py).
 from gradcomp import __version__, netem
 from gradcomp.bench.units import ACCEPTED, parse_sizes
+from gradcomp.launch import RankError
 from gradcomp.netem import NetemError
 from gradcomp.options import split_list
 from gradcomp.progress import Progress
@@ -41,6 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args))
     except (ValueError, NetemError) as error:
         parser.exit(2, f"gradcomp: error: {error}\n")
+    except RankError as error:  # ranks started here: a user's error on every rank in one line, once
+        details = "" if error.user_error else f"{error.report}\n"
+        parser.exit(2 if error.user_error else 1, f"gradcomp: error: {error.summary}\n{details}")
     except ImportError as error:  # a command of an extra that is not installed: one line, no traceback
         parser.exit(2, f"gradcomp: error: {_missing(error, _extras(args))}\n")
     except BrokenPipeError:  # the reader left (`gradcomp compressors | head`): not an error
@@ -222,30 +226,12 @@ def _torch_version() -> str:
 
 
 def _list_compressors(args: argparse.Namespace) -> int:
-    from gradcomp.compressors import REGISTRY
-    from gradcomp.compressors.registry import WRAPPER_OPTIONS
-    from gradcomp.options import format_value
+    from gradcomp.compressors import listing
+    from gradcomp.engine import spec
 
-    for name, cls in sorted(REGISTRY.items()):
-        hints = typing.get_type_hints(cls.Config)
-        options = [
-            f"{f.name}={format_value(f.default)} ({_type_name(hints[f.name])})" for f in dataclasses.fields(cls.Config)
-        ]
-        summary = (cls.__doc__ or "").strip().splitlines()[0]
-        sys.stdout.write(f"{name:10s} {cls.declare(cls.Config()).aggregation.value:6s} {summary}\n")
-        for option in options:
-            sys.stdout.write(f"{'':17s} {option}\n")
-    sys.stdout.write(
-        f"\nEvery spec also takes: {', '.join(WRAPPER_OPTIONS)} (error feedback: ef=true, false or ef21; "
-        "momentum, nesterov, mask and clip configure it: docs/compressors.md).\n"
-    )
+    spec.load_other_kinds()  # the installed layers' kinds (auto, torch:...), imported to be listed
+    sys.stdout.write(listing.text(spec.hook_names(), spec.option_lines()))
     return 0
-
-
-def _type_name(hint: object) -> str:
-    if typing.get_origin(hint) is typing.Literal:
-        return " | ".join(map(str, typing.get_args(hint)))
-    return getattr(hint, "__name__", str(hint))
 
 
 def _bench_compressors(args: argparse.Namespace) -> int:

@@ -76,7 +76,66 @@ def rank_context() -> multiprocessing.context.ForkServerContext | multiprocessin
 
 
 class RankError(RuntimeError):
-    """A rank raised, died or hung."""
+    """A rank raised, died or hung.
+
+    Its text is one line where every rank raised the same error of a user's (:func:`is_user_error`:
+    a ValueError or TypeError, bad input, with the same message on every rank): that message, once.
+    Otherwise it holds every failed rank's traceback (the first failure is often a consequence of
+    another's). :attr:`report` always holds every traceback, for a run's record or ``--verbose``."""
+
+    def __init__(
+        self, message: str, report: str | None = None, *, user_error: bool = False, summary: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.report = message if report is None else report
+        """Every failed rank's traceback (or what happened to the ranks that gave none)."""
+        self.user_error = user_error
+        """Whether every rank raised the same user error, which the text then is, in one line."""
+        self.summary = summary or (message if user_error else (message.strip().splitlines() or [""])[-1])
+        """One line: the user's error, or the first failed rank's error (``rank 0 of 2: PeerError: ...``),
+        or what happened (``ranks [1] died ...``)."""
+
+
+USER_ERRORS = (ValueError, TypeError)
+"""What bad input raises (``gradcomp.errors``): a user's mistake, reported as its message alone."""
+
+
+def is_user_error(error: BaseException) -> bool:
+    """Whether ``error`` is a user's (bad input: a ValueError or TypeError), whose message says all a
+    user needs, rather than a defect or a failure between ranks, whose traceback matters."""
+    return isinstance(error, USER_ERRORS)
+
+
+class Failure(NamedTuple):
+    """What a rank that raised sends back: its traceback, and the error in one line."""
+
+    traceback: str
+    line: str
+    """``PeerError: message`` (the type's name, then the message on one line: :func:`one_line`)."""
+    user_error: bool
+    message: str
+    """The message alone, on one line: what a user's error is reported as."""
+
+
+def one_line(error: BaseException, *, named: bool = True) -> str:
+    """``error`` as one line: its type's name (unless ``named`` is false) and its message (the lines
+    of a longer one joined)."""
+    message = " ".join(part.strip() for part in str(error).splitlines() if part.strip())
+    if not named:
+        return message or type(error).__name__
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+def failure_of(failed: dict[int, Failure], world_size: int) -> RankError:
+    """The error for ranks that raised (rank -> :class:`Failure`): the one line every rank raised
+    alike when it is a user's error, else every rank's traceback."""
+    report = "\n".join(f"rank {r} of {world_size} failed:\n{failed[r].traceback}" for r in sorted(failed))
+    lines = {failure.line for failure in failed.values()}
+    if len(failed) == world_size and len(lines) == 1 and all(f.user_error for f in failed.values()):
+        return RankError(f"{failed[0].message} (all {world_size} ranks)", report, user_error=True)
+    # The first failure is often a consequence (a peer's connection closed): show them all.
+    first = min(failed)
+    return RankError(report, summary=f"rank {first} of {world_size}: {failed[first].line}")
 
 
 class Place(NamedTuple):
@@ -113,8 +172,9 @@ def spawn(
     ``network`` is a :class:`gradcomp.netem.Profile` or :class:`~gradcomp.netem.Cluster`, or its text
     (``loopback``, ``1gbit``, ``nodes=2x2,intra=10gbit,inter=100mbit``, ...). On a cluster each rank
     finds its node's layout where torchrun puts it: ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``.
-    Raises :class:`RankError` with the rank's traceback if any rank fails, dies or times out, and
-    :class:`gradcomp.netem.NetemError` if the network cannot be built here.
+    Raises :class:`RankError` if any rank fails, dies or times out (with each failed rank's traceback;
+    a user's error that every rank raised alike, a ValueError or TypeError, in one line: its message,
+    once), and :class:`gradcomp.netem.NetemError` if the network cannot be built here.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -146,7 +206,7 @@ def _spawn(
     threads: int,
 ) -> list[Any]:
     context = rank_context()
-    results: multiprocessing.Queue[tuple[int, str, Any]] = context.Queue()
+    results: multiprocessing.Queue[tuple[int, str, Any]] = context.Queue()  # (rank, "ok" or "error", what)
     common = (store, backend, group_timeout, threads, target, args, results, dict(os.environ), os.getpid())
     processes = [
         context.Process(
@@ -184,9 +244,7 @@ def _spawn(
         results.close()
     failed = {r: v for r, (s, v) in outcomes.items() if s == "error"}
     if failed:
-        # The first failure is often a consequence (a peer's connection closed): show them all.
-        reports = "\n".join(f"rank {r} of {world_size} failed:\n{failed[r]}" for r in sorted(failed))
-        raise RankError(reports)
+        raise failure_of(failed, world_size)
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
 
 
@@ -278,8 +336,9 @@ def _rank_main(
         # a file descriptor that this process serves until it exits, which it does at once below
         # (a parent that reads late then finds the connection reset).
         results.put((rank, "ok", pickle.dumps(value)))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+    except BaseException as error:
+        trace, user = traceback.format_exc(), is_user_error(error)
+        results.put((rank, "error", Failure(trace, one_line(error), user, one_line(error, named=False))))
     finally:
         # Tearing a group down can block on peers that failed; the parent has what it needs.
         results.close()

@@ -21,6 +21,7 @@ to ``--out``: TensorBoard events (:mod:`~gradcomp.experiments.training.metrics` 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -41,7 +42,7 @@ from gradcomp.experiments.training.config import PATH_FIELDS, TrainConfig, add_a
 from gradcomp.experiments.training.loop import Loop
 from gradcomp.experiments.training.metrics import NullWriter, TensorBoardWriter, WireMeter, Writer
 from gradcomp.experiments.training.optim import make_optimizer, make_schedule
-from gradcomp.launch import RankError, preload, spawn
+from gradcomp.launch import RankError, is_user_error, one_line, preload, spawn
 from gradcomp.netem import NetemError
 from gradcomp.state import TrainingHookState
 
@@ -249,7 +250,8 @@ def launch(config: TrainConfig, *, verbose: bool = False) -> dict[str, Any]:
             network=config.network,
         )
     except (RankError, NetemError) as error:
-        runinfo.record_failure(config.out, os.path.basename(os.path.normpath(config.out)), config.to_dict(), str(error))
+        recorded = error.report if isinstance(error, RankError) else str(error)  # every rank's traceback
+        runinfo.record_failure(config.out, os.path.basename(os.path.normpath(config.out)), config.to_dict(), recorded)
         raise
     record: dict[str, Any] = results[0]
     return record
@@ -279,6 +281,38 @@ def _torchrun(config: TrainConfig) -> dict[str, Any] | None:
         dist.destroy_process_group()
 
 
+def _summary(error: RankError | NetemError) -> str:
+    return error.summary if isinstance(error, RankError) else str(error).strip().splitlines()[0]
+
+
+def _failed(prog: str, error: BaseException) -> int:
+    """Report ``error`` of this process (under torchrun: of this rank) and return the exit status: the
+    message first, in one line (a user's error: only that, status 2; any other: then its traceback,
+    status 1). Under torchrun the message also goes to the error file torchrun reads (its summary then
+    shows it instead of a link about enabling tracebacks)."""
+    user = is_user_error(error)
+    where = "" if "RANK" not in os.environ else f"rank {os.environ['RANK']} of {os.environ.get('WORLD_SIZE')}: "
+    line = f"{prog}: error: {where}{error if user else one_line(error)}"
+    sys.stderr.write(line + "\n" + ("" if user else traceback.format_exc()))
+    _tell_torchrun(line, None if user else traceback.format_exc())
+    return 2 if user else 1
+
+
+def _tell_torchrun(message: str, trace: str | None) -> None:
+    """Write ``message`` (then ``trace``, where there is one) to the error file torchrun names in
+    ``TORCHELASTIC_ERROR_FILE``, in the form of torch.distributed.elastic's ``ErrorHandler``."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    shown = message if trace is None else f"{message}\n{trace}"
+    extra = {"py_callstack": shown, "timestamp": str(int(time.time()))}
+    try:
+        with open(path, "w") as file:
+            json.dump({"message": {"message": message, "extraInfo": extra}}, file)
+    except OSError:  # a summary without the message is no reason to fail otherwise
+        logger.debug("could not write torchrun's error file %s", path)
+
+
 def _timedelta(seconds: float) -> Any:
     import datetime
 
@@ -297,12 +331,15 @@ def command_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command; its exit status. A user's error is one line on stderr (status 2): before any rank
+    starts, as the same error of every rank started here, or, under torchrun, as each rank's first
+    line (and the message torchrun's summary shows for it). Other failures: a line, then the tracebacks."""
     parser = command_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         config = from_args(args)
-        under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
         if not under_torchrun:
             netem.check(config.network, config.ranks)
             record = launch(config, verbose=args.verbose)
@@ -313,11 +350,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             if maybe is None:
                 return 0
             record = maybe
-    except ValueError as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
     except (RankError, NetemError) as error:
-        sys.stderr.write(f"{parser.prog}: the run failed (recorded in {runinfo.path(config.out)}):\n{error}\n")
+        where = f"recorded in {runinfo.path(config.out)}"
+        if isinstance(error, RankError) and error.user_error:
+            sys.stderr.write(f"{parser.prog}: error: {error}; {where}\n")
+            return 2
+        details = error.report if isinstance(error, RankError) and args.verbose else str(error)
+        sys.stderr.write(f"{parser.prog}: the run failed ({where}): {_summary(error)}\n{details}\n")
         return 1
+    except Exception as error:
+        if under_torchrun:
+            return _failed(parser.prog, error)  # this rank's first line is the message
+        if not is_user_error(error):
+            raise  # a defect of this process's own: its traceback
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     metrics = record.get("metrics", {})
     headline = record["task"]["headline"]
     sys.stdout.write(

@@ -18,8 +18,10 @@ run names, TensorBoard's HParams and the ranks' agreement check at the first ste
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Mapping, Sequence
+from importlib.metadata import entry_points
 from typing import Any
 
 from gradcomp.collectives import FLAT_ALGORITHMS
@@ -64,6 +66,41 @@ def add_other_kind(name: str, message: str, hook_names: Mapping[str, str] | None
         raise ValueError(f"{name!r} is a hook spec's name already; another kind of spec needs another name")
     OTHER_KINDS[name] = message
     HOOK_NAMES.update(hook_names or {})
+
+
+KINDS_GROUP = "gradcomp.specs"
+"""The entry-point group of the modules that add kinds of spec when imported (:func:`add_other_kind`):
+an installed layer above the core declares its module there, for a process that never imported it
+(``gradcomp compressors``) to list its names."""
+
+
+def load_other_kinds() -> None:
+    """Import the modules of :data:`KINDS_GROUP`, so that the kinds they add are known here; one that
+    cannot be imported (an extra not installed) is left out with a warning."""
+    for entry in entry_points(group=KINDS_GROUP):
+        try:
+            entry.load()
+        except ImportError as error:
+            logging.getLogger(__name__).warning("gradcomp: the specs of %r unavailable: %s", entry.name, error)
+
+
+def hook_names() -> dict[str, str]:
+    """What a hook spec may be besides a compressor spec, each with a few words on what it is."""
+    return {
+        ALLREDUCE: "the gradient itself, all-reduced: bitwise DDP's default",
+        NOOP: "no communication at all: the compute floor, for benchmarks",
+        **HOOK_NAMES,
+    }
+
+
+def option_lines() -> list[str]:
+    """The engine's options as ``gradcomp compressors`` lists them: ``algo=native (native | ring | ...)``."""
+    choices = {"algo": ALGORITHMS, "aggregation": AGGREGATIONS, "vectors": VECTORS}
+    return [
+        f"{f.name}={f.default} ({' | '.join(choices.get(f.name, ('int',)))})"
+        for f in dataclasses.fields(HookSpec)
+        if f.name in ENGINE_OPTIONS
+    ]
 
 
 def valid_names() -> list[str]:
