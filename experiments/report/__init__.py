@@ -4,7 +4,9 @@ accuracy, against PyTorch's own hooks.
 - :mod:`~gradcomp.experiments.report.records`: the runs of a directory (a sweep's, or one run), with
   their curves, and the runs a sweep planned but has not finished;
 - :mod:`~gradcomp.experiments.report.analysis`: groups (task, network, world size), the target, time to
-  target, speedups, means and spreads over seeds (scipy for intervals and tests), the verdict;
+  target, speedups, means and spreads over seeds (scipy for intervals and tests);
+- :mod:`~gradcomp.experiments.report.verdicts`: the verdict in words (a gain leads it only out of the
+  seeds' noise) and the notes a table needs (a compute above the step, ties of a coarse evaluation);
 - :mod:`~gradcomp.experiments.report.plots`: the charts, as inline SVG (matplotlib);
 - :mod:`~gradcomp.experiments.report.page`: the HTML page (no script, no external URL);
 - :mod:`~gradcomp.experiments.report.command`: the command line.

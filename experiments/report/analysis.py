@@ -12,7 +12,9 @@ rule a method out. Each seed's own time to target (its first evaluation that mee
 kept too, for the spread and the tests. Speedups are ratios of times to target: over the baseline,
 and over the fastest of torch's hooks (``torch:...``). Spreads over seeds use scipy: a 95% Student-t
 interval of the final metric, and Welch's t-test against the baseline (final metric) and against the
-fastest torch hook (the seeds' times to target).
+fastest torch hook (the seeds' times to target), and of the seeds' times to target against the
+baseline's: the verdict (:mod:`~gradcomp.experiments.report.verdicts`) leads with a speedup only where
+that test says it stands out of the noise.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 from gradcomp.engine.sharded import SHARD_OPTIONS, ShardSpec
 from gradcomp.engine.spec import ENGINE_OPTIONS, HookSpec
+from gradcomp.experiments.report import verdicts
 from gradcomp.experiments.report.records import Run
 from gradcomp.experiments.training.config import OPTIMIZER_JOIN, split_method
 from gradcomp.experiments.training.config import method as method_name
@@ -39,8 +42,6 @@ gradcomp's, then FSDP2's reduce-scatter, FSDP2's own and gradcomp's)."""
 CONFIDENCE = 0.95
 DEFINING = ("ratio", "rank", "bits", "format", "tau")
 """Compressor options a method's short name keeps even at their defaults: they say how much is sent."""
-SIGNIFICANCE = 0.05
-"""A speedup whose Welch p-value is this or more is called within the seeds' noise in the verdict."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +108,11 @@ class MethodRuns:
     a synchronization skips included (the runs' ``compression_ratio`` is one exchange's)."""
     time_p: float | None = None
     """Welch's t-test of the time to target against the fastest torch hook's; None where undefined."""
+    baseline_p: float | None = None
+    """Welch's t-test of the seeds' times to target against the baseline's (of the headline figure, in
+    a step-time study): whether :attr:`speedup_vs_baseline` stands out of the noise; None where undefined."""
+    steps_to_target: float | None = None
+    """The step (mean over seeds) at which the mean over seeds meets the target (None: never)."""
 
     @property
     def torch(self) -> bool:
@@ -193,6 +199,9 @@ class Group:
     target: float | None = None
     fastest_torch: str | None = None
     verdict: str = ""
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """What a reader must know to trust the table: figures that contradict each other, ties that
+    only say how coarse the evaluation is (:func:`verdicts.notes`)."""
 
     @property
     def title(self) -> str:
@@ -247,19 +256,19 @@ def _group(
         sent, base = method.wire_mb_per_step, chosen.wire_mb_per_step
         method.fewer_bytes = base / sent if base is not None and sent else None
         method.final_p = _welch(method.final, chosen.final) if method is not chosen else None
+    group.notes = verdicts.notes(group)
     if metric.is_rate:
         for method in methods:
             if method.final_mean is not None and chosen.final_mean:
                 method.speedup_vs_baseline = method.final_mean / chosen.final_mean
-        group.verdict = rate_verdict(group)
+            method.baseline_p = method.final_p
+        group.verdict = verdicts.rate_verdict(group)
         return group
     group.target = metric.target(chosen.final_mean, tolerance)
     for method in methods:
         method.times_to_target = [time_to_target(r.evals, metric, group.target) for r in method.finished]
-        mean = curve(method.finished, "eval", metric.name, "time_s")
-        if mean is not None:
-            points = [{"time_s": x, metric.name: y} for x, y in zip(mean.x, mean.mean, strict=True)]
-            method.time_to_target = time_to_target(points, metric, group.target)
+        method.time_to_target = _mean_to_target(method, metric, group.target, "time_s")
+        method.steps_to_target = _mean_to_target(method, metric, group.target, "step")
     torch_reached = [m for m in methods if m.torch and m.time_to_target is not None]
     fastest_torch = min(torch_reached, key=lambda m: m.time_to_target or math.inf, default=None)
     group.fastest_torch = fastest_torch.hook if fastest_torch else None
@@ -268,12 +277,23 @@ def _group(
             continue
         if chosen.time_to_target:
             method.speedup_vs_baseline = chosen.time_to_target / method.time_to_target
+            if method is not chosen:
+                method.baseline_p = _welch(_reached(method), _reached(chosen))
         if fastest_torch is not None and fastest_torch.time_to_target:
             method.speedup_vs_torch = fastest_torch.time_to_target / method.time_to_target
             if method is not fastest_torch:
                 method.time_p = _welch(_reached(method), _reached(fastest_torch))
-    group.verdict = verdict(group)
+    group.verdict = verdicts.verdict(group)
     return group
+
+
+def _mean_to_target(method: MethodRuns, metric: Metric, target: float, x: str) -> float | None:
+    """Where the mean curve over the method's seeds first meets ``target``: its mean ``x`` there
+    (``time_s``: the time to target; ``step``: the steps to it); None where it never does."""
+    mean = curve(method.finished, "eval", metric.name, x)
+    if mean is None:
+        return None
+    return next((at for at, y in zip(mean.x, mean.mean, strict=True) if metric.meets(y, target)), None)
 
 
 def _finals(method: MethodRuns, metric: Metric) -> None:
@@ -294,51 +314,6 @@ def time_to_target(evals: Sequence[dict[str, Any]], metric: Metric, target: floa
         if value is not None and metric.meets(value, target):
             return float(point["time_s"])
     return None
-
-
-def rate_verdict(group: Group) -> str:
-    """One line for a step-time study (no evaluation): the method with the highest figure, against
-    the baseline's."""
-    assert group.metric is not None
-    measured = [m for m in group.methods if m.final_mean is not None]
-    best = max(measured, key=lambda m: m.final_mean or 0.0)
-    figure = f"{group.metric.format(best.final_mean)} {group.metric.name}"
-    study = f"A step-time study (no evaluation, so no target: methods compare by {group.metric.name})"
-    baseline = short_name(group.baseline or "")
-    if best.hook == group.baseline:
-        return f"{study}. Nothing is faster than {baseline} here: {figure}."
-    ratio = f", {best.speedup_vs_baseline:.2f}x {baseline}'s" if best.speedup_vs_baseline else ""
-    return f"{study}. {best.name} is fastest: {figure}{ratio}."
-
-
-def verdict(group: Group) -> str:
-    """One line: the fastest method to the target and by how much, or plainly that nothing beats the
-    baseline, or that nothing reached the target."""
-    assert group.metric is not None and group.target is not None
-    target = f"the target ({group.metric.format(group.target)})"
-    reached = sorted((m for m in group.methods if m.time_to_target is not None), key=lambda m: m.time_to_target or 0)
-    if not reached:
-        return f"No method reached {target} (in the mean over its seeds)."
-    best = reached[0]
-    baseline = short_name(group.baseline or "")
-    ours = [m for m in reached if not m.torch and m.hook != group.baseline]
-    if best.torch or best.hook == group.baseline:
-        text = f"Nothing beats {best.name} here: it reaches {target} first, in {best.time_to_target:.2f} s"
-        if best.hook != group.baseline and best.speedup_vs_baseline is not None:
-            text += f" ({best.speedup_vs_baseline:.2f}x sooner than {baseline})"
-        if ours:
-            text += f"; the fastest gradcomp method, {ours[0].name}, takes {ours[0].time_to_target:.2f} s"
-        return text + "."
-    text = f"{best.name} reaches {target} first, in {best.time_to_target:.2f} s"
-    if best.speedup_vs_baseline is not None:
-        text += f": {best.speedup_vs_baseline:.2f}x sooner than {baseline}"
-    if best.speedup_vs_torch is not None and group.fastest_torch != group.baseline:
-        text += f", {best.speedup_vs_torch:.2f}x sooner than the fastest torch hook ({group.fastest_torch})"
-    elif group.fastest_torch is None:
-        text += "; no torch hook reached it"
-    if best.time_p is not None and best.time_p >= SIGNIFICANCE:
-        text += f"; within the seeds' noise against {group.fastest_torch} (Welch p = {best.time_p:.2f})"
-    return text + "."
 
 
 def _short_optimizer(text: str) -> str:

@@ -12,14 +12,16 @@ from gradcomp.experiments.report.analysis import Group, MethodRuns
 from gradcomp.experiments.report.records import Run
 
 STYLE = """
-body { font-family: sans-serif; margin: 2em auto; max-width: 1400px; color: #222; line-height: 1.4; }
+body { font-family: sans-serif; margin: 2em auto; padding: 0 1em; max-width: 1400px; color: #222; line-height: 1.4; }
 h1 { font-size: 1.6em; } h2 { font-size: 1.3em; margin-top: 2.2em; border-bottom: 1px solid #ccc; }
 table { border-collapse: collapse; margin: 0.8em 0; font-size: 0.86em; }
-th, td { border: 1px solid #ddd; padding: 0.25em 0.5em; text-align: right; white-space: nowrap; }
+th, td { border: 1px solid #ddd; padding: 0.25em 0.4em; text-align: right; white-space: nowrap; }
 th { background: #f3f3f3; white-space: normal; vertical-align: bottom; } td.name, th.name { text-align: left; }
+td.name { white-space: normal; min-width: 9em; max-width: 16em; overflow-wrap: anywhere; }
 .verdict { font-size: 1.08em; background: #eef5ff; border-left: 4px solid #1f77b4; padding: 0.5em 0.8em; }
 .swatch { display: inline-block; width: 0.9em; height: 0.9em; margin-right: 0.4em; vertical-align: -0.1em; }
 .scroll { overflow-x: auto; } .note { color: #555; font-size: 0.9em; } .failed { color: #a00; }
+.flag { border-left: 4px solid #d62728; padding-left: 0.6em; }
 figure { margin: 0.5em 0; }
 """
 
@@ -75,6 +77,7 @@ def _section(number: int, group: Group, colours: dict[str, str]) -> list[str]:
         "them) + exposed communication (the rest).</p>"
     )
     parts.append(_table(group, colours))
+    parts += [f'<p class="note flag">{_e(note)}</p>' for note in group.notes]
     failed = [r for m in group.methods for r in m.failed]
     if failed:
         parts.append('<p class="failed"><b>Failed runs</b>:</p><ul class="failed">')
@@ -93,17 +96,37 @@ def _section(number: int, group: Group, colours: dict[str, str]) -> list[str]:
 
 HEADER = (
     "method", "seeds", "final (mean ± std)", "95% CI", "p vs baseline", "time to target (s)", "reached",
-    "speedup vs baseline", "speedup vs fastest torch hook", "p (time) vs it", "wire MB/step",
-    "across nodes MB/step", "fewer bytes",
+    "speedup vs baseline", "p (time) vs baseline", "speedup vs fastest torch hook", "p (time) vs it",
+    "wire MB/step", "across nodes MB/step", "fewer bytes",
     "compression", "step ms", "compute ms", "compress ms", "exposed comm ms",
 )  # fmt: skip
+COMPUTE_ABOVE_STEP = " (!)"
+"""Marks a compute ms above its step ms (a note under the table says why)."""
+
+
+def columns(group: Group) -> list[int]:
+    """The columns of :data:`HEADER` the group's table shows, so that it fits a laptop's screen: those
+    with a figure in some row (a column empty for every method, "across nodes" of flat hooks, says
+    nothing), and "compression" only where it differs from "fewer bytes" in some row (warm-ups, a
+    synchronization's skipped steps), and the fastest torch hook's columns only where it is not the
+    baseline."""
+    rows = [cells_of(group, m) for m in group.methods]
+    hidden = set()
+    compression, fewer = HEADER.index("compression"), HEADER.index("fewer bytes")
+    if all(row[compression] == row[fewer] for row in rows):
+        hidden.add(compression)
+    if group.fastest_torch == group.baseline:  # the same figures as against the baseline
+        hidden |= {HEADER.index("speedup vs fastest torch hook"), HEADER.index("p (time) vs it")}
+    return [i for i in range(len(HEADER)) if i == 0 or (i not in hidden and any(row[i] != "-" for row in rows))]
 
 
 def _table(group: Group, colours: dict[str, str]) -> str:
-    head = "".join(f"<th{' class=name' if i == 0 else ''}>{_e(h)}</th>" for i, h in enumerate(HEADER))
+    shown = columns(group)
+    head = "".join(f"<th{' class=name' if i == 0 else ''}>{_e(HEADER[i])}</th>" for i in shown)
     rows = [f"<table><tr>{head}</tr>"]
     for method in group.methods:
-        cells = [_e(c) for c in cells_of(group, method)]
+        every = cells_of(group, method)
+        cells = [_e(every[i]) for i in shown]
         swatch = f'<span class="swatch" style="background:{colours[method.hook]}"></span>'
         cells[0] = f'{swatch}<span title="{_e(method.hook)}">{cells[0]}</span>'
         row = "".join(f"<td{' class=name' if i == 0 else ''}>{c}</td>" for i, c in enumerate(cells))
@@ -118,7 +141,12 @@ def cells_of(group: Group, method: MethodRuns) -> list[str]:
     metric = group.metric
     std = method.final_std
     final = "-" if method.final_mean is None else f"{metric.format(method.final_mean)} ± {metric.format(std)}"
-    ci = f"{metric.format(method.final_ci[0])} to {metric.format(method.final_ci[1])}" if method.final_ci else "-"
+    ci = "-"
+    if method.final_ci:  # 90.30 to 98.11%: one unit for both ends, a narrower column
+        low = metric.format(method.final_ci[0]).removesuffix("%" if metric.percent else "")
+        ci = f"{low} to {metric.format(method.final_ci[1])}"
+    compute, step = method.mean("compute_ms"), method.step_ms
+    above = compute is not None and step is not None and compute > step
     return [
         method.name + (" (baseline)" if method.hook == group.baseline else ""),
         f"{len(method.finished)}/{len(method.runs)}",
@@ -128,6 +156,7 @@ def cells_of(group: Group, method: MethodRuns) -> list[str]:
         _time_to_target(method),
         f"{method.reached}/{len(method.times_to_target)}" if method.times_to_target else "-",
         _number(method.speedup_vs_baseline, "{:.2f}x"),
+        _p(method.baseline_p),
         _number(method.speedup_vs_torch, "{:.2f}x"),
         _p(method.time_p),
         _number(method.wire_mb_per_step, "{:.3f}"),
@@ -135,7 +164,7 @@ def cells_of(group: Group, method: MethodRuns) -> list[str]:
         _number(method.fewer_bytes, "{:.1f}x"),
         _number(method.mean("compression_ratio"), "{:.1f}x"),
         _number(method.step_ms, "{:.2f}"),
-        _number(method.mean("compute_ms"), "{:.2f}"),
+        _number(compute, "{:.2f}") + (COMPUTE_ABOVE_STEP if above else ""),
         _number(method.compress_ms, "{:.2f}"),
         _number(method.exposed_ms, "{:.2f}"),
     ]
@@ -152,7 +181,10 @@ def markdown(groups: Sequence[Group], runs: Sequence[Run] = ()) -> str:
             continue
         target = group.metric.format(group.target) if group.target is not None else "none"
         parts += [f"Baseline {group.baseline or 'none'}, target {target} ({group.metric.key}).", ""]
-        parts += [markdown_table(HEADER, [cells_of(group, m) for m in group.methods]), ""]
+        shown = columns(group)
+        rows = [[cells[i] for i in shown] for cells in (cells_of(group, m) for m in group.methods)]
+        parts += [markdown_table([HEADER[i] for i in shown], rows), ""]
+        parts += [f"- note: {note}" for note in group.notes] + ([""] if group.notes else [])
         parts += [f"- failed: {r.name}: {r.reason}" for m in group.methods for r in m.failed]
         parts += [f"- not finished: {r.name} ({r.status})" for m in group.methods for r in m.unfinished]
         parts += [""] if any(m.failed or m.unfinished for m in group.methods) else []

@@ -48,6 +48,9 @@ class Run:
     parallel: str = "ddp"
     """How the model was parallelized (``ddp``, ``fsdp``, ``hsdp``): runs of different modes are
     different systems, each compared against its own baseline (DDP's all-reduce, FSDP2's reduce-scatter)."""
+    eval_samples: int | None = None
+    """How many samples (windows) an evaluation scores, where the task says: an accuracy moves in
+    steps of one sample's share of it, so methods of a small evaluation can tie exactly."""
 
     @property
     def group(self) -> tuple[str, str, int, str]:
@@ -120,7 +123,13 @@ def read_run(out: str, planned: dict[str, Any] | None) -> Run | None:
         evals=[p for p in points if p["kind"] == "eval"],
         trains=[p for p in points if p["kind"] == "train"],
         parallel=str(config.get("parallel", "ddp")),
+        eval_samples=_count(task.get("eval_samples")),
     )
+
+
+def _count(value: Any) -> int | None:
+    """A positive count as recorded, else None (absent, or not a count)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _unreadable(name: str, planned: dict[str, Any] | None, why: str) -> Run:
