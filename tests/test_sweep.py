@@ -81,6 +81,7 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     runinfo.write(finished.config.out, {**record, "status": "finished"})
     runinfo.write(failed.config.out, {"name": failed.name, "config": failed.config.to_dict(), "status": "failed"})
     Path(failed.config.out, "events.out.tfevents.0.stale").write_bytes(b"")
+    Path(finished.config.checkpoint_path).write_bytes(b"x" * 4000)  # left by an older sweep
     before = Path(finished.config.out, "run.json").read_text()
     launched: list[str] = []
     real_launch = sweep.launch
@@ -104,7 +105,37 @@ def test_an_interrupted_sweep_runs_only_what_is_missing(resumed: dict[str, Any])
     assert resumed["launched"] == [runs["corrupt/allreduce"].name, runs["good/allreduce"].name, runs["wide/torch"].name]
     finished = runs["good/quantize"].config.out
     assert Path(finished, "run.json").read_text() == resumed["before"]  # left alone
-    assert sorted(os.listdir(finished)) == ["run.json"]
+    assert sorted(os.listdir(finished)) == ["run.json"]  # but for its checkpoint: never resumed
+
+
+@pytest.mark.timeout(180)
+def test_only_unfinished_runs_keep_their_checkpoints(resumed: dict[str, Any]) -> None:
+    """A finished run's checkpoint is removed as it finishes; what the summary and the report read stays."""
+    runs = resumed["runs"]
+    done = Path(runs["good/allreduce"].config.out)
+    assert not (done / "checkpoint.pt").exists()
+    assert {"run.json", "curves.jsonl"} <= set(os.listdir(done)) and any(done.glob("events.out.tfevents.*"))
+    rows = {row.name: row for row in resumed["rows"]}
+    assert rows[runs["good/allreduce"].name].value is not None  # the summary reads run.json
+    assert "sweep: removed the checkpoints of 2 finished runs (" in resumed["progress"]
+
+
+def test_finished_runs_checkpoints_are_kept_when_asked(tmp_path: Path) -> None:
+    """``--keep-checkpoints``: a sweep removes nothing; without it, the leftovers of finished runs go."""
+    (tmp_path / "sweep.toml").write_text(GOOD)
+    runs = plan.load(str(tmp_path / "sweep.toml"), str(tmp_path / "out"))
+    for run in runs:
+        runinfo.write(run.config.out, {"name": run.name, "config": run.config.to_dict(), "status": "finished"})
+        Path(run.config.checkpoint_path).write_bytes(b"x" * 1000)
+    stream = io.StringIO()
+    sweep.run_sweep(runs, sweep.Progress(stream), keep_checkpoints=True)
+    assert all(Path(run.config.checkpoint_path).exists() for run in runs) and "removed" not in stream.getvalue()
+    sweep.run_sweep(runs, sweep.Progress(stream))
+    assert not any(Path(run.config.checkpoint_path).exists() for run in runs)
+    assert "removed the checkpoints of 2 finished runs (0.0 MB; --keep-checkpoints keeps them)" in stream.getvalue()
+    from gradcomp.experiments.sweep.command import command_parser
+
+    assert command_parser().parse_args(["quick", "--keep-checkpoints"]).keep_checkpoints
 
 
 @pytest.mark.timeout(180)
@@ -293,7 +324,8 @@ def test_the_nodes_sweep_compares_hierarchical_hooks_with_flat_ones_on_a_cluster
     runs = _shipped("nodes", tmp_path, monkeypatch)
     hooks = {run.config.effective.hook for run in runs}
     assert {h for h in hooks if "local_size=2" in h} == {
-        str(HookSpec.parse("topk:ratio=0.01,ef=true,local_size=2")), str(HookSpec.parse("quantize:bits=4,local_size=2"))
+        str(HookSpec.parse("topk:ratio=0.01,ef=true,local_size=2")),
+        str(HookSpec.parse("quantize:bits=4,local_size=2")),
     }
     assert {run.config.network for run in runs} == {"nodes=2x2,intra=10gbit,inter=100mbit"}
     assert {run.config.ranks for run in runs} == {4} and len(runs) == 5 * 3

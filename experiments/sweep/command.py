@@ -40,6 +40,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="leave out the runs on emulated networks this machine cannot build (saying why), instead of refusing",
     )
     parser.add_argument("--no-report", action="store_true", help="do not write OUT/report.html at the end")
+    parser.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep finished runs' checkpoints (by default only unfinished runs keep theirs, to continue from)",
+    )
 
 
 def _command(args: argparse.Namespace) -> int:
@@ -62,7 +67,7 @@ def _command(args: argparse.Namespace) -> int:
                         "parallel": r.config.parallel}
                        for r in runs]  # fmt: skip
             records.write_plan(out, os.path.abspath(path), planned)  # a report lists what is not made yet
-            rows = run_sweep(runs, Progress(sys.stderr))
+            rows = run_sweep(runs, Progress(sys.stderr), keep_checkpoints=args.keep_checkpoints)
     except KeyboardInterrupt:
         sys.stderr.write("\nsweep interrupted: run the same command again to continue where it stopped\n")
         return 130
