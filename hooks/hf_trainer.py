@@ -50,7 +50,8 @@ class GradcompCallback(TrainerCallback):
 
     Args:
         trainer: the Trainer to serve (add the callback to it: ``trainer.add_callback(callback)``).
-        spec: a DDP hook spec (``"topk:ratio=0.01,ef=true"``, ``"auto"``, ``docs/hooks.md``); with a
+        spec: a DDP hook spec (``"topk:ratio=0.01,ef=true"``, ``"auto"``, ``docs/hooks.md``) or a state
+            :func:`gradcomp.hooks.make` returned; with a
             :class:`~gradcomp.hooks.CompressedAdamW` optimizer, its warm-up hook's (``"allreduce"``,
             ``"fp16"``, ``"quantize:bits=4"``).
         resume_from: the checkpoint folder a resumed run reads the hook states from; default: the one
@@ -70,7 +71,7 @@ class GradcompCallback(TrainerCallback):
     ) -> None:
         from gradcomp import hooks
 
-        if not isinstance(_optimizer(trainer), CompressedAdamW):
+        if isinstance(spec, str) and not isinstance(_optimizer(trainer), CompressedAdamW):
             hooks.parse(spec)  # a bad spec fails here, before training (CompressedAdamW's attach checks its own)
         self.trainer, self.spec, self.resume_from, self.options = trainer, spec, resume_from, options
         self.state: TrainingHookState | None = None
@@ -114,7 +115,6 @@ class GradcompCallback(TrainerCallback):
             self._model = model
         if self._resume_at is not None and self.state is not None:
             load_own(self.state, self._checkpoint(args, self._resume_at), self._resume_at)
-            self._next = self._resume_at
             self._resume_at = None
 
     def _checkpoint(self, args: TrainingArguments, step: int) -> str | os.PathLike[str]:
