@@ -126,6 +126,11 @@ def one_line(error: BaseException, *, named: bool = True) -> str:
     return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
+def failure(error: BaseException) -> Failure:
+    """What a rank sends back for ``error``, raised by its target (inside the ``except`` that caught it)."""
+    return Failure(traceback.format_exc(), one_line(error), is_user_error(error), one_line(error, named=False))
+
+
 def failure_of(failed: dict[int, Failure], world_size: int) -> RankError:
     """The error for ranks that raised (rank -> :class:`Failure`): the one line every rank raised
     alike when it is a user's error, else every rank's traceback."""
@@ -337,8 +342,7 @@ def _rank_main(
         # (a parent that reads late then finds the connection reset).
         results.put((rank, "ok", pickle.dumps(value)))
     except BaseException as error:
-        trace, user = traceback.format_exc(), is_user_error(error)
-        results.put((rank, "error", Failure(trace, one_line(error), user, one_line(error, named=False))))
+        results.put((rank, "error", failure(error)))
     finally:
         # Tearing a group down can block on peers that failed; the parent has what it needs.
         results.close()

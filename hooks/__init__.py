@@ -15,10 +15,11 @@ benchmarks; training with it does not average anything), with the engine's optio
 (:mod:`gradcomp.hooks.auto`). torch's own hooks, as baselines spelt ``torch:fp16`` and the like:
 :mod:`gradcomp.hooks.torch_hooks`. :func:`parse` checks any of them without a process group (a
 wrong one is a one-line ValueError with the closest valid name or option and all of them);
-``HookSpec.parse`` parses the engine's own (not ``auto``, not ``torch:...``). FSDP2's compressed reduce-scatter: :mod:`gradcomp.hooks.fsdp2` (``docs/fsdp.md``); HSDP's
-compressed all-reduce across nodes: :mod:`gradcomp.hooks.hybrid`. Every state
-they return is a :class:`~gradcomp.state.TrainingHookState` (statistics, traces, checkpoints, the
-error). See ``docs/hooks.md``.
+``HookSpec.parse`` parses the engine's own (not ``auto``, not ``torch:...``). FSDP2's compressed
+reduce-scatter: :mod:`gradcomp.hooks.fsdp2` (``docs/fsdp.md``); HSDP's compressed all-reduce across
+nodes: :mod:`gradcomp.hooks.hybrid`. Every state they return is a
+:class:`~gradcomp.state.TrainingHookState` (statistics, traces, checkpoints, the error). See
+``docs/hooks.md``.
 """
 
 import importlib
@@ -182,6 +183,7 @@ def register(
         raise TypeError(f"hooks attach to a DistributedDataParallel or FSDP2 model, got {type(model).__name__}")
     if isinstance(spec, (ShardSpec, TorchFSDPSpec)):
         raise TypeError(f"{spec} is a spec of sharded training; this model is DDP's")
+    ddp.check_no_hook(model)  # one hook per DDP model, whatever its kind: said before any is built
     if isinstance(spec, AutoSpec) or (isinstance(spec, str) and is_auto_spec(spec)):
         from gradcomp.hooks import auto
 

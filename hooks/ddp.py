@@ -277,6 +277,7 @@ def register(
     the model's group, and refused if it serves another."""
     if getattr(model, "_use_python_reducer", False):
         raise ValueError(f"this DDP model will hand its hooks {PER_PARAMETER}")
+    check_no_hook(model)
     options.setdefault("group", model.process_group)
     if isinstance(spec, HookState):
         if set(options) != {"group"}:
@@ -289,6 +290,22 @@ def register(
     model.register_comm_hook(state, hook)
     _precompile(model, state)
     return state
+
+
+def check_no_hook(model: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Refuse a DDP model that has a communication hook already, naming it (DDP takes one per model;
+    torch's own refusal, a RuntimeError from its reducer, says neither which nor what to do), before a
+    new hook's engine is built."""
+    registered = getattr(model, "_comm_hooks", None) or []  # DDP's record of register_comm_hook's calls
+    if registered:
+        hook, state = registered[0]
+        spec = getattr(state, "spec", None)
+        name = str(spec) if spec is not None else getattr(hook, "__qualname__", repr(hook))
+        raise ValueError(
+            f"this DDP model has a communication hook already ({name}) and DDP takes one per model: "
+            "register one spec per model (auto chooses among several), or wrap the module in a new "
+            "DistributedDataParallel"
+        )
 
 
 def _precompile(model: torch.nn.Module, state: HookState) -> None:

@@ -25,11 +25,10 @@ import shutil
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gradcomp.launch import LOOPBACK, RankError, adopt, end_with, rank_context, spawn
+from gradcomp.launch import LOOPBACK, RankError, adopt, end_with, failure, failure_of, rank_context, spawn
 
 HEALTH_TIMEOUT = datetime.timedelta(seconds=10)
 """How long the ranks' check after a target may wait for a peer: a healthy group answers in ms."""
@@ -78,8 +77,7 @@ class RankPool:
             self.close()  # the results stand; the group may not: the next test gets a new one
         failed = {r: value for r, (status, value, _) in outcomes.items() if status == "error"}
         if failed:
-            reports = "\n".join(f"rank {r} of {self.world} failed:\n{failed[r]}" for r in sorted(failed))
-            raise RankError(reports)
+            raise failure_of(failed, self.world)  # as gradcomp.launch.spawn reports them
         return [outcomes[r][1] for r in range(self.world)]
 
     def _collect(self, outcomes: dict[int, tuple[str, Any, bool]], timeout: float) -> None:
@@ -198,8 +196,8 @@ def _rank_main(
         torch.set_num_threads(1)
         try:
             value, status = target(rank, world, *args), "ok"
-        except BaseException:
-            value, status = traceback.format_exc(), "error"
+        except BaseException as error:
+            value, status = failure(error), "error"
         healthy = status == "ok" and _in_step()
         results.put((rank, serial, status, value, healthy))
         if not healthy:

@@ -122,6 +122,34 @@ def test_hooks_parse_takes_every_kind_and_hook_spec_parse_points_there(spec: str
             HookSpec.parse(spec)
 
 
+def register_twice(rank: int, world: int) -> list[str]:
+    """What registering a second hook on a DDP model says, for a first hook of each kind."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    said = []
+    for first in ("fp16:algo=ring", "torch:fp16", "auto"):
+        model = DistributedDataParallel(torch.nn.Linear(4, 2))
+        gradcomp.hooks.register(model, first)
+        for second in ("topk:ratio=0.5", "torch:bf16"):
+            try:
+                gradcomp.hooks.register(model, second)
+            except ValueError as error:
+                said.append(str(error))
+    return said
+
+
+def test_a_second_hook_on_a_ddp_model_is_refused_naming_the_first() -> None:
+    from tests.distributed import spawn_ranks
+
+    said = spawn_ranks(1, register_twice, timeout=60)[0]
+    assert len(said) == 6
+    firsts = ("fp16:algo=ring", "fp16:algo=ring", "torch:fp16", "torch:fp16", "auto", "auto")
+    for message, first in zip(said, firsts, strict=True):
+        assert message.startswith(f"this DDP model has a communication hook already ({first}")
+        assert "DDP takes one per model" in message and "\n" not in message
+
+
 def test_another_kind_cannot_take_a_hook_name() -> None:
     for name in ("topk", "allreduce", "noop"):
         with pytest.raises(ValueError, match=f"'{name}' is a hook spec's name already"):

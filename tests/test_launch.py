@@ -51,6 +51,89 @@ def test_a_raising_rank_is_reported_with_its_traceback() -> None:
         spawn(2, fail_on_rank_one, timeout=60)
 
 
+def refuse(rank: int, world: int, alike: bool) -> None:
+    if alike:
+        raise ValueError("unknown compressor 'topkk' (did you mean 'topk'?); valid: ...")
+    raise ValueError(f"rank {rank} refuses")
+
+
+def test_a_user_error_of_every_rank_is_one_line_once() -> None:
+    with pytest.raises(RankError) as info:
+        spawn(2, refuse, (True,), timeout=60)
+    line = "unknown compressor 'topkk' (did you mean 'topk'?); valid: ... (all 2 ranks)"
+    assert str(info.value) == info.value.summary == line and info.value.user_error
+    assert info.value.report.count("Traceback") == 2 and "rank 1 of 2 failed:" in info.value.report
+    with pytest.raises(RankError) as info:  # not alike: every traceback
+        spawn(2, refuse, (False,), timeout=60)
+    assert not info.value.user_error and str(info.value).count("Traceback") == 2
+    assert info.value.summary == "rank 0 of 2: ValueError: rank 0 refuses"
+
+
+def failures(*errors: BaseException) -> dict[int, launch.Failure]:
+    """What ranks that raised ``errors`` (one each) send back."""
+    made = {}
+    for rank, error in enumerate(errors):
+        made[rank] = launch.Failure("Traceback ...", launch.one_line(error), launch.is_user_error(error),
+                                    launch.one_line(error, named=False))  # fmt: skip
+    return made
+
+
+def test_only_the_same_user_error_of_every_rank_is_one_line() -> None:
+    typed = TypeError("gradients must be floating point,\ngot torch.int64")  # a message of two lines: one
+    assert str(launch.failure_of(failures(typed, typed), 2)) == (
+        "gradients must be floating point, got torch.int64 (all 2 ranks)"
+    )
+    broken = RuntimeError("something broke")  # a defect, or a failure between ranks: its tracebacks
+    error = launch.failure_of(failures(broken, broken), 2)
+    assert not error.user_error and error.summary == "rank 0 of 2: RuntimeError: something broke"
+    assert not launch.failure_of(failures(ValueError("x")), 2).user_error  # one rank of two
+
+
+def test_the_training_command_reports_a_user_error_of_its_ranks_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The spec parses, and every rank refuses it (its node size does not divide the world): one line,
+    and run.json keeps every rank's traceback."""
+    from gradcomp.experiments.training import runinfo
+    from gradcomp.experiments.training.run import main
+
+    out = str(tmp_path / "run")
+    assert main(["--ranks", "2", "--hook", "topk:ratio=0.01,local_size=3", "--steps", "2", "--out", out]) == 2
+    assert capsys.readouterr().err == (
+        "gradcomp.experiments.train: error: local_size must be >= 1 and divide the world size 2, got 3 "
+        f"(all 2 ranks); recorded in {runinfo.path(out)}\n"
+    )
+    record = runinfo.read(out)
+    assert record is not None and record["status"] == "failed" and record["error"].count("Traceback") == 2
+
+
+def test_under_torchrun_a_ranks_first_line_is_its_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    from gradcomp.experiments.training import run
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    argv = ["--steps", "2", "--out", str(tmp_path / "run")]
+    assert run.main([*argv, "--network", "1gbit"]) == 2  # a user's error: the line alone
+    line = "gradcomp.experiments.train: error: rank 1 of 2: --network emulates links between ranks started here"
+    err = capsys.readouterr().err
+    assert err.startswith(line) and err.count("\n") == 1  # one line, nothing before it
+    assert json.loads(error_file.read_text())["message"]["message"].startswith(line)  # what torchrun's summary shows
+
+    def broken(config: object) -> None:
+        raise RuntimeError("a peer died")
+
+    monkeypatch.setattr(run, "_torchrun", broken)
+    assert run.main(argv) == 1  # anything else: the line, then its traceback
+    err = capsys.readouterr().err
+    assert err.startswith("gradcomp.experiments.train: error: rank 1 of 2: RuntimeError: a peer died\nTraceback")
+
+
 def test_a_dying_rank_is_reported() -> None:
     with pytest.raises(RankError, match=r"ranks \[1\] died without a result \(exit codes \{1: 7\}\)"):
         spawn(2, die_on_rank_one, timeout=60)

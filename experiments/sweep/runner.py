@@ -157,7 +157,8 @@ def run_sweep(runs: Sequence[Run], progress: Progress | None = None, keep_checkp
         try:
             status = str(launch(run.config)["status"])
         except (RankError, NetemError) as error:
-            logger.warning("run %s failed (recorded in its run.json): %s", run.name, str(error).splitlines()[-1:])
+            line = error.summary if isinstance(error, RankError) else " ".join(str(error).split())
+            logger.warning("run %s failed (recorded in its run.json): %s", run.name, line)  # one line: a user's error
             status = "failed"
         except KeyboardInterrupt:
             runinfo.record_failure(run.config.out, run.name, run.config.to_dict(), "interrupted")
