@@ -129,6 +129,15 @@ class GradcompCallback(TrainerCallback):
         """At a step the Trainer logs: the hook's latest step as ``hook/*`` metrics, through
         ``trainer.log`` (to every reporter), just before the Trainer's own line (its flow callback,
         which comes first, has decided by now)."""
+        self._log(control)
+
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """The same where the Trainer logs at the end of an epoch (``logging_strategy="epoch"``)."""
+        self._log(control)
+
+    def _log(self, control: TrainerControl) -> None:
         if not control.should_log or self.state is None:
             return
         steps = self.state.steps_since(self._next)
