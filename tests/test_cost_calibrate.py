@@ -132,4 +132,9 @@ def test_the_validation_benchmark_predicts_every_variant(profile: Profile, tmp_p
         assert row.error == pytest.approx((row.predicted_ms - row.measured_ms) / row.measured_ms)
     table = validation.format_table(rows)
     assert "noop" not in table and "torch:allreduce" in table
+    # a variant that failed: its error's cell says so in a word, the reason below the table
+    reason = "aborted: ValueError: torch's PowerSGD hook hangs on gloo when DDP splits the gradients into buckets"
+    refused = dataclasses.replace(rows[-1], variant="torch:powersgd:rank=4", measured_ms=None, status=reason)
+    table = validation.format_table([*rows, refused])
+    assert "| aborted [1] |" in table and table.endswith(f"\n\n[1] torch:powersgd:rank=4 (mlp): {reason}")
     assert "predictions within 25%" in validation.summary(rows)

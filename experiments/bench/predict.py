@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from gradcomp.bench.report import Footnotes, markdown_table
 from gradcomp.cost import calibrate as calibration
 from gradcomp.cost.compute import measure as measure_compute
 from gradcomp.cost.kernels import KernelTable
@@ -157,10 +158,9 @@ def run(
 def format_table(rows: Sequence[Row]) -> str:
     """Markdown: a table per network and world size, a line per hook, per model its measured and
     predicted ms per step and the error; the noop rows (the compute input) are left out."""
-    from gradcomp.bench.report import markdown_table
-
     tables = []
     for network, ranks in dict.fromkeys((r.network, r.ranks) for r in rows):
+        notes = Footnotes()  # a failed variant's reason (its status) below the table, not in the error's cell
         mine = [r for r in rows if (r.network, r.ranks) == (network, ranks) and r.variant != NOOP]
         models = list(dict.fromkeys(r.model for r in mine))
         header = ("hook", *(f"{m} {what}" for m in models for what in ("measured", "predicted", "error")))
@@ -169,16 +169,16 @@ def format_table(rows: Sequence[Row]) -> str:
             cells: list[str] = [variant]
             for model in models:
                 found = [r for r in mine if r.model == model and r.variant == variant]
-                cells += _cells(found[0]) if found else ["-", "-", "-"]
+                cells += _cells(found[0], notes) if found else ["-", "-", "-"]
             lines.append(cells)
         title = f"{network}, {ranks} ranks (ms per step)"
-        tables.append(f"{title}\n\n" + markdown_table(header, lines))
+        tables.append(f"{title}\n\n" + notes.below(markdown_table(header, lines)))
     return "\n\n".join(tables)
 
 
-def _cells(row: Row) -> list[str]:
+def _cells(row: Row, notes: Footnotes) -> list[str]:
     measured = f"{row.measured_ms:.1f}" if row.measured_ms else "-"
-    error = f"{row.error:+.0%}" if row.error is not None else row.status
+    error = f"{row.error:+.0%}" if row.error is not None else notes.cell(row.status, f"{row.variant} ({row.model})")
     return [measured, f"{row.predicted_ms:.1f}", error]
 
 
