@@ -40,8 +40,9 @@ class TrainingHookState(Protocol):
         return self.steps_since(0)
 
     def summary(self) -> RunSummary:
-        """What averaging cost over the run: the totals of :meth:`steps` (the steps the state keeps, the
-        latest 10,000; a resumed run's since it resumed), as :class:`RunSummary`."""
+        """What averaging cost over the run: the totals of :meth:`steps`, as :class:`RunSummary`. They
+        cover the steps the state keeps (a bounded history: :attr:`RunSummary.first_step` says where it
+        starts; a resumed process's since it resumed); :class:`RunTotals` keeps a longer run's."""
         return RunSummary.of(self.steps())
 
     def write_trace(self, path: str | os.PathLike[str]) -> None:
@@ -95,26 +96,10 @@ class RunSummary:
     @classmethod
     def of(cls, steps: Iterable[StepStats]) -> RunSummary:
         """The totals of ``steps`` (each step once)."""
-        steps = list(steps)
-        total = sum(steps, StepStats.zero(steps[0].step if steps else 0))
-        ratios = [s.compression_ratio for s in steps if s.payload_bytes]
-        inter = [s.inter_node_bytes for s in steps]
-        return cls(
-            steps=len(steps),
-            first_step=steps[0].step if steps else None,
-            last_step=steps[-1].step if steps else None,
-            input_bytes=total.input_bytes,
-            uncompressed_bytes=total.uncompressed_bytes,
-            payload_bytes=total.payload_bytes,
-            wire_bytes=sum(s.wire_bytes for s in steps),
-            inter_node_bytes=None if not steps or None in inter else sum(b for b in inter if b is not None),
-            mean_ratio=sum(ratios) / len(ratios) if ratios else math.inf,
-            compress_s=total.compress_s,
-            communicate_s=total.communicate_s,
-            decompress_s=total.decompress_s,
-            tail_s=total.tail_s,
-            host_reads=total.host_reads,
-        )
+        totals = RunTotals()
+        for step in steps:
+            totals.add(step)
+        return totals.summary()
 
     @property
     def compression_ratio(self) -> float:
@@ -140,6 +125,71 @@ class RunSummary:
         if self.communicate_s is not None:
             text += f", {self.communicate_s:.3f} s communicating"
         return text
+
+
+class RunTotals:
+    """A run's totals kept as it goes, for a run longer than the history a state keeps (gradcomp's
+    hooks keep their engine's latest 10,000 buckets: about 1,100 steps of a 9-bucket model), which
+    ``state.summary()`` covers. Call :meth:`update` with the state every few steps (after the optimizer
+    step: each call reads only the steps not read yet) and :meth:`summary` at any time. What it keeps
+    is a few numbers, whatever the run's length.
+
+    >>> totals = RunTotals()
+    >>> ...                       # each step: backward, optimizer.step(), then
+    >>> totals.update(state)
+    >>> print(totals.summary())
+    """
+
+    def __init__(self) -> None:
+        self._total: StepStats | None = None
+        self._first: int | None = None
+        self._last: int | None = None
+        self._count = 0
+        self._wire = 0.0
+        self._inter: float | None = 0.0
+        self._ratios = 0.0  # the steps' compression ratios summed, of the steps with a payload
+        self._with_payload = 0
+        self.next = 0
+        """The first step :meth:`update` has not read yet, by the state's step clock."""
+
+    def update(self, state: TrainingHookState) -> None:
+        """Add the steps ``state`` has recorded since the last call (each step once)."""
+        for step in state.steps_since(self.next):
+            self.add(step)
+            self.next = step.step + 1
+
+    def add(self, step: StepStats) -> None:
+        """Add one step."""
+        self._total = step if self._total is None else self._total + step
+        self._first = step.step if self._first is None else self._first
+        self._last = step.step
+        self._count += 1
+        self._wire += step.wire_bytes
+        inter = step.inter_node_bytes
+        self._inter = None if self._inter is None or inter is None else self._inter + inter
+        if step.payload_bytes:
+            self._ratios += step.compression_ratio
+            self._with_payload += 1
+
+    def summary(self) -> RunSummary:
+        """The totals so far."""
+        total = self._total if self._total is not None else StepStats.zero(0)
+        return RunSummary(
+            steps=self._count,
+            first_step=self._first,
+            last_step=self._last,
+            input_bytes=total.input_bytes,
+            uncompressed_bytes=total.uncompressed_bytes,
+            payload_bytes=total.payload_bytes,
+            wire_bytes=self._wire,
+            inter_node_bytes=self._inter if self._count else None,
+            mean_ratio=self._ratios / self._with_payload if self._with_payload else math.inf,
+            compress_s=total.compress_s,
+            communicate_s=total.communicate_s,
+            decompress_s=total.decompress_s,
+            tail_s=total.tail_s,
+            host_reads=total.host_reads,
+        )
 
 
 def _size(count: float) -> str:

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradcomp.hooks.compressed_adamw import CompressedAdamW
 from gradcomp.hooks.trainers import load_own, metrics, save_own
-from gradcomp.state import RunSummary, TrainingHookState
+from gradcomp.state import RunSummary, RunTotals, TrainingHookState
 
 try:
     from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -62,8 +62,8 @@ class GradcompCallback(TrainerCallback):
             ``CompressedAdamW``, ``attach``'s (``timeout``).
 
     With one process (nothing to average) the callback does nothing. ``callback.state`` is the hook's
-    state once training began (statistics, ``summary()``, the error); rank 0 logs its summary when
-    training ends.
+    state once training began (statistics, the error); :meth:`summary` the run's totals, which rank 0
+    logs when training ends.
     """
 
     def __init__(
@@ -79,6 +79,8 @@ class GradcompCallback(TrainerCallback):
         self._model: DistributedDataParallel | None = None  # the model the hook is registered on
         self._resume_at: int | None = None  # the step a resumed run restores the hook's state at
         self._next = 0  # the first hook step not logged yet
+        self.totals = RunTotals()
+        """What averaging cost this rank in this process's run, kept step by step: :meth:`summary`."""
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -129,6 +131,8 @@ class GradcompCallback(TrainerCallback):
         """At a step the Trainer logs: the hook's latest step as ``hook/*`` metrics, through
         ``trainer.log`` (to every reporter), just before the Trainer's own line (its flow callback,
         which comes first, has decided by now)."""
+        if self.state is not None:
+            self.totals.update(self.state)
         self._log(control)
 
     def on_epoch_end(
@@ -158,8 +162,11 @@ class GradcompCallback(TrainerCallback):
             logger.info("gradcomp %s: %s", self.spec, self.summary())
 
     def summary(self) -> RunSummary:
-        """What averaging cost this rank in this process's run (``state.summary()``; empty before training)."""
-        return RunSummary.of([]) if self.state is None else self.state.summary()
+        """What averaging cost this rank in this process's run, every step of it (``state.summary()``
+        covers the steps the hook's history keeps); empty before training and with one process."""
+        if self.state is not None:
+            self.totals.update(self.state)
+        return self.totals.summary()
 
 
 def _checkpoint(args: TrainingArguments, step: int) -> str:

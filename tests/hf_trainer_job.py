@@ -14,7 +14,7 @@ the runs):
 
 Each rank writes its parameters to OUT/<run>/rank<r>.pt and its hook's final state to
 OUT/<run>/hook<r>.pt; rank 0 of ``straight`` also writes what the Trainer logged (log.json), its hook's
-steps (steps.json) and ``summary()`` (summary.json)."""
+steps (steps.json) and the summaries of the callback and the hook's state (summary.json)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ def train(
             (out / "log.json").write_text(json.dumps(trainer.state.log_history))
             steps: list[dict[str, Any]] = [step.to_dict() for step in callback.state.steps()]
             (out / "steps.json").write_text(json.dumps(steps))
-            (out / "summary.json").write_text(json.dumps(callback.summary().to_dict()))
+            summaries = {"callback": callback.summary().to_dict(), "state": callback.state.summary().to_dict()}
+            (out / "summary.json").write_text(json.dumps(summaries))
         if adamw:
             assert isinstance(optimizer, CompressedAdamW) and optimizer.compressing, "past the freeze"
     return callback

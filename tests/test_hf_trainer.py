@@ -89,9 +89,11 @@ def test_compressed_adamw_as_the_trainers_optimizer_keeps_the_ranks_identical(ou
 
 
 @pytest.mark.timeout(300)
-def test_the_summary_is_the_steps_summed_by_hand(out: Path) -> None:
+@pytest.mark.parametrize("whose", ["callback", "state"])
+def test_the_summary_is_the_steps_summed_by_hand(out: Path, whose: str) -> None:
+    """The callback's (kept step by step) and the hook state's (its history: all 6 steps here)."""
     steps = json.loads((out / "straight" / "steps.json").read_text())
-    summary = json.loads((out / "straight" / "summary.json").read_text())
+    summary = json.loads((out / "straight" / "summary.json").read_text())[whose]
     assert summary["steps"] == len(steps) == 6 and (summary["first_step"], summary["last_step"]) == (0, 5)
     for field in ("input_bytes", "payload_bytes", "uncompressed_bytes", "host_reads"):
         assert summary[field] == sum(step[field] for step in steps), field

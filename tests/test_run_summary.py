@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from gradcomp.engine.stats import StepStats
-from gradcomp.state import RunSummary
+from gradcomp.state import RunSummary, RunTotals
 
 MEASURED = StepStats(4, buckets=2, input_bytes=4_000_000, payload_bytes=100_000, sent_bytes=100_000,
                      received_bytes=100_000, sent_estimate=100_000.0, communicate_s=0.02,
@@ -47,3 +47,28 @@ def test_an_empty_run_and_one_without_payload() -> None:
     nothing = RunSummary.of([StepStats(0, input_bytes=1000)])
     assert nothing.compression_ratio == math.inf and nothing.mean_ratio == math.inf
     assert str(nothing).startswith("1 step (0): 0 B sent")
+
+
+class Forgetful:
+    """A state that keeps the latest 2 steps only, as every state keeps a bounded history."""
+
+    def __init__(self) -> None:
+        self.kept: list[StepStats] = []
+
+    def record(self, step: StepStats) -> None:
+        self.kept = [*self.kept, step][-2:]
+
+    def steps_since(self, first: int) -> list[StepStats]:
+        return [step for step in self.kept if step.step >= first]
+
+
+def test_run_totals_keep_a_run_longer_than_the_history() -> None:
+    state, totals = Forgetful(), RunTotals()
+    run = [StepStats(i, buckets=1, input_bytes=1000, payload_bytes=100 * (1 + i % 2), sent_bytes=100,
+                     received_bytes=100, sent_estimate=100.0) for i in range(7)]  # fmt: skip
+    for step in run:
+        state.record(step)
+        if step.step % 2 == 0:  # every other step is enough with a history of 2
+            totals.update(state)  # type: ignore[arg-type]
+    assert totals.summary() == RunSummary.of(run), "every step once"
+    assert RunSummary.of(state.kept).steps == 2, "what the history alone covers"
