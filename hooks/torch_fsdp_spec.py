@@ -8,10 +8,15 @@ from typing import Any
 
 import torch
 
+from gradcomp.engine.spec import add_hook_names
 from gradcomp.hooks.torch_hooks import PREFIX, is_torch_spec
+from gradcomp.options import did_you_mean
 
 REDUCE_DTYPES: dict[str, torch.dtype | None] = {"reduce_scatter": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 """FSDP2's reductions by name (after ``torch:``), with the reduce dtype each sets (None: the gradient's)."""
+
+add_hook_names({PREFIX + name: f"FSDP2's own reduce-scatter, {'uncompressed' if dtype is None else 'in ' + name}"
+                for name, dtype in REDUCE_DTYPES.items()}, sharded=True)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,8 +27,11 @@ class TorchFSDPSpec:
 
     def __post_init__(self) -> None:
         if self.name not in REDUCE_DTYPES:
-            valid = ", ".join(PREFIX + n for n in REDUCE_DTYPES)
-            raise ValueError(f"unknown FSDP2 reduction {PREFIX + self.name!r}; valid in sharded runs: {valid}")
+            valid = [PREFIX + n for n in REDUCE_DTYPES]
+            hint = did_you_mean(PREFIX + self.name, valid)
+            raise ValueError(
+                f"unknown FSDP2 reduction {PREFIX + self.name!r}{hint}; valid in sharded runs: {', '.join(valid)}"
+            )
 
     @classmethod
     def parse(cls, text: str) -> TorchFSDPSpec:

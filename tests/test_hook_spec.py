@@ -114,6 +114,21 @@ def test_a_wrong_spec_is_one_line_with_the_closest_and_every_valid_choice(spec: 
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("topkk", "unknown compressor 'topkk' (did you mean 'topk'?); valid: torch:reduce_scatter, torch:bf16, "
+         "torch:fp16, none, noop, bf16"),
+        ("torch:bf61", "unknown FSDP2 reduction 'torch:bf61' (did you mean 'torch:bf16'?); valid in sharded runs:"),
+        ("quantize:bits=4,param_bit=8", "(did you mean 'param_bits'?); valid options: bits,"),
+    ],
+)  # fmt: skip
+def test_a_wrong_sharded_spec_lists_what_a_sharded_run_takes(spec: str, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        gradcomp.hooks.parse_sharded(spec)
+    assert message in str(info.value) and "auto" not in str(info.value) and "powersgd" not in str(info.value)
+
+
 @pytest.mark.parametrize("spec", ["auto", "auto:recheck=50", "torch:fp16", "torch:powersgd:rank=2", "topk:ratio=0.1"])
 def test_hooks_parse_takes_every_kind_and_hook_spec_parse_points_there(spec: str) -> None:
     assert str(gradcomp.hooks.parse(str(gradcomp.hooks.parse(spec)))) == str(gradcomp.hooks.parse(spec))

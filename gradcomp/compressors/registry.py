@@ -89,7 +89,7 @@ def parse_spec(spec: SpecLike, *, names: Sequence[str] = (), options: Sequence[s
         feedback = Feedback.parse({key: given.pop(key) for key in WRAPPER_OPTIONS if key in given})
     except ValueError as error:
         raise ValueError(f"invalid options for {name!r}: {error}") from None
-    also = [*WRAPPER_OPTIONS, *options]
+    also = list(dict.fromkeys([*WRAPPER_OPTIONS, *options]))
     config = options_from(REGISTRY[name].Config, given, repr(name), also_valid=also)
     problem = REGISTRY[name].declare(config).feedback_problem if feedback.variant else None
     if problem:

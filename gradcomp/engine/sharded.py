@@ -40,7 +40,7 @@ from gradcomp.compressors import REGISTRY, Compressor, Key, Meta, Spec, make_com
 from gradcomp.engine import reduce_scatter, rules, transport
 from gradcomp.engine.columns import Columns, Span
 from gradcomp.engine.pipeline import check_same_spec
-from gradcomp.engine.spec import NOOP, HookSpec, split_hook_spec
+from gradcomp.engine.spec import NOOP, SHARDED_NAMES, HookSpec, split_hook_spec
 from gradcomp.engine.stats import BucketRecord, CallSteps
 from gradcomp.errors import backend_failure
 from gradcomp.options import convert
@@ -95,7 +95,9 @@ class ShardSpec:
                 sharded[key] = convert(key, value, int)
             except ValueError:
                 raise ValueError(f"{key} must be a whole number, got {value!r}") from None
-        return cls(HookSpec.parse((name, options), **defaults), **sharded)
+        names = [*SHARDED_NAMES, *valid_names()]  # an unknown name's message lists a sharded run's
+        hook = HookSpec.parse_among((name, options), defaults, names, more_options=SHARD_OPTIONS)
+        return cls(hook, **sharded)
 
     @property
     def compressor(self) -> Spec | None:
@@ -123,7 +125,8 @@ ShardSpecLike = str | tuple[str, Mapping[str, Any]] | Spec | HookSpec | ShardSpe
 
 def valid_names() -> list[str]:
     """The spec names sharded training takes: the uncompressed reduce-scatter, noop and every
-    compressor that works on a flat shard."""
+    compressor that works on a flat shard (and, registered by the layers above, FSDP2's own:
+    :data:`~gradcomp.engine.spec.SHARDED_NAMES`)."""
     flat = [n for n, c in REGISTRY.items() if not c.declare(c.Config()).needs_shapes and n != UNCOMPRESSED]
     return [UNCOMPRESSED, NOOP, *sorted(flat)]
 

@@ -54,6 +54,14 @@ HOOK_NAMES: dict[str, str] = {}
 """What a DDP hook takes besides the engine's specs (``auto``, ``torch:fp16``, ...), each with what it
 is: registered with :func:`add_other_kind` by the modules that own them, and listed wherever a hook
 spec's valid names are (an unknown name's message, ``gradcomp compressors``)."""
+SHARDED_NAMES: dict[str, str] = {}
+"""The same for sharded (FSDP2) runs (FSDP2's own ``torch:reduce_scatter``, ...): :func:`add_hook_names`."""
+
+
+def add_hook_names(names: Mapping[str, str], *, sharded: bool = False) -> None:
+    """Names a DDP hook (or, ``sharded``, an FSDP2 run) takes besides the engine's specs, each with a few
+    words on what it is, from the module that owns them, to be listed with the valid names."""
+    (SHARDED_NAMES if sharded else HOOK_NAMES).update(names)
 
 
 def add_other_kind(name: str, message: str, hook_names: Mapping[str, str] | None = None) -> None:
@@ -65,7 +73,7 @@ def add_other_kind(name: str, message: str, hook_names: Mapping[str, str] | None
     if name in REGISTRY or name in (ALLREDUCE, NOOP):
         raise ValueError(f"{name!r} is a hook spec's name already; another kind of spec needs another name")
     OTHER_KINDS[name] = message
-    HOOK_NAMES.update(hook_names or {})
+    add_hook_names(hook_names or {})
 
 
 KINDS_GROUP = "gradcomp.specs"
@@ -173,13 +181,26 @@ class HookSpec:
 
         The engine's own specs only: ``auto`` and torch's hooks (``torch:fp16``) are the DDP hooks'
         (refused here, saying so); :func:`gradcomp.hooks.parse` checks any spec a DDP hook takes."""
+        return cls.parse_among(spec, defaults)
+
+    @classmethod
+    def parse_among(
+        cls,
+        spec: HookSpecLike,
+        defaults: Mapping[str, Any],
+        names: Sequence[str] | None = None,
+        more_options: Sequence[str] = (),
+    ) -> HookSpec:
+        """:meth:`parse`, for a caller that takes other names or more options than a DDP hook (a sharded
+        run): an unknown name's message lists ``names`` (default :func:`valid_names`), an unknown
+        option's ``more_options`` (taken out of the spec by the caller first) with the others."""
         if isinstance(spec, HookSpec):
             return spec
-        unknown = sorted(set(defaults) - set(ENGINE_OPTIONS))
-        if unknown:
-            raise TypeError(f"unknown engine option(s) {unknown}; valid: {', '.join(ENGINE_OPTIONS)}")
+        wrong = sorted(set(defaults) - set(ENGINE_OPTIONS))
+        if wrong:
+            raise TypeError(f"unknown engine option(s) {wrong}; valid: {', '.join(ENGINE_OPTIONS)}")
         if isinstance(spec, str):
-            _check_name(spec.partition(":")[0].strip())  # before its options are read as ours
+            _check_name(spec.partition(":")[0].strip(), names)  # before its options are read as ours
         name, options = split_hook_spec(spec)
         engine = {**defaults, **{key: options.pop(key) for key in ENGINE_OPTIONS if key in options}}
         for key in ("seed", "warmup", "min_numel", "pieces", "local_size"):
@@ -192,8 +213,10 @@ class HookSpec:
             if options:
                 raise ValueError(f"noop takes no options, got {sorted(options)}")
             return cls(None, **engine)
-        _check_name(name)
-        compressor = parse_spec(("none" if name == ALLREDUCE else name, options), options=ENGINE_OPTIONS)
+        _check_name(name, names)
+        compressor = parse_spec(
+            ("none" if name == ALLREDUCE else name, options), options=[*ENGINE_OPTIONS, *more_options]
+        )
         return cls(compressor, **engine)
 
     @property
@@ -233,11 +256,11 @@ HookSpecLike = str | tuple[str, Mapping[str, Any]] | Spec | HookSpec
 """Anything :meth:`HookSpec.parse` takes."""
 
 
-def _check_name(name: str) -> None:
+def _check_name(name: str, names: Sequence[str] | None = None) -> None:
     """Refuse a name that is no hook's: with where it goes for a spec of another kind
-    (:data:`OTHER_KINDS`), else with the closest valid name and all of them."""
+    (:data:`OTHER_KINDS`), else with the closest valid name and all of them (``names``, or a DDP hook's)."""
     if name not in REGISTRY and name not in (ALLREDUCE, NOOP):
-        raise ValueError(OTHER_KINDS.get(name) or unknown("compressor", name, valid_names()))
+        raise ValueError(OTHER_KINDS.get(name) or unknown("compressor", name, names or valid_names()))
 
 
 def split_hook_spec(spec: str | tuple[str, Mapping[str, Any]] | SpecLike) -> tuple[str, dict[str, Any]]:
