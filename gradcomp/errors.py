@@ -1,4 +1,6 @@
-"""gradcomp's own errors, for what goes wrong between ranks (bad input is a ValueError or TypeError).
+"""gradcomp's own errors, for what goes wrong between ranks (bad input is a ValueError or TypeError,
+whose message says all a user needs, in one line: gradcomp's launchers report such an error that every
+rank raised once, as that line, where these keep their tracebacks: :class:`gradcomp.launch.RankError`).
 
 Inside a DDP hook they also reach DDP's ``backward`` (as a RuntimeError carrying their text: torch's
 futures cross C++ there), and the hook's state keeps the original (``HookState.error``).

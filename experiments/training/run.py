@@ -282,7 +282,7 @@ def _torchrun(config: TrainConfig) -> dict[str, Any] | None:
 
 
 def _summary(error: RankError | NetemError) -> str:
-    return error.summary if isinstance(error, RankError) else str(error).strip().splitlines()[0]
+    return error.summary if isinstance(error, RankError) else " ".join(str(error).split())
 
 
 def _failed(prog: str, error: BaseException) -> int:
@@ -355,8 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(error, RankError) and error.user_error:
             sys.stderr.write(f"{parser.prog}: error: {error}; {where}\n")
             return 2
-        details = error.report if isinstance(error, RankError) and args.verbose else str(error)
-        sys.stderr.write(f"{parser.prog}: the run failed ({where}): {_summary(error)}\n{details}\n")
+        details = f"{error.report}\n" if isinstance(error, RankError) else ""  # every rank's traceback
+        sys.stderr.write(f"{parser.prog}: the run failed ({where}): {_summary(error)}\n{details}")
         return 1
     except Exception as error:
         if under_torchrun:
