@@ -86,14 +86,18 @@ class Progress:
                 self.last_done_at = self.now()
                 self._draw()
 
-    def line(self) -> str:
-        """The status line as it would be drawn now."""
+    def line(self, width: int | None = None) -> str:
+        """The status line as it would be drawn now; within ``width`` characters, the label cut
+        short (the counts and times always show)."""
         now = self.now()
         eta = self.remaining(now)
-        done = f"{self.done:g}/{self.total:g}"
-        parts = [self.command, done, self.label, f"elapsed {clock(now - self.began)}"]
-        parts += [] if eta is None else [f"ETA {clock(eta)}"]
-        return "  ".join(part for part in parts if part)
+        times = f"elapsed {clock(now - self.began)}" + ("" if eta is None else f"  ETA {clock(eta)}")
+        counts = f"{self.command}  {self.done:g}/{self.total:g}"
+        label = self.label
+        room = None if width is None else width - len(counts) - len(times) - 4
+        if room is not None and len(label) > room:
+            label = label[: max(0, room - 3)] + "..." if room > 3 else ""
+        return "  ".join(part for part in (counts, label, times) if part)
 
     def remaining(self, now: float | None = None) -> float | None:
         """Seconds left, from the mean time of the units done (None before the first ends): the
@@ -131,7 +135,7 @@ class Progress:
         if not self.enabled or self._stop.is_set():
             return
         width = shutil.get_terminal_size((100, 24)).columns - 1  # never wrap: \r returns to one line
-        self.stream.write("\r\x1b[K" + self.line()[:width])
+        self.stream.write("\r\x1b[K" + self.line(width)[:width])
         self.stream.flush()
         self._drawn = True
 

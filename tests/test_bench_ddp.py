@@ -224,6 +224,8 @@ def test_failures_are_reported_as_hung_or_aborted() -> None:
     assert hung == "hung (killed after 70 s)"
     traceback = "rank 1 of 2 failed:\nTraceback (most recent call last):\n  File x\nRuntimeError: Received data size"
     assert failure(RankError(traceback), 70.0) == "aborted: RuntimeError: Received data size"
+    reason = "ValueError: torch's PowerSGD hook hangs on gloo when DDP splits the gradients" + " (why)" * 30
+    assert failure(RankError(f"rank 0 of 2 failed:\n{reason}"), 70.0) == f"aborted: {reason}"  # a note holds it
 
 
 def test_a_failed_variant_has_a_row_without_figures() -> None:

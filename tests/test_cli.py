@@ -219,9 +219,11 @@ def test_progress_is_silent_where_stderr_is_no_terminal(monkeypatch: pytest.Monk
 
 
 def test_progress_never_wraps_and_shows_durations_as_clocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("COLUMNS", "40")
+    monkeypatch.setenv("COLUMNS", "70")
     terminal = Terminal()
     with Progress("bench collectives", 2, stream=terminal, tick=0) as progress, progress.step("x" * 100):
         pass
-    assert drawn(terminal) and all(len(line) <= 39 for line in drawn(terminal))
+    assert drawn(terminal) and all(len(line) <= 69 for line in drawn(terminal))
+    # a long label is cut short, never the counts and times
+    assert drawn(terminal)[-1] == "bench collectives  1/2  " + "x" * 18 + "...  elapsed 0:00  ETA 0:00"
     assert [clock(s) for s in (0.4, 7, 61, 3599.6, 3723)] == ["0:00", "0:07", "1:01", "1:00:00", "1:02:03"]

@@ -98,4 +98,4 @@ def failure(error: RankError, deadline: float) -> str:
         return f"hung (killed after {deadline:.0f} s)"
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     errors = [line for line in lines if "Error" in line.split(":")[0]]
-    return f"aborted: {(errors or lines or ['unknown'])[-1][:160]}"
+    return f"aborted: {(errors or lines or ['unknown'])[-1][:500]}"  # a note below the table holds it
