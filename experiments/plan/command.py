@@ -250,11 +250,12 @@ def _command(args: argparse.Namespace) -> int:
                                       *(c for c in given if is_torch_spec(c))]))  # fmt: skip
     methods = methods_of(candidates, torch_hooks)
     torch_labels = [m.label for m in methods if is_torch_spec(m.label)]
-    found = plan.options(chosen.workload, chosen.cluster(), methods, chosen.kernels, torch_labels)
+    ranks = [p for p in plan.SCALING_RANKS if p % min(chosen.local_size, p) == 0]
+    found, curves = _predict(chosen, methods, torch_labels, ranks, quiet=bool(args.json))
     baseline = plan.best(found, "allreduce")
     choice, reason = plan.recommend(found, name=short_name)
-    ranks = [p for p in plan.SCALING_RANKS if p % min(chosen.local_size, p) == 0]
-    curves = plan.scaling(chosen.workload, chosen.cluster, methods, chosen.kernels, ranks, torch_labels)
+    notes = plan.scaling_notes(curves, chosen.local_size, short_name) if chosen.local_size > 1 else []
+    said = "".join(f"{note}\n\n" for note in notes)
     nodes = f", {chosen.ranks // chosen.local_size} nodes of {chosen.local_size}" if chosen.local_size > 1 else ""
     intra = (f"; inside nodes {1 / chosen.intra.beta / 1e9:.1f} GB/s, {chosen.intra.alpha * 1e6:.1f} us"
              if chosen.intra else "")  # fmt: skip
@@ -262,12 +263,13 @@ def _command(args: argparse.Namespace) -> int:
         f"gradcomp plan: {chosen.model}; {chosen.ranks} ranks{nodes}; link between nodes: {chosen.link_source}{intra}; "
         f"kernels: {chosen.kernel_source}\n\nRecommendation: {reason}\n\n{_table(found, baseline)}\n\n"
         f"Predicted ms per step from 2 to {ranks[-1]} ranks (each method over its fastest route a hook runs):\n\n"
-        f"{_scaling_table(curves)}\n\nThese are step times, not accuracy: lossy compressors may need more steps "
+        f"{_scaling_table(curves)}\n\n{said}These are step times, not accuracy: lossy compressors may need more steps "
         "to the same accuracy (the time-to-accuracy study: docs/results.md).\n"
     )
     if chosen.kernels.timed_here:
         sys.stdout.write(f"Kernels timed on this machine now: {', '.join(chosen.kernels.timed_here)}\n")
     figures = _figures(chosen, found, choice, reason, curves)
+    figures["scaling_notes"] = notes
     if args.json:
         with open(args.json, "w") as file:
             json.dump(figures, file, indent=1)
@@ -277,6 +279,31 @@ def _command(args: argparse.Namespace) -> int:
         with open(args.html, "w") as file:
             file.write(render(figures))
     return 0
+
+
+def _predict(
+    chosen: Setting, methods: Sequence[Method], torch_labels: Sequence[str], ranks: Sequence[int], quiet: bool
+) -> tuple[list[plan.Option], dict[str, list[tuple[int, plan.Option]]]]:
+    """Every option at the asked size and each method's best from 2 to ``ranks[-1]``, saying on a
+    terminal's stderr what runs and how far (the kernels timed or estimated, one by one, then each
+    world size); nothing where stderr is no terminal, or with ``quiet`` (``--json``)."""
+    from gradcomp.progress import Progress
+
+    specs = list(dict.fromkeys(["none", *(m.kernel_spec for m in methods if m.kernel_spec)]))
+    doing = {"timed": "timing", "estimate": "estimating"}.get(chosen.kernel_kind, "reading")
+    with Progress("plan", len(specs) + 1 + len(ranks), enabled=False if quiet else None) as progress:
+        for number, spec in enumerate(specs, 1):
+            with progress.step(f"{doing} kernels {number}/{len(specs)}: {spec}"):
+                chosen.kernels(spec)
+        with progress.step(f"predicting {len(methods)} methods on every route at {chosen.ranks} ranks"):
+            found = plan.options(chosen.workload, chosen.cluster(), methods, chosen.kernels, torch_labels)
+        curves: dict[str, list[tuple[int, plan.Option]]] = {m.label: [] for m in methods}
+        for p in ranks:
+            with progress.step(f"scaling: {p} ranks"):
+                at = plan.scaling(chosen.workload, chosen.cluster, methods, chosen.kernels, [p], torch_labels)
+            for label, curve in at.items():
+                curves[label] += curve
+    return found, curves
 
 
 def _figures(

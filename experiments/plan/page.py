@@ -36,6 +36,7 @@ def render(figures: dict[str, Any]) -> str:
         "<h2>Scaling</h2>",
         '<p class="note">Each method over its fastest route a hook runs, at every world size.</p>',
         f"<figure>{_scaling_figure(figures['scaling'], colours)}</figure>",
+        *(f'<p class="note">{_e(note)}</p>' for note in figures.get("scaling_notes", [])),
         "</body></html>",
     ]) + "\n"  # fmt: skip
 

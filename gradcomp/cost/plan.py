@@ -14,6 +14,7 @@ to reach the same accuracy: the time-to-accuracy study in ``docs/results.md`` me
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 
 from gradcomp.compressors import Aggregation
@@ -104,8 +105,10 @@ def best(found: Sequence[Option], label: str, available_only: bool = True) -> Op
 def recommend(
     found: Sequence[Option], baseline: str = "allreduce", name: Callable[[str], str] = str
 ) -> tuple[Option, str]:
-    """The fastest option a hook can run, and why (against the uncompressed ``baseline``). Methods are
-    named by ``name`` (default: their label)."""
+    """The option a hook can run to recommend, and why (against the uncompressed ``baseline``): the
+    baseline unless a method is predicted measurably faster (by :data:`MARGIN`), a lossy one only
+    if it also beats the fastest method that keeps the training by :data:`LOSSY_MARGIN`. Every figure
+    said is one of the table's (:func:`options`). Methods are named by ``name`` (default: their label)."""
     runnable = [o for o in found if o.available]
     if not runnable:
         raise ValueError("no candidate can run as a hook")
@@ -113,40 +116,64 @@ def recommend(
     reference = best(found, baseline)
     safe = [o for o in runnable if _keeps_the_training(o)]
     safest = min(safe, key=lambda o: o.step.step_s) if safe else None
-    held_back = ""
+    held_back, passed_over = "", []
     lossy = not _keeps_the_training(choice)
     if lossy and safest is not None and safest.step.step_s < LOSSY_MARGIN * choice.step.step_s:
-        gain = safest.step.step_s / choice.step.step_s - 1
-        held_back = (
-            f" {name(choice.method.label)} is predicted {gain:.0%} faster, less than the {LOSSY_MARGIN - 1:.0%} "
-            "a lossy method must win by to be worth its accuracy risk (and the model's own error)."
-        )
+        held_back = _held_back(choice, safest, LOSSY_MARGIN, LOSSY_RULE, name)
+        passed_over.append(choice.method.label)
         choice = safest
+    if reference is not None and choice is not reference and reference.step.step_s < MARGIN * choice.step.step_s:
+        held_back += _held_back(choice, reference, MARGIN, MARGIN_RULE, name)
+        passed_over.append(choice.method.label)
+        choice = reference
     step = choice.step
     text = (
         f"{name(choice.method.label)} over {choice.route}: {step.step_s * 1e3:.1f} ms per step predicted, "
         f"{step.communication_share:.0%} of it beyond the model's compute, {step.sent_bytes / 1e6:.2f} MB sent per rank"
     )
-    text += _runner_up(choice, runnable, name)
+    # a runner-up, unless one passed over (said below with its figures)
+    text += _runner_up(choice, [o for o in runnable if o.method.label not in passed_over], name)
     if reference is None:  # nothing to compare against: say so, do not guess
         missing = f"{baseline} is not among the candidates: add it to compare with the uncompressed gradient"
         return choice, f"{text}; {missing}.{held_back}"
     if reference is choice:
         why = "nothing compressed is predicted faster than the uncompressed gradient: compression does not pay here"
         if held_back:
-            why = "nothing compressed is predicted enough faster than the uncompressed gradient"
+            why = f"nothing is predicted measurably faster than the uncompressed gradient (by {MARGIN - 1:.0%} or more)"
         return choice, f"{text}. {why.capitalize()}.{held_back}"
     gain = reference.step.step_s / step.step_s
     text += (
         f"; {gain:.2f}x faster per step than {baseline} over {reference.route} ({reference.step.step_s * 1e3:.1f} ms)"
     )
-    caveat = (
-        "a cast: the same training, half the bytes"
-        if _keeps_the_training(choice)
-        else "lossy: per step only; check that it reaches your accuracy in as many steps (docs/results.md)"
-    )
-    return choice, f"{text}. {caveat.capitalize()}.{held_back}"
+    if _keeps_the_training(choice):
+        caveat = (
+            f"a cast: the same training, {step.sent_bytes / 1e6:.2f} MB sent per rank against {baseline}'s "
+            f"{reference.step.sent_bytes / 1e6:.2f} MB ({step.sent_bytes / reference.step.sent_bytes:.0%} of its bytes"
+        )
+        if choice.route.startswith("local_size="):
+            caveat += ": only what crosses nodes is cast, the gradient travels uncompressed inside a node"
+        caveat += ")"
+    else:
+        caveat = "lossy: per step only; check that it reaches your accuracy in as many steps (docs/results.md)"
+    return choice, f"{text}. {caveat[0].upper()}{caveat[1:]}.{held_back}"
 
+
+def _held_back(option: Option, instead: Option, margin: float, rule: str, name: Callable[[str], str]) -> str:
+    """Why ``option``, predicted faster, is not recommended over ``instead``: its gain is below ``margin``."""
+    gain = instead.step.step_s / option.step.step_s - 1
+    return (
+        f" {name(option.method.label)} over {option.route} is predicted {gain:.1%} faster "
+        f"({option.step.step_s * 1e3:.1f} ms against {instead.step.step_s * 1e3:.1f} ms), less than the "
+        f"{margin - 1:.0%} {rule}."
+    )
+
+
+MARGIN = 1.05
+"""How much faster than the uncompressed gradient (the baseline's fastest route) a method must be
+predicted to be recommended instead of it: 5%, about how much kernel timings vary from run to run
+(:data:`CLOSE`). A predicted 1.00x is the baseline, never a method "1.00x faster"."""
+MARGIN_RULE = "a method must win by to be told apart from the uncompressed gradient (kernel timings vary that much)"
+LOSSY_RULE = "a lossy method must win by to be worth its accuracy risk (and the model's own error)"
 
 LOSSY_MARGIN = 1.10
 """How much faster than the fastest method that keeps the training (the uncompressed gradient, a
@@ -192,3 +219,38 @@ def scaling(
             if choice is not None:
                 curves[method.label].append((p, choice))
     return curves
+
+
+def scaling_notes(
+    curves: dict[str, list[tuple[int, Option]]], local_size: int, name: Callable[[str], str] = str
+) -> list[str]:
+    """Why a method's predicted step falls as ranks grow (by more than :data:`CLOSE`), where it does:
+    one sentence per cause, its figures the scaling table's (ms per step as it rounds them) and the
+    predictions' kernel times. The usual cause is the node: up to ``local_size`` ranks the cluster is
+    one node, where no hook runs across nodes and each rank compresses and averages the whole
+    gradient; from two nodes the hook across nodes (``local_size=L``) does that on its 1 / L."""
+    across: dict[tuple[int, int], list[str]] = {}
+    other = []
+    for label, curve in curves.items():
+        for (p0, before), (p1, after) in itertools.pairwise(curve):
+            if after.step.step_s >= (1 - CLOSE) * before.step.step_s:
+                continue
+            ms = f"{name(label)} from {before.step.step_s * 1e3:.0f} to {after.step.step_s * 1e3:.0f} ms"
+            if p0 <= local_size < p1 and after.route.startswith("local_size="):
+                kernels = [(o.step.compress_s + o.step.decompress_s) * 1e3 for o in (before, after)]
+                across.setdefault((p0, p1), []).append(
+                    f"{ms} (its kernels from {kernels[0]:.1f} to {kernels[1]:.1f} ms)"
+                )
+            else:
+                other.append(f"{ms} from {p0} to {p1} ranks ({before.route}, then {after.route})")
+    notes = []
+    for (p0, p1), falls in across.items():
+        notes.append(
+            f"Up to {local_size} ranks the cluster is one node: no hook runs across nodes there, and each rank "
+            f"compresses and averages the whole gradient on backward's core. From {p1} ranks the hook across "
+            f"nodes (local_size={local_size}) reduces inside each node first and compresses and averages only its "
+            f"1/{local_size} of the gradient, so from {p0} to {p1} ranks the step falls: {'; '.join(falls)}."
+        )
+    if other:
+        notes.append(f"Other steps that fall as ranks grow: {'; '.join(other)}.")
+    return notes
