@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import io
 import json
 
@@ -115,6 +116,10 @@ def test_the_plan_command(tmp_path, capsys) -> None:  # type: ignore[no-untyped-
     assert max(p["ranks"] for p in figures["scaling"]["allreduce"]) == 4096
     page = out_html.read_text()
     assert page.count("<svg") == 2 and "<script" not in page and "http" not in page.replace("http://www.w3.org", "")
+    # the step falls from one node (8 ranks) to two: the table's note says why, on every output
+    (note,) = figures["scaling_notes"]
+    assert note.startswith("Up to 8 ranks the cluster is one node") and note in text
+    assert html.escape(note) in page
 
 
 def test_a_calibrated_cluster_gives_the_link_inside_a_node(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -513,3 +513,10 @@ def test_a_step_time_study_within_the_noise_names_no_fastest_method(tmp_path: Pa
     (group,) = analysis.analyze(records.load(str(tmp_path)))
     assert "Within the noise of torch:allreduce: nothing is measurably faster here" in group.verdict
     assert "is fastest" not in group.verdict
+
+
+def test_a_method_tied_with_the_baseline_does_not_beat_it(tmp_path: Path) -> None:
+    group = _study(tmp_path, {"torch:allreduce": ([0.040, 0.050, 0.060], 4), "fp16": ([0.040, 0.050, 0.060], 4)})
+    assert group.verdict.startswith(
+        "Nothing beats torch:allreduce here: it reaches the target (95.50%) first, in 2.00 s"
+    )

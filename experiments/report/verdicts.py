@@ -34,8 +34,8 @@ def verdict(group: Group) -> str:
     assert base is not None  # the baseline reaches its own target: its final mean is above it
     ours = [m for m in reached if not m.torch and m.hook != group.baseline]
     also = f"; the fastest gradcomp method, {ours[0].name}, takes {ours[0].time_to_target:.2f} s" if ours else ""
-    if best is base:
-        return f"Nothing beats {base.name} here: it reaches {target} first, in {best.time_to_target:.2f} s{also}."
+    if best is base or best.speedup_vs_baseline is None or (base.time_to_target or 0) <= (best.time_to_target or 0):
+        return f"Nothing beats {base.name} here: it reaches {target} first, in {base.time_to_target:.2f} s{also}."
     steps = _fewer_steps(best, base)
     if not significant(best.baseline_p):
         first = f"{steps} and is" if steps else "is"
