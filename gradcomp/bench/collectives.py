@@ -1,7 +1,8 @@
 """``gradcomp bench collectives``: all-reduce bus bandwidth of every algorithm, beside gloo's own.
 
 Ranks are started on this machine (``gradcomp.launch``), on loopback or inside an emulated
-network (``gradcomp.netem``: ``--net 1gbit``). For each size, every repeat runs each algorithm
+network (``gradcomp.netem``: ``--net 1gbit``), once per size (so that the command can say which size
+runs: :mod:`gradcomp.progress`). For each size, every repeat runs each algorithm
 once, in an order rotated from repeat to repeat, after a barrier; a repeat's time is the slowest
 rank's, and each figure is the median over repeats. Definitions as in nccl-tests: algbw = bytes /
 time, busbw = algbw * 2 (p - 1) / p (the per-rank link traffic of an optimal all-reduce, so that

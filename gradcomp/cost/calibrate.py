@@ -15,7 +15,9 @@ of the hook across nodes with). The compressors' kernels are timed in this proce
 (on a shared machine they slow each other down), one thread each. Last, the engine itself averages
 one bucket of each size with every spec, and what it takes beyond the kernels and the link is kept
 as the engine's overhead per bucket (:class:`~gradcomp.cost.kernels.KernelCost`). All of it goes
-into one :class:`~gradcomp.cost.profile.Profile`, with the raw timings.
+into one :class:`~gradcomp.cost.profile.Profile`, with the raw timings. The ranks start once for the
+links, then once per spec (a tenth of a second each on loopback), so that the command can say on a
+terminal which spec it times, how many are done and how long the rest will take (:mod:`gradcomp.progress`).
 
 Costs: a few seconds on loopback; on a slow link the largest sizes dominate (about 30 s at 100 Mbit/s);
 timing the default kernels takes 10-20 s.
