@@ -36,8 +36,8 @@ from torch import Tensor, nn
 
 from gradcomp.collectives.groups import as_timeout
 from gradcomp.collectives.hierarchical import subgroups
-from gradcomp.engine import Engine, rules
-from gradcomp.engine.spec import HookSpec, HookSpecLike
+from gradcomp.engine import Engine, rules, sharded
+from gradcomp.engine.spec import SHARDED_NAMES, HookSpec, HookSpecLike
 from gradcomp.hooks.auto_spec import is_auto_spec
 from gradcomp.hooks.ddp import HookState, check_saved
 from gradcomp.hooks.fsdp2 import available, shard_group, sharded_modules
@@ -216,7 +216,8 @@ def parse(spec: HookSpecLike, **defaults: Any) -> HookSpec:
             f"{spec.strip()!r}: HSDP takes a gradcomp spec for its all-reduce across nodes; FSDP2's own HSDP "
             "needs no hook (fully_shard with the 2-D mesh), and auto chooses among DDP hooks"
         )
-    parsed = HookSpec.parse(spec, **defaults)
+    names = [*SHARDED_NAMES, *sharded.valid_names()]  # an unknown name's message lists what HSDP takes
+    parsed = HookSpec.parse_among(spec, defaults, names)
     rules.check(parsed, rules.Surface.HSDP)
     return parsed
 

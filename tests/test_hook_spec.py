@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import gradcomp.hooks  # (auto and torch's hooks tell the engine where their specs go)
@@ -127,6 +129,9 @@ def test_a_wrong_sharded_spec_lists_what_a_sharded_run_takes(spec: str, message:
     with pytest.raises(ValueError) as info:
         gradcomp.hooks.parse_sharded(spec)
     assert message in str(info.value) and "auto" not in str(info.value) and "powersgd" not in str(info.value)
+    if spec == "topkk":  # and so does an HSDP run's
+        with pytest.raises(ValueError, match=re.escape(message)):
+            gradcomp.hooks.parse_hybrid(spec)
 
 
 @pytest.mark.parametrize("spec", ["auto", "auto:recheck=50", "torch:fp16", "torch:powersgd:rank=2", "topk:ratio=0.1"])
