@@ -230,7 +230,7 @@ def _list_compressors(args: argparse.Namespace) -> int:
     from gradcomp.engine import spec
 
     spec.load_other_kinds()  # the installed layers' kinds (auto, torch:...), imported to be listed
-    sys.stdout.write(listing.text(spec.hook_names(), spec.option_lines()))
+    sys.stdout.write(listing.text(spec.hook_names(), spec.option_lines(), spec.SHARDED_NAMES))
     return 0
 
 

@@ -53,6 +53,7 @@ def test_the_listing_names_every_hook_name_and_option(capsys: pytest.CaptureFixt
     for option in spec.ENGINE_OPTIONS:
         assert f"\n  {option}=" in out
     assert "algo=native (native | ring | tree | halving_doubling)" in out
+    assert "also takes:\n  torch:reduce_scatter " in out  # a sharded run's: FSDP2's own reductions
     # a process that never imported the hooks (the command's) finds them through the installed entry point
     assert "gradcomp.hooks" in {entry.value for entry in entry_points(group=spec.KINDS_GROUP)}
 

@@ -43,10 +43,14 @@ def compressor_lines() -> list[str]:
     return lines
 
 
-def text(hook_names: Mapping[str, str] | None = None, hook_options: Sequence[str] = ()) -> str:
+def text(
+    hook_names: Mapping[str, str] | None = None,
+    hook_options: Sequence[str] = (),
+    sharded_names: Mapping[str, str] | None = None,
+) -> str:
     """The whole listing. ``hook_names`` (name -> what it is) and ``hook_options`` (``algo=native
-    (native | ring | ...)``) are what a hook spec takes besides a compressor spec, listed after the
-    compressors where given."""
+    (native | ring | ...)``) are what a hook spec takes besides a compressor spec, ``sharded_names``
+    what a sharded (FSDP2, HSDP) run's spec takes besides; each listed after the compressors where given."""
     lines = compressor_lines()
     lines += [
         "",
@@ -59,4 +63,7 @@ def text(hook_names: Mapping[str, str] | None = None, hook_options: Sequence[str
     if hook_options:
         lines += ["", "with the engine's options (docs/hooks.md):"]
         lines += [f"  {option}" for option in hook_options]
+    if sharded_names:
+        lines += ["", "A sharded run's spec (FSDP2, HSDP: docs/fsdp.md) also takes:"]
+        lines += [f"  {name:21s} {what}" for name, what in sharded_names.items()]
     return "\n".join(lines) + "\n"
