@@ -10,7 +10,8 @@ the runs):
 - ``resumed``: the same from the straight run's step-3 checkpoint, copied into its own output folder
   and found as ``train(resume_from_checkpoint=True)`` finds it;
 - ``adamw``: :class:`CompressedAdamW` (freeze 2, signs with error feedback) through the callback,
-  ``optimizers=(optimizer, None)``, clipping at 0.5 (after the freeze: each rank's own gradient), 4 steps.
+  ``optimizers=(optimizer, None)``, clipping at 0.5 (after the freeze: each rank's own gradient), 6 steps,
+  and ``adamw_resumed`` from its step-3 checkpoint (past the freeze: the carrier's residuals in it).
 
 Each rank writes its parameters to OUT/<run>/rank<r>.pt and its hook's final state to
 OUT/<run>/hook<r>.pt; rank 0 of ``straight`` also writes what the Trainer logged (log.json), its hook's
@@ -88,15 +89,22 @@ def train(
     return callback
 
 
+def copy_checkpoint(run: Path, resumed: Path) -> None:
+    """``run``'s step-3 checkpoint into ``resumed``, where a resumed run of its own finds it."""
+    if dist.get_rank() == 0:
+        shutil.copytree(run / "checkpoint-3", resumed / "checkpoint-3")
+    dist.barrier()
+
+
 def main(out: Path) -> None:
     train(out / "plain", None, 4)
     train(out / "allreduce", "allreduce", 4)
     train(out / "straight", SPEC, 6)
-    if dist.get_rank() == 0:  # the step-3 checkpoint, where a resumed run of its own finds it
-        shutil.copytree(out / "straight" / "checkpoint-3", out / "resumed" / "checkpoint-3")
-    dist.barrier()
+    copy_checkpoint(out / "straight", out / "resumed")
     train(out / "resumed", SPEC, 6, resume=True)
-    train(out / "adamw", "allreduce", 4, adamw=True)
+    train(out / "adamw", "allreduce", 6, adamw=True)
+    copy_checkpoint(out / "adamw", out / "adamw_resumed")
+    train(out / "adamw_resumed", "allreduce", 6, resume=True, adamw=True)
     dist.destroy_process_group()
     # What this job checks is written; gloo's processes abort at exit now and then ("terminate called
     # without an active exception", docs/reliability.md): leave without interpreter finalization.

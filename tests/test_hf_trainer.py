@@ -4,8 +4,8 @@ the Trainer ends bitwise where plain DDP does; top-k with error feedback logs it
 Trainer's, its ranks end identical, every rank's hook state is in the Trainer's checkpoint, and a run
 resumed from it ends bitwise where the run straight through does, residuals included;
 ``CompressedAdamW`` as the Trainer's optimizer (clipped per rank after the freeze) keeps the ranks
-identical. ``summary()`` of the run equals its steps summed by hand. transformers is a declared extra of
-the development set-up (``gradcomp[transformers]``): without it these tests fail."""
+identical and resumes bitwise. ``summary()`` of the run equals its steps summed by hand. transformers
+is a declared extra of the development set-up (``gradcomp[transformers]``): without it these tests fail."""
 
 from __future__ import annotations
 
@@ -83,9 +83,14 @@ def test_the_callback_logs_keeps_every_ranks_state_and_resumes_bitwise(out: Path
 
 
 @pytest.mark.timeout(300)
-def test_compressed_adamw_as_the_trainers_optimizer_keeps_the_ranks_identical(out: Path) -> None:
-    assert alike(rank_parameters(out / "adamw", 0), rank_parameters(out / "adamw", 1))
-    assert not alike(rank_parameters(out / "adamw", 0), rank_parameters(out / "plain", 0))
+def test_compressed_adamw_as_the_trainers_optimizer_keeps_the_ranks_identical_and_resumes(out: Path) -> None:
+    adamw, resumed = out / "adamw", out / "adamw_resumed"
+    assert alike(rank_parameters(adamw, 0), rank_parameters(adamw, 1))
+    assert not alike(rank_parameters(adamw, 0), rank_parameters(out / "plain", 0))
+    saved = torch.load(adamw / "checkpoint-3" / "gradcomp_rank0.pt", weights_only=True)["hook"]
+    assert saved["compressor"]["residuals"], "past the freeze: the carrier's residuals"
+    for rank in (0, 1):
+        assert alike(rank_parameters(resumed, rank), rank_parameters(adamw, rank))
 
 
 @pytest.mark.timeout(300)
