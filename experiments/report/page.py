@@ -17,7 +17,7 @@ h1 { font-size: 1.6em; } h2 { font-size: 1.3em; margin-top: 2.2em; border-bottom
 table { border-collapse: collapse; margin: 0.8em 0; font-size: 0.86em; }
 th, td { border: 1px solid #ddd; padding: 0.25em 0.4em; text-align: right; white-space: nowrap; }
 th { background: #f3f3f3; white-space: normal; vertical-align: bottom; } td.name, th.name { text-align: left; }
-td.name { white-space: normal; min-width: 9em; max-width: 16em; overflow-wrap: anywhere; }
+td.name { white-space: normal; min-width: 11em; max-width: 16em; overflow-wrap: break-word; }
 .verdict { font-size: 1.08em; background: #eef5ff; border-left: 4px solid #1f77b4; padding: 0.5em 0.8em; }
 .swatch { display: inline-block; width: 0.9em; height: 0.9em; margin-right: 0.4em; vertical-align: -0.1em; }
 .scroll { overflow-x: auto; } .note { color: #555; font-size: 0.9em; } .failed { color: #a00; }
@@ -128,7 +128,8 @@ def _table(group: Group, colours: dict[str, str]) -> str:
         every = cells_of(group, method)
         cells = [_e(every[i]) for i in shown]
         swatch = f'<span class="swatch" style="background:{colours[method.hook]}"></span>'
-        cells[0] = f'{swatch}<span title="{_e(method.hook)}">{cells[0]}</span>'
+        name = cells[0].replace(",", ",<wbr>").replace(" over ", " over<wbr> ")  # a long spec breaks between options
+        cells[0] = f'{swatch}<span title="{_e(method.hook)}">{name}</span>'
         row = "".join(f"<td{' class=name' if i == 0 else ''}>{c}</td>" for i, c in enumerate(cells))
         rows.append(f"<tr>{row}</tr>")
     rows.append("</table>")
