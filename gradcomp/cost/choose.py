@@ -17,6 +17,11 @@ from gradcomp.cost.cluster import Cluster
 from gradcomp.cost.kernels import KernelCost
 from gradcomp.cost.step import Method, Workload, predict
 
+MARGIN = 0.05
+"""How much faster than the baseline (the uncompressed gradient) a choice must be predicted to be
+taken: 5%, about how much kernel timings vary from run to run. The planner's recommendation holds
+methods to the same margin (:data:`gradcomp.cost.plan.MARGIN`)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
@@ -33,7 +38,7 @@ def choose(
     candidates: Sequence[Method],
     cluster: Cluster,
     kernels: Callable[[str], KernelCost],
-    margin: float = 0.05,
+    margin: float = MARGIN,
 ) -> Choice:
     """The per-bucket choice among ``candidates`` (the first is the baseline) for ``workload``."""
     if not candidates:

@@ -18,6 +18,7 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from gradcomp.compressors import Aggregation
+from gradcomp.cost import choose
 from gradcomp.cost.cluster import ALL_REDUCE, Cluster
 from gradcomp.cost.kernels import KernelCost
 from gradcomp.cost.step import Method, StepPrediction, Workload, predict
@@ -168,10 +169,11 @@ def _held_back(option: Option, instead: Option, margin: float, rule: str, name: 
     )
 
 
-MARGIN = 1.05
+MARGIN = 1 + choose.MARGIN
 """How much faster than the uncompressed gradient (the baseline's fastest route) a method must be
 predicted to be recommended instead of it: 5%, about how much kernel timings vary from run to run
-(:data:`CLOSE`). A predicted 1.00x is the baseline, never a method "1.00x faster"."""
+(:data:`CLOSE`), the margin the ``auto`` hook chooses with. A predicted 1.00x is the baseline, never
+a method "1.00x faster"."""
 MARGIN_RULE = "a method must win by to be told apart from the uncompressed gradient (kernel timings vary that much)"
 LOSSY_RULE = "a lossy method must win by to be worth its accuracy risk (and the model's own error)"
 
