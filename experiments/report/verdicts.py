@@ -77,7 +77,7 @@ def rate_verdict(group: Group) -> str:
     if not significant(best.baseline_p):
         return (
             f"{study}. Within the noise of {base.name}: nothing is measurably faster here. {best.name} is "
-            f"highest, {figure} ({ratio + ', ' if ratio else ''}{_noise(best.baseline_p)})."
+            f"highest, {figure} ({ratio + ', ' if ratio else ''}{_noise(best.baseline_p, 'finished')})."
         )
     return f"{study}. {best.name} is fastest: {figure}{', ' + ratio if ratio else ''} ({_p(best.baseline_p)})."
 
@@ -103,9 +103,11 @@ def _p(p: float | None) -> str:
     return "Welch p < 0.001" if p is not None and p < 0.001 else f"Welch p = {p:.3f}"
 
 
-def _noise(p: float | None) -> str:
+def _noise(p: float | None, seeds: str = "reached the target") -> str:
+    """The p-value as the verdict says it; untested where the test is undefined (``seeds``: what a
+    seed must have done to count)."""
     if p is None:
-        return "untested: fewer than two seeds of each reached the target, or none differs"
+        return f"untested: fewer than two seeds of each {seeds}, or none differs"
     return f"Welch p = {p:.2f} over the seeds: within the noise"
 
 
