@@ -34,9 +34,10 @@ def clock(seconds: float) -> str:
 class Progress:
     """A status line for ``command`` over ``total`` units of work (units may weigh differently: a
     spawn measuring 8 variants together is 8 units). :meth:`step` wraps each unit; :meth:`write`
-    puts a command's own output (its tables) above the line. ``stream`` defaults to stderr, and
-    ``enabled`` to whether it is a terminal: pass both to test. On a terminal a thread redraws the
-    line every ``tick`` seconds, so that the elapsed time moves during a long unit."""
+    puts a command's own output (its tables) above the line. ``stream`` defaults to stderr,
+    ``enabled`` to whether it is a terminal and ``columns`` to its width: pass them to test. On a
+    terminal a thread redraws the line every ``tick`` seconds, so that the elapsed time moves during
+    a long unit."""
 
     def __init__(
         self,
@@ -47,12 +48,15 @@ class Progress:
         enabled: bool | None = None,
         tick: float = 1.0,
         now: Callable[[], float] = time.monotonic,
+        columns: int | None = None,
     ) -> None:
         self.command = command
         self.total = total
         self.stream = sys.stderr if stream is None else stream
         self.enabled = _is_terminal(self.stream) if enabled is None else enabled
         self.now = now
+        self.columns = columns
+        """The line's width (default: the terminal's, read at every draw: a resized window follows)."""
         self.began = now()
         self.done = 0.0
         self.label = ""
@@ -134,7 +138,8 @@ class Progress:
     def _draw(self) -> None:
         if not self.enabled or self._stop.is_set():
             return
-        width = shutil.get_terminal_size((100, 24)).columns - 1  # never wrap: \r returns to one line
+        columns = self.columns or shutil.get_terminal_size((100, 24)).columns
+        width = columns - 1  # never wrap: \r returns to one line
         self.stream.write("\r\x1b[K" + self.line(width)[:width])
         self.stream.flush()
         self._drawn = True

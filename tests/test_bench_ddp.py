@@ -154,7 +154,7 @@ def test_torch_powersgd_runs_alone_and_its_bytes_are_its_factors_and_vectors() -
     settings = BenchSettings(model, 2, "loopback", ("torch:powersgd:rank=1",), (), steps=2, rounds=1, warmup=2,
                              timeout=300)  # fmt: skip
     terminal = io.StringIO()
-    with Progress("bench ddp", units(settings), stream=terminal, enabled=True, tick=0) as progress:
+    with Progress("bench ddp", units(settings), stream=terminal, enabled=True, tick=0, columns=200) as progress:
         rows = run(settings, progress)
     # The parent says what each launch of ranks measures: the variants in rounds, then PowerSGD alone.
     lines = [line for line in terminal.getvalue().split("\r\x1b[K") if line]

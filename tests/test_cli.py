@@ -192,7 +192,7 @@ def test_progress_says_what_runs_how_far_and_when_it_ends() -> None:
     and the rest estimated from the units done (the estimate made when the last ended, counted down)."""
     now = [100.0]
     terminal = Terminal()
-    progress = Progress("bench ddp", 10, stream=terminal, tick=0, now=lambda: now[0])
+    progress = Progress("bench ddp", 10, stream=terminal, tick=0, now=lambda: now[0], columns=200)
     with progress.step("loopback: 8 variants in rounds", 8):
         assert progress.line() == "bench ddp  0/10  loopback: 8 variants in rounds  elapsed 0:00"
         now[0] += 40

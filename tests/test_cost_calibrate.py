@@ -28,7 +28,7 @@ TERMINAL = io.StringIO()
 @pytest.fixture(scope="module")
 def profile() -> Profile:
     """A small calibration on loopback at 2 ranks (seconds, not the default minute)."""
-    with Progress("calibrate", calibrate.units(SPECS), stream=TERMINAL, enabled=True, tick=0) as progress:
+    with Progress("calibrate", calibrate.units(SPECS), stream=TERMINAL, enabled=True, tick=0, columns=200) as progress:
         return calibrate.calibrate(
             "loopback", 2, sizes=(4096, 4 << 20, 16 << 20), repeats=5, specs=SPECS, kernel_repeats=2,
             kernel_sides=(32, 128, 512), engine_sides=(64, 256), progress=progress,
