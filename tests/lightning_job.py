@@ -1,13 +1,16 @@
 """A 2-process Lightning job on the CPU for tests/test_lightning.py, run as ``python -m tests.lightning_job
-OUT SPEC STEPS [resumed]`` (Lightning starts the second process with the same command): the toy model on
-each rank's own random batches (3 an epoch, the same every epoch), gradcomp's hook through
-GradcompStrategy (SPEC a hook spec or ``auto``), or with a sync spec (``diloco:...``, ``localsgd:...``)
-no hook and the Synchronize callback (outer gradients as 4-bit codes with error feedback); statistics
-logged to a CSV logger, a checkpoint at every epoch's end (OUT/straight/epoch<e>.ckpt); each rank writes its
-parameters to OUT/straight/rank<r>.pt. With ``resumed``, a second run in the same processes (a new
-Trainer, model and strategy, as a script that fits twice makes them; the process group is Lightning's
-to reuse) resumes from the first one's checkpoint of its first epoch's end into OUT/resumed: starting
-Lightning's processes costs more than the runs."""
+OUT STEPS RUN...`` (Lightning starts the second process with the same command), each RUN a SPEC or
+``SPEC@resumed``, run one after the other in the same processes into OUT/<its index>: the toy model
+on each rank's own random batches (3 an epoch, the same every epoch), gradcomp's hook through
+GradcompStrategy (SPEC a hook spec or ``auto``), gradcomp's reduce-scatter under FSDP2
+(``fsdp:<sharded spec>``), or with a sync spec (``diloco:...``, ``localsgd:...``) no hook and the
+Synchronize callback (outer gradients as 4-bit codes with error feedback); statistics logged to a CSV
+logger, a checkpoint at every epoch's end (straight/epoch<e>.ckpt); each rank writes its parameters
+to straight/rank<r>.pt. With ``@resumed``, a second run in the same processes (a new Trainer, model
+and strategy, as a script that fits twice makes them; the process group is Lightning's to reuse)
+resumes from the first one's checkpoint of its first epoch's end into resumed/. Starting Lightning's
+processes costs more than the runs: one job serves every test.
+"""
 
 from __future__ import annotations
 
@@ -98,10 +101,12 @@ def fit(out: Path, spec: str, steps: int, resume: Path | None) -> None:
     torch.save([p.detach().clone() for p in full], out / f"rank{rank}.pt")
 
 
-def main(out: Path, spec: str, steps: int, resumed: bool) -> None:
-    fit(out / "straight", spec, steps, None)
-    if resumed:
-        fit(out / "resumed", spec, steps, out / "straight" / "epoch0.ckpt")
+def main(out: Path, steps: int, runs: list[str]) -> None:
+    for index, run in enumerate(runs):
+        spec, _, resumed = run.partition("@")
+        fit(out / str(index) / "straight", spec, steps, None)
+        if resumed:
+            fit(out / str(index) / "resumed", spec, steps, out / str(index) / "straight" / "epoch0.ckpt")
     # as PyTorch documents: without it a process with gloo groups can abort at exit (std::terminate)
     torch.distributed.destroy_process_group()
 
@@ -112,4 +117,4 @@ class _Batches(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4:] == ["resumed"])
+    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])
