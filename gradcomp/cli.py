@@ -304,7 +304,7 @@ def _bench_collectives(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_writable(path: str) -> None:
+def check_writable(path: str) -> None:
     """Refuse an output file that could not be written: its directory missing or not writable."""
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
@@ -324,7 +324,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     netem.check(profiles[0], args.ranks)
     sizes = [size.as_bytes() for size in parse_sizes(args.sizes)]
     specs = [s.strip() for s in args.specs.split(";") if s.strip()] if args.specs else list(calibrate.KERNEL_SPECS)
-    _check_writable(args.output)  # before minutes of measurements that would have nowhere to go
+    check_writable(args.output)  # before minutes of measurements that would have nowhere to go
     with Progress("calibrate", calibrate.units(specs)) as progress:  # stderr, on a terminal only
         profile = calibrate.calibrate(profiles[0], args.ranks, name=args.name, sizes=sizes, repeats=args.repeats,
                                       specs=specs, device=args.device, progress=progress)  # fmt: skip

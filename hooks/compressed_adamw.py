@@ -147,6 +147,11 @@ class CompressedAdamW(torch.optim.Optimizer):
         feedback, whose residual would be stranded when the hook falls silent at the freeze. After the
         freeze the hook hands DDP each rank's own gradient: averaging it too would send the gradient's
         bytes besides the momentum's."""
+        if not isinstance(model, DistributedDataParallel):
+            raise ValueError(
+                f"attach takes the DistributedDataParallel model whose gradients it averages, got "
+                f"{type(model).__name__}: wrap it first (DistributedDataParallel(model))"
+            )
         if self.hook_state is not None:
             raise RuntimeError("this optimizer is attached already: one model, one hook")
         spec = HookSpec.parse(warmup)
@@ -329,7 +334,6 @@ class CompressedAdamW(torch.optim.Optimizer):
         again from it at the next compressed step."""
         super().load_state_dict(state_dict)
         self._flat = self._denominators = None
-
 
 
 class CompressedAdamWState(TrainingHookState):

@@ -120,6 +120,15 @@ def test_parameters_of_two_dtypes_are_refused() -> None:
         CompressedAdamW([nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2, dtype=torch.float64))])
 
 
+def test_attach_refuses_a_model_that_is_not_ddp() -> None:
+    """Issue 48, item 8: one line saying what it takes, not an ``AttributeError`` from inside."""
+    net = nn.Linear(2, 2)
+    optimizer = CompressedAdamW(net.parameters())
+    with pytest.raises(ValueError, match=r"attach takes the DistributedDataParallel model .* got Linear"):
+        optimizer.attach(net)  # type: ignore[arg-type]
+    assert optimizer.hook_state is None
+
+
 # -- among ranks -------------------------------------------------------------------------------------
 
 

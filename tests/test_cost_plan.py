@@ -177,6 +177,23 @@ def test_the_plan_command_refuses_impossible_inputs(arguments: list[str], messag
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("option", ["--json", "--html"])
+def test_the_plan_command_refuses_an_output_it_cannot_write_before_computing(  # type: ignore[no-untyped-def]
+    option, tmp_path, monkeypatch, capsys
+) -> None:
+    """Issue 48, item 8: a missing directory is one line, up front (the table is not computed)."""
+    from gradcomp.experiments.plan import command
+
+    monkeypatch.setattr(command, "setting", lambda args: pytest.fail("the table was computed"))
+    missing = tmp_path / "missing" / "plan.out"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["plan", "--params", "1M", "--compute-ms", "1", "--ranks", "8", "--net", "1gbit",
+                  option, str(missing)])  # fmt: skip
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {missing}: no directory" in err and err.count("\n") == 1
+
+
 def test_a_lossy_method_must_win_by_a_margin_and_a_close_runner_up_is_named() -> None:
     """3% faster than the uncompressed gradient is within the model's error, not worth an accuracy
     risk: the uncompressed gradient is recommended, saying why; a runner-up within 5% of a choice is named."""

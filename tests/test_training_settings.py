@@ -104,3 +104,18 @@ def test_the_runs_clipping_moves_into_a_hook_with_error_feedback() -> None:
     averaged = TrainConfig(steps=10, clip=2.0, hook="fp16")
     assert averaged.effective.hook == "fp16" and averaged.clips_averaged
     assert not TrainConfig(steps=10, hook="quantize:bits=2,ef=true").clips_averaged
+
+
+def test_a_batch_larger_than_the_data_is_refused_before_the_run_directory_is_claimed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 48, item 8: as ``sweep --dry-run`` refuses it, in one line, no rank started, and the same
+    directory takes the corrected run without ``--overwrite``."""
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_:
+        main(["--batch-size", "100000", "--steps", "5", "--out", str(out)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "batch size 100000 is larger than the" in err
+    assert "Traceback" not in err and "rank" not in err
+    assert not out.exists()

@@ -240,6 +240,11 @@ def _scaling_table(curves: dict[str, list[tuple[int, plan.Option]]]) -> str:
 
 
 def _command(args: argparse.Namespace) -> int:
+    from gradcomp.cli import check_writable
+
+    for output in (args.json, args.html):
+        if output:
+            check_writable(output)  # before the table is computed (kernels timed here: seconds)
     chosen = setting(args)
     from gradcomp.experiments.bench.command import split_hooks
 

@@ -40,7 +40,7 @@ from typing import Any
 from gradcomp import netem
 from gradcomp.experiments.tasks import build_task, parse_task
 from gradcomp.experiments.training import runinfo
-from gradcomp.experiments.training.config import NO_SYNC, TrainConfig, field_names, from_mapping
+from gradcomp.experiments.training.config import NO_SYNC, TrainConfig, check_batch, field_names, from_mapping
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -217,7 +217,7 @@ def _check_batches(runs: list[Run], where: str) -> None:
         if task is None:
             continue
         try:
-            task.batch(0, config.batch_size, config.seed)
+            check_batch(config, task)
         except ValueError as error:
             raise ValueError(f"{where}: run {run.name}: {error}") from None
 

@@ -21,7 +21,7 @@ from typing import Any
 from gradcomp import hooks
 from gradcomp.collectives.hierarchical import check_local_size
 from gradcomp.compressors.registry import NO_FEEDBACK
-from gradcomp.experiments.tasks import parse_task
+from gradcomp.experiments.tasks import build_task, parse_task
 from gradcomp.experiments.training.optim import SCHEDULES, parse_optimizer
 from gradcomp.experiments.training.parallel import PARALLELS, check_nodes, node_size
 from gradcomp.hooks.compressed_adamw_spec import is_compressed_adamw_spec
@@ -399,6 +399,15 @@ def _positive(config: TrainConfig, *names: str, strict: bool = True) -> None:
 def _choice(name: str, value: str, valid: Sequence[str] | Mapping[str, Any]) -> None:
     if value not in valid:
         raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
+
+
+def check_batch(config: TrainConfig, task: Any | None = None) -> None:
+    """Refuse a batch its task's data cannot serve (``--batch-size 100000`` on 1400 samples): a
+    ``ValueError`` here, before a launcher claims the run's directory or starts a rank, rather than the
+    same error in every rank. ``task``: the config's task, where the caller has built it already (a
+    sweep builds each distinct task once)."""
+    task = build_task(config.task, config.data) if task is None else task
+    task.batch(0, config.batch_size, config.seed)
 
 
 def field_names() -> list[str]:

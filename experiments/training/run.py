@@ -21,13 +21,16 @@ to ``--out``: TensorBoard events (:mod:`~gradcomp.experiments.training.metrics` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +41,7 @@ from gradcomp import netem
 from gradcomp.experiments.models import parameter_count
 from gradcomp.experiments.tasks import build_task
 from gradcomp.experiments.training import checkpoint, parallel, runinfo
-from gradcomp.experiments.training.config import PATH_FIELDS, TrainConfig, add_arguments, from_args
+from gradcomp.experiments.training.config import PATH_FIELDS, TrainConfig, add_arguments, check_batch, from_args
 from gradcomp.experiments.training.loop import Loop
 from gradcomp.experiments.training.metrics import NullWriter, TensorBoardWriter, WireMeter, Writer
 from gradcomp.experiments.training.optim import make_optimizer, make_schedule
@@ -234,27 +237,60 @@ def launch(config: TrainConfig, *, verbose: bool = False) -> dict[str, Any]:
     """Start ``config.ranks`` ranks on this machine (behind ``config.network``), run, return rank 0's
     run record. A failure is recorded in run.json (status ``failed``) and raised (``RankError``, or
     ``NetemError`` where the network cannot be built). An output directory that holds another run
-    is refused first (``runinfo.prepare``), and so is a resume the checkpoint cannot serve (other
-    settings, world size: before any rank starts, the run left as it was)."""
+    is refused first (``runinfo.prepare``), and so is a batch the task's data cannot serve or a resume
+    the checkpoint cannot serve (other settings, world size: before any rank starts, the run left as it
+    was), and a directory another run is writing (it holds ``OUT/.run.lock``: two ``--resume auto`` at
+    once). SIGTERM (or Ctrl-C) stops the ranks, records the run ``interrupted`` and raises
+    :class:`Terminated` (``KeyboardInterrupt``)."""
+    check_batch(config)
     checkpoint.check_before_start(config)  # the ranks it starts are the world: config.ranks
-    runinfo.prepare(config.out, config.checkpoint_path, config.resume, config.overwrite)
-    try:
-        results = spawn(
-            config.ranks,
-            _rank_main,
-            (config, verbose),
-            timeout=config.timeout,
-            backend=config.backend,
-            group_timeout=config.group_timeout,
-            threads=config.threads,
-            network=config.network,
-        )
-    except (RankError, NetemError) as error:
-        recorded = error.report if isinstance(error, RankError) else str(error)  # every rank's traceback
-        runinfo.record_failure(config.out, os.path.basename(os.path.normpath(config.out)), config.to_dict(), recorded)
-        raise
+    name = os.path.basename(os.path.normpath(config.out))
+    with runinfo.lock(config.out), _sigterm_raises():  # one run at a time in a directory
+        runinfo.prepare(config.out, config.checkpoint_path, config.resume, config.overwrite)
+        try:
+            results = spawn(
+                config.ranks,
+                _rank_main,
+                (config, verbose),
+                timeout=config.timeout,
+                backend=config.backend,
+                group_timeout=config.group_timeout,
+                threads=config.threads,
+                network=config.network,
+            )
+        except (RankError, NetemError) as error:
+            recorded = error.report if isinstance(error, RankError) else str(error)  # every rank's traceback
+            runinfo.record_failure(config.out, name, config.to_dict(), recorded)
+            raise
+        except (Terminated, KeyboardInterrupt) as error:  # spawn stopped the ranks on its way out
+            runinfo.record_failure(config.out, name, config.to_dict(), str(error) or "interrupted", "interrupted")
+            raise
     record: dict[str, Any] = results[0]
     return record
+
+
+class Terminated(BaseException):
+    """SIGTERM reached the process that started a run's ranks (:func:`launch`): the ranks are
+    stopped and run.json says ``interrupted``. Not an ``Exception``: nothing on the way out takes it
+    for a failure to handle."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """Make SIGTERM raise :class:`Terminated` in the main thread while the block runs (elsewhere, or
+    off the main thread, it keeps its handler: the default ends the process, and the ranks with it)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise Terminated(f"interrupted by {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _rank_main(rank: int, world: int, config: TrainConfig, verbose: bool) -> dict[str, Any] | None:
@@ -344,9 +380,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             netem.check(config.network, config.ranks)
             record = launch(config, verbose=args.verbose)
         else:
-            if int(os.environ["RANK"]) == 0:
-                runinfo.prepare(config.out, config.checkpoint_path, config.resume, config.overwrite)
-            maybe = _torchrun(config)
+            check_batch(config)  # every rank, before rank 0 claims the directory
+            first = int(os.environ["RANK"]) == 0
+            with runinfo.lock(config.out) if first else contextlib.nullcontext():  # rank 0 holds the run's
+                if first:
+                    runinfo.prepare(config.out, config.checkpoint_path, config.resume, config.overwrite)
+                maybe = _torchrun(config)
             if maybe is None:
                 return 0
             record = maybe
@@ -358,6 +397,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         details = f"{error.report}\n" if isinstance(error, RankError) else ""  # every rank's traceback
         sys.stderr.write(f"{parser.prog}: the run failed ({where}): {_summary(error)}\n{details}")
         return 1
+    except Terminated as error:  # SIGTERM: the ranks stopped, the run recorded interrupted
+        sys.stderr.write(f"{parser.prog}: {error}; recorded in {runinfo.path(config.out)}\n")
+        return 128 + signal.SIGTERM
     except Exception as error:
         if under_torchrun:
             return _failed(parser.prog, error)  # this rank's first line is the message
