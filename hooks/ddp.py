@@ -14,6 +14,7 @@ from torch.distributed import GradBucket
 from gradcomp.collectives.executor import Handle
 from gradcomp.collectives.groups import as_timeout
 from gradcomp.compressors import fusion
+from gradcomp.compressors.finite import refuse_non_finite
 from gradcomp.engine import Engine
 from gradcomp.engine.sharded import ShardedEngine, ShardSpec
 from gradcomp.engine.spec import HookSpec, HookSpecLike
@@ -152,7 +153,7 @@ class HookState(TrainingHookState):
 
 def check_saved(state: Any, spec: str, world: int | None, kind: str) -> None:
     """Refuse a hook state that is not a ``kind`` hook's, or was saved by another spec or world size
-    (``world`` None: not known yet, not compared)."""
+    (``world`` None: not known yet, not compared), or holds a NaN or Inf (:func:`refuse_non_finite`)."""
     if not isinstance(state, dict) or "spec" not in state or "world_size" not in state:
         raise ValueError(f"not a {kind} hook state (it records no spec and world size)")
     saved, mine = (state["spec"], state["world_size"]), (spec, state["world_size"] if world is None else world)
@@ -161,6 +162,7 @@ def check_saved(state: Any, spec: str, world: int | None, kind: str) -> None:
             f"this hook state was saved by the hook {saved[0]!r} at world size {saved[1]}; "
             f"this hook is {mine[0]!r} at world size {mine[1]}"
         )
+    refuse_non_finite(state, f"this {kind} hook state")  # every hook's load comes here
 
 
 def gradcomp_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[Tensor]:

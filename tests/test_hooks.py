@@ -479,3 +479,89 @@ def test_a_timeout_is_a_positive_time_in_seconds_or_a_timedelta(timeout: Any, er
         hooks.make("topk:ratio=0.1,ef=true", timeout=timeout)
     state, _ = hooks.make("topk:ratio=0.1,ef=true", timeout=30)
     assert state._timeout == datetime.timedelta(seconds=30)
+
+
+# -- a loaded state must be finite -----------------------------------------------------------------
+
+
+def _first_floating(state: Any, path: str = "") -> tuple[str, torch.Tensor] | None:
+    """The first floating tensor of a saved state and its key, named as the refusal names it."""
+    if isinstance(state, torch.Tensor):
+        return (path, state) if state.is_floating_point() and state.numel() else None
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, list) else ()
+    for key, value in items:
+        found = _first_floating(value, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key)
+        if found is not None:
+            return found
+    return None
+
+
+def _poisoned(saved: dict[str, Any], where: str = "") -> tuple[dict[str, Any], str]:
+    """A copy of ``saved`` as a checkpoint gives it back, with a NaN in its first floating tensor
+    (under ``where``), and that tensor's key."""
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    copy = torch.load(buffer, weights_only=True)
+    found = _first_floating(copy[where] if where else copy, where)
+    assert found is not None, f"no floating tensor to poison under {where!r} in {sorted(copy)}"
+    path, tensor = found
+    tensor.view(-1)[0] = float("nan")
+    return copy, path
+
+
+def poisoned_states(rank: int, world: int) -> Failures:
+    """Every kind of state a hook or synchronizer loads, saved after a few steps with one NaN put
+    in: the load is refused in one line naming the key, and the state refused stays usable (it trains
+    on, finite). Before the refusal a NaN residual was loaded, kept by every step's non-finite
+    guard, and every later step was non-finite on both ranks."""
+    from gradcomp.sync import Synchronizer
+
+    failures = Failures()
+    batches = toy_batches(rank, 3)
+
+    def refused(load: Any, saved: dict[str, Any], path: str, what: str) -> None:
+        try:
+            load(saved)
+        except ValueError as error:
+            text = str(error)
+            failures.expect("non-finite" in text and path in text and "\n" not in text, f"{what}: {text}")
+        else:
+            failures.expect(False, f"{what}: a state holding a NaN at {path} was loaded")
+
+    for spec in ["topk:ratio=0.1,ef=true", "topk:ratio=0.1,ef=true,momentum=0.9", "sign:ef=ef21",
+                 "powersgd:rank=2,ef=true"]:  # fmt: skip
+        ddp, state = wrap(toy_model(), spec)
+        assert state is not None
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        sgd_steps(ddp, optimizer, batches[:2])
+        saved, path = _poisoned(state.state_dict(), "compressor")
+        refused(state.load_state_dict, saved, path, spec)
+        fresh = hooks.make(spec)[0]  # loaded before its first bucket: refused at once too
+        refused(fresh.load_state_dict, saved, path, f"{spec}, before its engine")
+        sgd_steps(ddp, optimizer, batches[2:])
+        failures.expect(all(bool(p.isfinite().all()) for p in ddp.parameters()), f"{spec}: not finite after")
+
+    ddp, auto = wrap(toy_model(), "auto")
+    sgd_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), batches[:1])
+    saved = auto.state_dict()  # type: ignore[union-attr]
+    saved["pending"] = [[0, torch.zeros(4)]]  # a residual in hand-over between candidates
+    saved, path = _poisoned(saved, "pending")
+    refused(auto.load_state_dict, saved, path, "auto")  # type: ignore[union-attr]
+
+    model = toy_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = Synchronizer(model, "diloco:every=2", "topk:ratio=0.1,ef=true", optimizer=optimizer)
+    for x, y in batches:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        sync.step()
+    for where in ("compressor", "globals"):
+        saved, path = _poisoned(sync.state_dict(), where)
+        refused(sync.load_state_dict, saved, path, f"diloco's {where}")
+    return failures
+
+
+def test_a_loaded_state_holding_nan_or_inf_is_refused_naming_the_key() -> None:
+    run_checks(2, poisoned_states, timeout=120)

@@ -9,6 +9,9 @@ on the CPU, where a read is free and a masked pass is not, they read the test (c
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -58,3 +61,31 @@ def finite(tensor: Tensor) -> Tensor:
     if not tensor.numel():
         return torch.ones((), dtype=torch.bool, device=tensor.device)
     return torch.isfinite(torch.stack(torch.aminmax(tensor))).all()
+
+
+def refuse_non_finite(state: Any, what: str) -> None:
+    """Refuse a loaded ``state`` (a checkpoint's nested dicts and lists) that holds a NaN or Inf in
+    any floating tensor, naming its key: what a state carries between steps (error feedback's
+    residuals, velocities and estimates, PowerSGD's memories, a synchronizer's global parameters)
+    is kept as it was by a non-finite step (rule "one bad step"), so a non-finite value loaded into
+    it would never be replaced and would make every later step non-finite. At load time, not in the
+    step: one reduction pass and one host read per tensor."""
+    for path, tensor in _tensors(state, ""):
+        if (tensor.is_floating_point() or tensor.is_complex()) and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(
+                f"{what} holds a non-finite value (NaN or Inf) at {path}: it would make every later step "
+                "non-finite (a non-finite step leaves the state as it was); load a checkpoint saved before "
+                "the run diverged, or leave this state out and start it afresh"
+            )
+
+
+def _tensors(state: Any, path: str) -> Iterator[tuple[str, Tensor]]:
+    """Every tensor of ``state`` with its key (``compressor.residual[0].residual``), depth first."""
+    if isinstance(state, Tensor):
+        yield path or "its top level", state
+    elif isinstance(state, Mapping):
+        for key, value in state.items():
+            yield from _tensors(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(state, (list, tuple)):
+        for index, value in enumerate(state):
+            yield from _tensors(value, f"{path}[{index}]")

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradcomp.collectives.groups import rank_of
+from gradcomp.compressors.finite import refuse_non_finite
 from gradcomp.engine import HookSpecLike
 from gradcomp.engine.quorum import QuorumEngine, agreed
 from gradcomp.engine.stats import BucketRecord, write_trace
@@ -231,6 +232,7 @@ class FaultTolerantSynchronizer(Synchronizer):
         if shapes != [tuple(g.shape) for g in self.globals]:
             raise ValueError(f"this state is of another model: shapes {shapes[:6]}, not "
                              f"{[tuple(g.shape) for g in self.globals][:6]}")  # fmt: skip
+        refuse_non_finite(state, "this synchronizer's state")
         with torch.no_grad():
             for g, s in zip(self.globals, state["globals"], strict=True):
                 g.copy_(s)

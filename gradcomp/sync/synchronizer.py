@@ -41,6 +41,7 @@ from gradcomp import collectives
 from gradcomp.collectives.executor import Handle
 from gradcomp.collectives.groups import as_timeout
 from gradcomp.compressors import fusion
+from gradcomp.compressors.finite import refuse_non_finite
 from gradcomp.engine import Engine, HookSpec, HookSpecLike, rules
 from gradcomp.engine.pipeline import check_same_spec
 from gradcomp.engine.stats import BucketRecord, StepStats, newest, per_step, write_trace
@@ -470,6 +471,8 @@ class Synchronizer(TrainingHookState):
                 f"this synchronizer's model has {len(self.globals)} of shapes "
                 f"{_shapes([tuple(g.shape) for g in self.globals])}"
             )
+        # what it carries must be finite; an average in flight may not be (its outer step is skipped)
+        refuse_non_finite({k: state[k] for k in ("globals", "outer", "compressor")}, "this synchronizer's state")
         with torch.no_grad():
             for g, s in zip(self.globals, state["globals"], strict=True):
                 g.copy_(s)
