@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from gradcomp import launch
@@ -44,6 +45,19 @@ def hang(rank: int, world: int) -> None:
 
 def test_results_come_back_in_rank_order() -> None:
     assert spawn(3, identify, (10,), timeout=60) == [(10, 3, 3), (11, 3, 3), (12, 3, 3)]
+
+
+def tensors(rank: int, world: int) -> list[torch.Tensor]:
+    """Many tensors, one of them in shared memory: the parent reads them after the rank has exited."""
+    return [torch.full((256,), float(100 * rank + i)) for i in range(63)] + [torch.ones(3).share_memory_()]
+
+
+def test_ranks_return_tensors() -> None:
+    """By value: shared through file descriptors (the queue's own pickler) they were served by a rank
+    that exits as soon as it has put them, and the parent's read failed (connection refused or reset)."""
+    for rank, returned in enumerate(spawn(2, tensors, timeout=60)):
+        assert [float(t[0]) for t in returned[:-1]] == [float(100 * rank + i) for i in range(63)]
+        assert torch.equal(returned[-1], torch.ones(3))
 
 
 def test_a_raising_rank_is_reported_with_its_traceback() -> None:

@@ -5,15 +5,18 @@ larger than the data); checkpoints that cannot be read are named as such."""
 from __future__ import annotations
 
 import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from gradcomp.experiments.sweep import plan, runner
-from gradcomp.experiments.training import checkpoint, runinfo
+from gradcomp.experiments.training import checkpoint, run, runinfo
 from gradcomp.experiments.training.config import TrainConfig
-from gradcomp.experiments.training.run import main
+from gradcomp.experiments.training.run import launch, main
 
 
 def _a_run(out: Path, status: str = "finished") -> None:
@@ -94,6 +97,76 @@ def test_a_truncated_checkpoint_is_named(tmp_path: Path) -> None:
     path.write_bytes(path.read_bytes()[:-40])
     with pytest.raises(ValueError, match="is not a readable checkpoint"):
         checkpoint.load(str(path), TrainConfig(steps=1, out=str(tmp_path)), 1, torch.device("cpu"))
+
+
+def test_a_checkpoint_damaged_on_disk_is_refused_naming_the_member(tmp_path: Path) -> None:
+    """2000 bytes overwritten inside a tensor: torch.load alone loads it (its zip's CRCs unchecked)."""
+    path = tmp_path / "checkpoint.pt"
+    weights = torch.full((4000,), 1.25)
+    checkpoint.save(str(path), {"step": 1, "model": {"weight": weights}})
+    data = bytearray(path.read_bytes())
+    start = data.index(weights[:8].numpy().tobytes()) + 4000
+    data[start : start + 2000] = os.urandom(2000)
+    path.write_bytes(bytes(data))
+    assert not torch.equal(torch.load(path, weights_only=True)["model"]["weight"], weights)  # silently
+    config = TrainConfig(steps=1, out=str(tmp_path))
+    with pytest.raises(ValueError, match=r"is damaged: its member '\S+/data/0' fails its CRC-32 check") as info:
+        checkpoint.load(str(path), config, 1, torch.device("cpu"))
+    assert "\n" not in str(info.value)
+
+
+def test_a_save_removes_the_temporaries_of_dead_writers_only(tmp_path: Path) -> None:
+    """A save killed (SIGKILL) leaves its temporary, a checkpoint's size: the next save or run start
+    removes those of no live writer (and of an earlier version, whose names hold no pid)."""
+    dead, old, live = ".tmp-999999999-abcd1234", ".tmp-k3x9q2ab", f".tmp-{os.getpid()}-efgh5678"
+    for name in (dead, old, live):
+        (tmp_path / name).write_bytes(b"x" * 1000)
+    checkpoint.save(str(tmp_path / "checkpoint.pt"), {"step": 1})
+    assert sorted(os.listdir(tmp_path)) == sorted(["checkpoint.pt", live])
+    (tmp_path / dead).write_bytes(b"x")
+    runinfo.prepare(str(tmp_path), str(tmp_path / "checkpoint.pt"), "auto", overwrite=False)
+    assert sorted(os.listdir(tmp_path)) == sorted(["checkpoint.pt", live])
+
+
+def test_a_second_run_in_the_same_directory_is_refused(tmp_path: Path) -> None:
+    holder = rf"another run is writing in {tmp_path / 'run'} \(pid {os.getpid()}\): wait for it to end"
+    out = str(tmp_path / "run")
+    with runinfo.lock(out), pytest.raises(ValueError, match=holder), runinfo.lock(out):
+        pass
+    with runinfo.lock(out):  # released
+        pass
+    with runinfo.lock(out), pytest.raises(ValueError, match=holder):  # the launcher too, before any rank starts
+        launch(TrainConfig(task="digits", steps=1, batch_size=32, out=out, resume="auto"))
+
+
+def test_sigterm_to_the_launcher_stops_its_ranks_and_records_the_run_interrupted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher's ranks (here: ranks that hang) are killed, and run.json no longer says running."""
+    from gradcomp import launch as launcher
+    from tests.test_launch import _running, note_pid_and_hang
+
+    out = tmp_path / "run"
+    files = [tmp_path / f"rank{rank}" for rank in range(2)]
+
+    def hanging_ranks(*args: object, **options: object) -> list[object]:
+        runinfo.write(str(out), {"name": "run", "config": {}, "status": "running"})  # as rank 0 does
+        return launcher.spawn(2, note_pid_and_hang, (str(tmp_path),), timeout=60)
+
+    def terminate_once_started() -> None:
+        deadline = time.monotonic() + 30
+        while not all(f.exists() and f.read_text() for f in files) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(run, "spawn", hanging_ranks)
+    threading.Thread(target=terminate_once_started, daemon=True).start()
+    with pytest.raises(run.Terminated, match="interrupted by SIGTERM"):
+        launch(TrainConfig(task="digits", steps=1, batch_size=32, out=str(out)))
+    record = runinfo.read(str(out))
+    assert record is not None and record["status"] == "interrupted", record
+    assert not any(_running(int(f.read_text())) for f in files), "ranks outlived the interrupted launcher"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # its handler was the launch's only
 
 
 def test_a_second_sweep_on_the_same_out_is_refused(tmp_path: Path) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import logging
 import os
 import time
@@ -102,23 +101,9 @@ def lock(out: str) -> Iterator[None]:
     """Hold ``OUT/.sweep.lock`` while a sweep runs there: a second sweep on the same ``--out`` is
     refused (it would train every run a second time, in the same directories) instead of racing."""
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, LOCK), "a+") as file:
-        try:
-            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            file.seek(0)
-            holder = file.read().strip() or "another process"
-            raise ValueError(
-                f"another sweep is running in {out} ({holder}): wait for it, or use another --out"
-            ) from None
-        file.seek(0)
-        file.truncate()
-        file.write(f"pid {os.getpid()}")
-        file.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(file, fcntl.LOCK_UN)
+    refusal = f"another sweep is running in {out} ({{holder}}): wait for it, or use another --out"
+    with runinfo.exclusive(os.path.join(out, LOCK), refusal):
+        yield
 
 
 LOCK = ".sweep.lock"
@@ -161,7 +146,7 @@ def run_sweep(runs: Sequence[Run], progress: Progress | None = None, keep_checkp
             logger.warning("run %s failed (recorded in its run.json): %s", run.name, line)  # one line: a user's error
             status = "failed"
         except KeyboardInterrupt:
-            runinfo.record_failure(run.config.out, run.name, run.config.to_dict(), "interrupted")
+            runinfo.record_failure(run.config.out, run.name, run.config.to_dict(), "interrupted", "interrupted")
             raise
         if status == "finished" and not keep_checkpoints:
             freed.append(drop_checkpoint(run))

@@ -15,6 +15,8 @@ rank's hook state while saving (the size of the model's gradients per rank, for 
 from __future__ import annotations
 
 import os
+import zipfile
+import zlib
 from typing import Any
 
 import torch
@@ -61,21 +63,44 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
 
 
 def save(path: str, checkpoint: dict[str, Any]) -> None:
-    """Write atomically: an interruption while saving leaves the previous checkpoint intact."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    """Write atomically: an interruption while saving leaves the previous checkpoint intact, and the
+    temporary of a save killed before (no live writer) is removed first."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    runinfo.remove_stale_temporaries(directory)  # of a save killed before (SIGKILL): a checkpoint's size
     with runinfo.atomic(path) as file:
         torch.save({"format": FORMAT, **checkpoint}, file)
 
 
 def load(path: str, config: TrainConfig, world_size: int, device: torch.device) -> dict[str, Any]:
     """Load a checkpoint for ``config`` at ``world_size``; a checkpoint of another run, or a file
-    that is not a readable checkpoint (truncated, corrupted, something else), is refused naming it."""
+    that is not a readable checkpoint (truncated, corrupted, something else), is refused naming it;
+    one whose bytes changed on disk (:func:`verify`), naming the damaged member."""
+    verify(path)
     try:
         checkpoint: dict[str, Any] = torch.load(path, map_location=device, weights_only=True)
     except Exception as error:  # torch raises OSError, EOFError, RuntimeError, UnpicklingError, ...
         raise ValueError(f"{path} is not a readable checkpoint ({type(error).__name__}: {error})") from None
     check(path, checkpoint, config, world_size)
     return checkpoint
+
+
+def verify(path: str) -> None:
+    """Refuse a checkpoint whose bytes changed since it was written, in one line naming the damaged
+    member: ``torch.load`` checks none of the CRC-32s that its zip file keeps of every member, so 2000
+    bytes overwritten inside a tensor loaded silently (and the resumed run ended at an eval accuracy
+    of 0.10 instead of 0.55). Costs one more read of the file (``zipfile.ZipFile.testzip``): 12-28 ms
+    for the digits MLP's 4.5 MB checkpoint on 2 busy cores, about as long as ``torch.load`` itself."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+    except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as error:
+        raise ValueError(f"{path} is not a readable checkpoint ({type(error).__name__}: {error})") from None
+    if damaged is not None:
+        raise ValueError(
+            f"{path} is damaged: its member {damaged!r} fails its CRC-32 check (changed on disk since it was "
+            "saved); resume from another checkpoint, or start over with --overwrite"
+        )
 
 
 def check(path: str, checkpoint: Any, config: TrainConfig, world_size: int) -> None:

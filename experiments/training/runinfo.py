@@ -1,7 +1,8 @@
 """``run.json``: what a run was (config, task, environment), how it ended (status, metrics, error).
 
 Written by rank 0 when a run starts (status ``running``) and ends (``finished``, or ``stopped`` at
-``stop_at``), and by the launcher when a run fails (``failed``, with the error). A sweep decides from
+``stop_at``), and by the launcher when a run fails (``failed``, with the error) or is stopped by
+SIGTERM or Ctrl-C (``interrupted``). A sweep decides from
 the status alone what to skip on a rerun: ``finished`` runs are kept, all others run again.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
 import glob
 import json
 import os
@@ -24,7 +26,7 @@ import torch
 
 from gradcomp.bench.report import machine
 
-STATUSES = ("running", "finished", "stopped", "failed")
+STATUSES = ("running", "finished", "stopped", "failed", "interrupted")
 
 
 def environment(world_size: int, backend: str, network: str, threads: int) -> dict[str, Any]:
@@ -87,7 +89,10 @@ def write(out: str, record: dict[str, Any]) -> None:
 @contextlib.contextmanager
 def atomic(target: str, mode: str = "wb") -> Iterator[IO[Any]]:
     """A file that replaces ``target`` only once written whole (a unique temporary beside it)."""
-    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(target)), prefix=".tmp-")
+    # The writer's pid in the name: a temporary of no live writer is stale (remove_stale_temporaries)
+    handle, temporary = tempfile.mkstemp(
+        dir=os.path.dirname(os.path.abspath(target)), prefix=f"{TEMPORARY}{os.getpid()}-"
+    )
     try:
         with os.fdopen(handle, mode) as file:
             yield file
@@ -98,13 +103,82 @@ def atomic(target: str, mode: str = "wb") -> Iterator[IO[Any]]:
         raise
 
 
-def record_failure(out: str, name: str, config: dict[str, Any], error: str) -> None:
-    """Mark a run failed, keeping what rank 0 had written about it. A finished run stays finished:
-    an attempt that fails before it starts (a refused resume) changes nothing of it."""
+TEMPORARY = ".tmp-"
+"""How :func:`atomic`'s temporaries are named: ``.tmp-<writer's pid>-<random>``."""
+
+
+def remove_stale_temporaries(directory: str) -> list[str]:
+    """Remove the temporaries in ``directory`` that no live process writes (a writer killed while
+    saving, by SIGKILL or a power cut, leaves its temporary: a checkpoint's size); the names removed.
+    One of an earlier version, whose name holds no pid, is stale too: call this where no other run
+    writes (a run directory, under its :func:`lock`)."""
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(directory):
+            if not name.startswith(TEMPORARY):
+                continue
+            pid = name[len(TEMPORARY) :].split("-", 1)[0]
+            if pid.isdigit() and _alive(int(pid)):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(directory, name))
+                removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
+
+
+RUN_LOCK = ".run.lock"
+"""The file a run holds locked in its directory while it runs (:func:`lock`)."""
+
+
+def lock(out: str) -> contextlib.AbstractContextManager[None]:
+    """Hold ``OUT/.run.lock`` while a run writes to ``out``: a second run on the same directory (two
+    ``--resume auto`` at once) is refused instead of writing its steps, events and checkpoints
+    between the first's."""
+    check_out(out)
+    os.makedirs(out, exist_ok=True)
+    refusal = f"another run is writing in {out} ({{holder}}): wait for it to end, or give another --out"
+    return exclusive(os.path.join(out, RUN_LOCK), refusal)
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: str, refusal: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock_path`` (created if need be; it says the holder's pid) for the
+    block; held by another process, a ``ValueError`` of ``refusal`` (its ``{holder}``: the holder's
+    pid). The lock ends with the process that holds it, however it ends (``fcntl.flock``)."""
+    with open(lock_path, "a+") as file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            raise ValueError(refusal.format(holder=file.read().strip() or "another process")) from None
+        file.seek(0)
+        file.truncate()
+        file.write(f"pid {os.getpid()}")
+        file.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)
+
+
+def record_failure(out: str, name: str, config: dict[str, Any], error: str, status: str = "failed") -> None:
+    """Mark a run failed (or ``status``: ``interrupted``, by SIGTERM or Ctrl-C), keeping what rank 0
+    had written about it. A finished run stays finished: an attempt that fails before it starts (a
+    refused resume) changes nothing of it."""
     record = read(out) or {"name": name, "config": config, "started": now()}
     if record.get("status") == "finished":
         return
-    record.update(status="failed", error=error)
+    record.update(status=status, error=error)
     write(out, record)
 
 
@@ -132,6 +206,7 @@ def prepare(out: str, checkpoint: str, resume: str | None, overwrite: bool) -> N
     the events of the earlier attempt are removed too.
     """
     check_out(out)
+    remove_stale_temporaries(out)
     events = glob.glob(os.path.join(out, "events.out.tfevents.*"))
     record = read(out)
     held = [p for p in (path(out), checkpoint) if os.path.exists(p)] + events
