@@ -44,7 +44,8 @@ import logging
 import os
 import statistics
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -62,10 +63,12 @@ from gradcomp.cost.online import Bucket
 from gradcomp.cost.profile import Timings
 from gradcomp.cost.step import Workload, method_of
 from gradcomp.engine import Engine
+from gradcomp.engine.pipeline import check_same_spec
 from gradcomp.engine.stats import StepStats, per_step, write_trace
+from gradcomp.errors import GradcompError, backend_failure
 from gradcomp.flat import numel, views
 from gradcomp.hooks.auto_spec import DEFAULT_CANDIDATES, NAME, AutoSpec, is_auto_spec
-from gradcomp.hooks.ddp import ParameterKeys, check_saved, deliver, shapes_of
+from gradcomp.hooks.ddp import ParameterKeys, check_saved, deliver, refuse_sparse, shapes_of
 from gradcomp.hooks.loss_scale import LossScale
 from gradcomp.state import TrainingHookState
 
@@ -75,6 +78,13 @@ UNFITTED = -1.0
 """Rank 0's answer when the link's timings could not be fitted (times that did not grow with size)."""
 RETRIES = 3
 """Steps in a row it measures again after such an answer, before it keeps the decision as it is."""
+FAILED = -2.0
+"""Rank 0's answer when deciding raised: every rank stops with an error instead of waiting."""
+STATE_KEYS = frozenset({"spec", "world_size", "step", "choice", "pending", "candidates", "engines", "decisions",
+                        "compute", "order", "predicted_s", "measured_at", "measure_next"})  # fmt: skip
+"""The keys of :meth:`AutoState.state_dict`: a state with others (or without one of them) is refused."""
+
+T = TypeVar("T")
 
 __all__ = ["DEFAULT_CANDIDATES", "AutoSpec", "AutoState", "is_auto_spec", "register"]
 
@@ -131,6 +141,7 @@ class AutoState(TrainingHookState):
         self._shapes: dict[Bucket, list[torch.Size]] = {}
         self._timelines: list[online.Timeline] = []
         self._copies: dict[Bucket, Tensor] = {}
+        self._checked = False  # whether every rank was found to have the same spec and link (first bucket)
 
     # -- what DDP and the model call -------------------------------------------------------------
 
@@ -167,13 +178,31 @@ class AutoState(TrainingHookState):
             self._timelines[-1].forward_end = time.perf_counter()
 
     def reduce(self, bucket: GradBucket) -> torch.futures.Future[Tensor]:
-        """Average one of DDP's buckets with the candidate chosen for it."""
-        return deliver(self, self._average(bucket, bucket.buffer()))
+        """Average one of DDP's buckets with the candidate chosen for it. An error raised here (the
+        first bucket's check of the options, the measurement, the decision) is kept in :attr:`error`,
+        as one that reaches a bucket's future is."""
+        try:
+            return deliver(self, self._average(bucket, bucket.buffer()))
+        except Exception as error:
+            self.error = self.error or error
+            raise
+
+    def _check_same_options(self, device: torch.device) -> None:
+        """At the first bucket: every rank was given the same spec (``measure_at``, ``recheck``, the
+        candidates, ...) and the same ``link`` (or none), else a :class:`SpecMismatchError` naming
+        every rank's, on every rank (where they differ the ranks would measure at different steps
+        and wait for each other until the group's timeout)."""
+        if self._checked:
+            return
+        link = "measured" if self.link is None else f"{self.link.alpha!r},{self.link.beta!r}"
+        check_same_spec(f"{self.spec} (link: {link})", self.group, device)
+        self._checked = True
 
     def _average(self, bucket: GradBucket, buffer: Tensor, flush: bool = True) -> Handle[Tensor]:
         """``buffer`` (the bucket's) averaged by the candidates chosen for its tensors; ``flush``: with
         the residuals of compressors its tensors left (else they wait for a later step)."""
         now = time.perf_counter()
+        self._check_same_options(buffer.device)
         if self.loss_scale is not None and bucket.index() == 0:  # DDP hands buckets over in index order
             self.follow_scale()
         parameters = bucket.parameters()
@@ -240,8 +269,17 @@ class AutoState(TrainingHookState):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned, from a hook of the same spec and world size."""
         check_saved(state, str(self.spec), self.world, NAME)
+        unknown, missing = sorted(set(state) - STATE_KEYS), sorted(STATE_KEYS - set(state))
+        if unknown or missing:
+            raise ValueError(f"not an {NAME} hook state as this version saves it: unknown keys {unknown}, "
+                             f"missing keys {missing}; valid: {', '.join(sorted(STATE_KEYS))}")  # fmt: skip
+        choice = {int(key): int(c) for key, c in state["choice"]}
+        wrong = {key: c for key, c in choice.items() if not 0 <= c < len(self.candidates)}
+        if wrong:
+            raise ValueError(f"this {NAME} hook state chooses candidates {wrong} (tensor: index); this hook has "
+                             f"{len(self.candidates)}, indices 0 to {len(self.candidates) - 1}")  # fmt: skip
         self.step = int(state["step"])
-        self.choice = {int(key): int(c) for key, c in state["choice"]}
+        self.choice = choice
         self.pending = {int(key): tensor for key, tensor in state["pending"]}
         for engine, compressor, own in zip(self.engines, state["candidates"], state["engines"], strict=True):
             engine.compressor.load_state_dict(compressor)
@@ -306,16 +344,28 @@ class AutoState(TrainingHookState):
         timings, engine_seconds, nodes = None, None, None
         if self.link is None:
             largest_bytes = max(c.numel() * c.element_size() for c in copies.values())
-            timings = online.probe_link(self.group, largest_bytes)
+            timings = self._with_peers("the link's probes", online.probe_link, self.group, largest_bytes)
             if self._nodes is not None:
-                nodes = online.probe_nodes(*self._nodes, largest_bytes)
-            engine_seconds = online.time_engines(self.candidates, copies[largest], list(largest),
-                                                 self._shapes[largest], self._parent, self._timeout)  # fmt: skip
+                nodes = self._with_peers("the nodes' probes", online.probe_nodes, *self._nodes, largest_bytes)
+            engine_seconds = self._with_peers("timing the candidates' engines", online.time_engines, self.candidates,
+                                              copies[largest], list(largest), self._shapes[largest], self._parent,
+                                              self._timeout)  # fmt: skip
         size = 1 + len(self.methods) + len(self.order)
         vector = [0.0] * size
+        failure: Exception | None = None
         if self.rank == 0:
-            vector = self._decide(timings, copies, engine_seconds, largest, nodes)
+            try:
+                vector = self._decide(timings, copies, engine_seconds, largest, nodes)
+            except Exception as error:  # said to every rank, which would otherwise wait for the decision
+                failure, vector = error, [FAILED] * size
         received = self._broadcast(torch.tensor(vector, dtype=torch.float64))
+        if failure is not None:
+            raise failure
+        if received[0] == FAILED:
+            raise GradcompError(
+                f"rank {self.rank} of {self.world}: the {NAME} hook's rank 0 failed to decide at step {self.step} "
+                "(its error says why); this rank stops instead of waiting for the decision"
+            )
         if received[0] == UNFITTED and self._unfitted < RETRIES:  # the same on every rank: rank 0's
             self._unfitted += 1
             self._measure_next = True
@@ -384,6 +434,7 @@ class AutoState(TrainingHookState):
 
     def _broadcast(self, values: Tensor) -> list[float]:
         """Rank 0's ``values`` on every rank (through the ordered executor, on the hook's group)."""
+
         def send() -> tuple[list[float], None]:
             if registered(self.group):
                 dist.broadcast(values, src=dist.get_global_rank(self.group, 0), group=self.group)
@@ -391,7 +442,18 @@ class AutoState(TrainingHookState):
                 dist.broadcast(values, group=self.group, group_src=0)
             return values.tolist(), None
 
-        return executor().submit(send, wait=True).wait()
+        return self._with_peers("the decision's broadcast", lambda: executor().submit(send, wait=True).wait())
+
+    def _with_peers(self, what: str, run: Callable[..., T], *args: Any) -> T:
+        """``run(*args)``, a step every rank takes together; the backend's failure (a peer frozen,
+        dead, or at another step) as a :class:`~gradcomp.errors.PeerError` saying what failed where."""
+        try:
+            return run(*args)
+        except GradcompError:
+            raise
+        except RuntimeError as error:  # gloo's timeouts and closed connections
+            raise backend_failure(f"the {NAME} hook's {what} at step {self.step}", self.rank, self.world,
+                                  error) from error  # fmt: skip
 
     def _install(self, choice: dict[int, int]) -> None:
         """Take the new decision; a tensor leaving a compressor takes what it had not sent yet
@@ -431,6 +493,7 @@ def register(model: torch.nn.parallel.DistributedDataParallel, spec: str | AutoS
         raise TypeError(f"unknown option(s) {unknown} for the auto hook; valid: group, timeout, seed, link, scaler")
     if options.get("seed") is not None:
         parsed = dataclasses.replace(parsed, seed=options["seed"])
+    refuse_sparse(model, str(parsed))  # auto's candidates compress dense buffers
     group = options.get("group") or model.process_group
     state = AutoState(parsed, group, options.get("timeout"), options.get("link"))
     if options.get("scaler") is not None:

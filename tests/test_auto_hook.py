@@ -4,6 +4,9 @@ decide alike, switch without losing error feedback's residuals, and resume exact
 from __future__ import annotations
 
 import io
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +23,10 @@ from gradcomp.cost.cluster import Cluster
 from gradcomp.cost.kernels import FREE, KernelCost
 from gradcomp.cost.step import Workload, method_of
 from gradcomp.engine.spec import HookSpec
+from gradcomp.errors import GradcompError, PeerError, SpecMismatchError
 from gradcomp.hooks.auto import DEFAULT_CANDIDATES, AutoSpec, AutoState, is_auto_spec
-from tests.distributed import Failures, parameters_identical_on_all_ranks, run_checks
+from gradcomp.launch import RankError
+from tests.distributed import Failures, parameters_identical_on_all_ranks, run_checks, spawn_ranks
 from tests.toy_ddp import sgd_steps, toy_batches, toy_model, wrap
 
 # -- the spec ------------------------------------------------------------------------------------
@@ -108,7 +113,6 @@ def test_a_gain_under_the_margin_is_not_taken() -> None:
     assert strict.per_bucket == (0, 0)
 
 
-
 def test_a_candidate_that_leaves_tensors_dense_is_priced_as_the_all_reduce_it_sends() -> None:
     vectors = Workload(((2**18,), (2**18,)), (0.5, 1.0), 0.01, 0.1, 0.0, groups=((0, 1),))  # one bucket of 1-D tensors
     dear = Cluster(2, LinkCosts(1e-4, 1e-7))
@@ -116,6 +120,7 @@ def test_a_candidate_that_leaves_tensors_dense_is_priced_as_the_all_reduce_it_se
     assert choose(vectors, policy, dear, kernels).per_bucket == (0,)  # it would send the same bytes, dearer
     signs = [method_of(s) for s in ("allreduce", "sign:ef=true")]
     assert choose(vectors, signs, dear, kernels).per_bucket == (1,)
+
 
 # -- real ranks ----------------------------------------------------------------------------------
 
@@ -357,3 +362,129 @@ def test_a_training_run_with_auto_resumes_and_writes_its_decisions(tmp_path: Pat
     assert int(decision.split(":")[0].removeprefix("step ")) >= 3  # from step 3 (later if the link would not fit)
     saved = torch.load(out / "checkpoint.pt", weights_only=True)
     assert saved["hooks"][0]["decisions"][0]["step"] >= 3
+
+
+# -- outside the happy path (issue 48, item 4) ----------------------------------------------------
+
+
+class WithEmpty(torch.nn.Module):
+    """The toy model and a parameter of no elements (with its gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = toy_model()
+        self.empty = torch.nn.Parameter(torch.zeros(0, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) + self.empty.sum()
+
+
+def _fails(ddp: Any, batches: list[Any]) -> str:
+    """The error training raises (type: message), or "" if it trains."""
+    try:
+        sgd_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), batches)
+    except Exception as error:  # gradcomp's own, DDP's wrapping of it, or the hook's ValueError as it is
+        return f"{type(error).__name__}: {error}"
+    return ""
+
+
+def _off_the_happy_path(rank: int, world: int) -> dict[str, Any]:
+    failures = Failures()
+    torch.set_num_threads(1)
+    batches = toy_batches(rank, 4)
+    spec = "auto:candidates=fp16|topk:ratio=0.1,ef=true,measure_at=2"
+    # a 0-element parameter: decided alike (before: rank 0 raised, rank 1 waited out the timeout)
+    ddp, state = wrap(WithEmpty(), spec, link=DEAR_LINK)
+    assert isinstance(state, AutoState)
+    failures.expect(_fails(ddp, batches) == "", f"an empty parameter: {state.error!r}")
+    failures.expect(len(state.decisions) == 1 and state.error is None, f"decisions {state.decisions}")
+    failures.expect(parameters_identical_on_all_ranks(list(ddp.parameters())), "replicas differ")
+    decisions = [d["buckets"] for d in state.decisions]
+    # rank 0 failing to decide: every rank stops with an error, kept in its state, none waits
+    ddp, failing = wrap(toy_model(), spec, link=DEAR_LINK)
+    assert isinstance(failing, AutoState)
+    if rank == 0:
+        failing._decide = lambda *_: (_ for _ in ()).throw(ValueError("a defect of the decision"))  # type: ignore[method-assign]
+    began = time.monotonic()
+    said = _fails(ddp, batches)
+    failures.expect(time.monotonic() - began < 20, "a rank waited for rank 0's decision")
+    kept = ValueError if rank == 0 else GradcompError
+    failures.expect(isinstance(failing.error, kept), f"rank 0 failed to decide: kept {failing.error!r}, said {said}")
+    failures.expect(rank == 0 or "rank 0 failed to decide at step 2" in said, f"said {said}")
+    # auto's own options differing between ranks: a SpecMismatchError at the first bucket, on every rank
+    for option, mine in [("measure_at", f"measure_at={2 + rank}"), ("recheck", f"recheck={100 * (rank + 1)}")]:
+        ddp, differing = wrap(toy_model(), f"auto:candidates=fp16,{mine}", link=DEAR_LINK)
+        said = _fails(ddp, batches[:1])
+        failures.expect(isinstance(differing.error, SpecMismatchError) and "rank 1:" in said, f"{option}: {said}")
+    ddp, differing = wrap(toy_model(), "auto:candidates=fp16", **({"link": DEAR_LINK} if rank == 0 else {}))
+    said = _fails(ddp, batches[:1])
+    failures.expect(isinstance(differing.error, SpecMismatchError) and "link: measured" in said, f"link: {said}")
+    # a tampered state: a choice out of range (negative too) or an unknown key is refused, naming it
+    saved = state.state_dict()
+    for tampered, message in [
+        ({**saved, "choice": [[saved["choice"][0][0], 3]]}, "indices 0 to 2"),
+        ({**saved, "choice": [[saved["choice"][0][0], -1]]}, "indices 0 to 2"),
+        ({**saved, "extra": 1}, "unknown keys ['extra']"),
+    ]:
+        try:
+            state.load_state_dict(tampered)
+            failures.append(f"a tampered state was accepted ({message})")
+        except ValueError as error:
+            failures.expect(message in str(error), f"tampered: {error}")
+    return {"failures": failures, "decisions": decisions}
+
+
+def test_auto_off_its_happy_path_decides_or_fails_alike_on_every_rank() -> None:
+    """Issue 48, item 4: an empty parameter, rank 0 failing to decide, options that differ between
+    ranks, a tampered state: an answer or the same error on every rank, kept in the hook's state."""
+    results = run_checks(2, _off_the_happy_path, timeout=120)
+    assert results[0]["decisions"] == results[1]["decisions"]
+
+
+PEER_TIMEOUT = 3.0
+
+
+def _peer_stops_while_measuring(rank: int, world: int, how: str, record: str) -> None:
+    """Rank 1 freezes (SIGSTOP) or dies in the middle of ``auto``'s measuring step (its link's
+    probes); rank 0 records the error it raised and the error its state kept."""
+    ddp, state = wrap(toy_model(), "auto:candidates=fp16,measure_at=2")
+    assert isinstance(state, AutoState)
+    pid = os.getpid()
+    if rank == 1:
+
+        def stop(*_: Any) -> Any:
+            if how == "frozen":
+                os.kill(pid, signal.SIGSTOP)  # rank 0 wakes it once it has its error
+                raise RuntimeError("rank 1 stopped")
+            os._exit(3)
+
+        online.probe_link = stop  # type: ignore[assignment]
+    pids: list[int | None] = [None, None]
+    torch.distributed.all_gather_object(pids, pid)
+    began = time.monotonic()
+    try:
+        sgd_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), toy_batches(rank, 4))
+        error = "no error"
+    except RuntimeError as caught:
+        error = f"{type(caught).__name__}: {caught}"
+    if rank == 1:
+        return
+    elapsed = time.monotonic() - began
+    if how == "frozen":
+        os.kill(pids[1], signal.SIGCONT)  # type: ignore[arg-type]
+    Path(record).write_text(repr({"elapsed": elapsed, "error": error, "kept": type(state.error).__name__}))
+
+
+@pytest.mark.parametrize("how", ["frozen", "killed"])
+def test_a_peer_lost_while_auto_measures_is_a_peer_error(how: str, tmp_path: Path) -> None:
+    """Issue 48, item 4: the probes' gloo failure becomes a PeerError within the group's timeout."""
+    record = tmp_path / "rank0.txt"
+    try:
+        spawn_ranks(2, _peer_stops_while_measuring, (how, str(record)), timeout=60, group_timeout=PEER_TIMEOUT,
+                    fresh=True)  # fmt: skip
+    except RankError:
+        assert how == "killed"  # rank 1 died, as it was meant to
+    seen = eval(record.read_text())  # written by rank 0 with repr()
+    assert seen["elapsed"] < 5 * PEER_TIMEOUT, seen
+    assert "PeerError" in seen["error"] and "probes" in seen["error"], seen
+    assert seen["kept"] == PeerError.__name__, seen

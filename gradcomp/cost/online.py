@@ -189,9 +189,13 @@ def kernel_costs(
         samples = []
         for identity, flat in gradients.items():
             if compressor.capabilities.elementwise:
+                if flat.numel() == 0:
+                    continue
                 samples += kernels.time_tensor(compressor, flat, ("online", identity), repeats=KERNEL_REPEATS)
                 continue
             for key, part in zip(identity, views(flat, shapes[identity]), strict=True):
+                if part.numel() == 0:  # an empty parameter: no kernels to time (and no size to fit at)
+                    continue
                 samples += kernels.time_tensor(
                     compressor, part, ("online", key), repeats=KERNEL_REPEATS, peers=(world,)
                 )
