@@ -15,7 +15,7 @@ from gradcomp.collectives.executor import Handle
 from gradcomp.collectives.groups import as_timeout
 from gradcomp.compressors import fusion
 from gradcomp.compressors.finite import refuse_non_finite
-from gradcomp.engine import Engine
+from gradcomp.engine import Engine, sparse
 from gradcomp.engine.sharded import ShardedEngine, ShardSpec
 from gradcomp.engine.spec import HookSpec, HookSpecLike
 from gradcomp.engine.stats import StepStats, steps_since, write_trace
@@ -284,14 +284,36 @@ def register(
     if isinstance(spec, HookState):
         if set(options) != {"group"}:
             raise TypeError(f"a hook state was made with its options; got {sorted(set(options) - {'group'})}")
+        refuse_sparse(model, spec.spec)
         spec.bind(options["group"])
         model.register_comm_hook(spec, gradcomp_hook)
         _precompile(model, spec)
         return spec
     state, hook = make(spec, **options)
+    refuse_sparse(model, state.spec)
     model.register_comm_hook(state, hook)
     _precompile(model, state)
     return state
+
+
+def refuse_sparse(model: torch.nn.Module, spec: HookSpec | ShardSpec | str) -> None:
+    """Refuse, in one line, a spec that cannot average the sparse gradients ``model`` makes (its
+    ``nn.Embedding`` and ``nn.EmbeddingBag`` modules with ``sparse=True``, as DDP finds them), at
+    registration rather than at the first backward (:mod:`gradcomp.engine.sparse`)."""
+    found = sparse_modules(model)
+    refused = sparse.refusal(spec, ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")) if found else None
+    if refused is not None:
+        raise ValueError(refused)
+
+
+def sparse_modules(model: torch.nn.Module) -> list[str]:
+    """The modules of ``model`` whose weight gets a sparse gradient, as ``nn.Embedding(sparse=True) at 'name'``."""
+    return [
+        f"nn.{type(module).__name__}(sparse=True) at {name!r}"
+        for name, module in getattr(model, "module", model).named_modules()  # DDP's module, named as the user's
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse
+        and module.weight.requires_grad
+    ]  # fmt: skip
 
 
 def check_no_hook(model: torch.nn.parallel.DistributedDataParallel) -> None:

@@ -51,7 +51,7 @@ from gradcomp.collectives.hierarchical import subgroups
 from gradcomp.collectives.link import Traffic
 from gradcomp.compressors import Compressor, Key, make_compressor
 from gradcomp.compressors.keys import plain
-from gradcomp.engine import handover, hierarchical
+from gradcomp.engine import handover, hierarchical, sparse
 from gradcomp.engine.plan import BucketPlan, Context, Route, Send, needs_tensors, plan_bucket, segments_of
 from gradcomp.engine.routes import DenseRoute, GatherRoute, NodesRoute, RouteSteps, SumRoute, TwoPhaseRoute
 from gradcomp.engine.spec import TWO_PHASE_FROM, HookSpec, HookSpecLike
@@ -187,6 +187,8 @@ class Engine:
         """
         if not buffer.is_floating_point():
             raise TypeError(f"gradients must be floating-point, got {buffer.dtype}")
+        if buffer.is_sparse:  # an nn.Embedding(sparse=True)'s, in a DDP bucket of its own
+            return self._reduce_sparse(buffer, bucket)
         if buffer.dim() != 1 or not buffer.is_contiguous():
             raise ValueError("the engine reduces flat, contiguous buffers (a DDP bucket's)")
         plan = self.plan(buffer.numel(), keys, shapes, bucket, last, not host.reads_are_free(buffer.device))
@@ -198,6 +200,29 @@ class Engine:
         done: Future[Landed] = Future()
         _when_all(landings, lambda error: done.set_exception(error) if error else done.set_result((buffer, None)))
         return Handle(done)
+
+    def _reduce_sparse(self, gradient: Tensor, bucket: int) -> Handle[Tensor]:
+        """A sparse gradient averaged as DDP's default averages it (:mod:`gradcomp.engine.sparse`), on
+        the ordered executor; refused, in one line, by a spec that compresses."""
+        refused = sparse.refusal(self.spec)
+        if refused is not None:
+            raise ValueError(refused)
+        size = sparse.payload_bytes(gradient)
+        record = BucketRecord(self.steps_done, bucket, size, time.perf_counter())
+        record.uncompressed_bytes = record.payload_bytes = size
+        record.routes = "sparse"
+
+        def operation() -> tuple[Tensor, None]:
+            record.started = time.perf_counter()
+            self._check_spec(gradient.device)
+            with record.phase("communicate"):
+                summed = sparse.all_reduce(gradient, self.group, rank_of(self.group), self.world)
+            record.add_traffic(None, native=(self.world - 1) * size)  # gloo all-gathers every rank's
+            record.finished = time.perf_counter()
+            self.records.append(record)
+            return summed, None
+
+        return executor().submit(operation)
 
     def end_step(self) -> None:
         """End the step: the clock (:attr:`steps_done`) moves on. Every caller ends its steps so,
