@@ -221,11 +221,11 @@ def _spawn(
         )
         for rank in range(world_size)
     ]
-    for process in processes:
-        process.start()
     outcomes: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout
     try:
+        for process in processes:  # inside: what interrupts the start (SIGTERM) kills those started
+            process.start()
         while len(outcomes) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -241,7 +241,7 @@ def _spawn(
                 continue
             outcomes[rank] = (status, value)
     finally:
-        for process in processes:
+        for process in (p for p in processes if p.pid is not None):  # started
             process.join(timeout=5 if len(outcomes) == world_size else 0)
             if process.is_alive():
                 process.kill()
