@@ -25,8 +25,13 @@ from gradcomp.cost.step import Workload, method_of
 from gradcomp.engine.spec import HookSpec
 from gradcomp.errors import GradcompError, PeerError, SpecMismatchError
 from gradcomp.hooks.auto import DEFAULT_CANDIDATES, AutoSpec, AutoState, is_auto_spec
-from gradcomp.launch import RankError
-from tests.distributed import Failures, parameters_identical_on_all_ranks, run_checks, spawn_ranks
+from tests.distributed import (
+    Failures,
+    parameters_identical_on_all_ranks,
+    run_checks,
+    spawn_ranks,
+    stay_until_written,
+)
 from tests.toy_ddp import sgd_steps, toy_batches, toy_model, wrap
 
 # -- the spec ------------------------------------------------------------------------------------
@@ -445,8 +450,11 @@ PEER_TIMEOUT = 3.0
 
 
 def _peer_stops_while_measuring(rank: int, world: int, how: str, record: str) -> None:
-    """Rank 1 freezes (SIGSTOP) or dies in the middle of ``auto``'s measuring step (its link's
-    probes); rank 0 records the error it raised and the error its state kept."""
+    """Rank 1 freezes (SIGSTOP) or fails and stays alive (as a peer stuck in user code) in the middle
+    of ``auto``'s measuring step (its link's probes); rank 0 records the error it raised and the error
+    its state kept. (A peer killed there is the same error on rank 0, sooner: gloo's closed
+    connection instead of its timeout; not tested here, as the launcher may stop rank 0 as soon as
+    rank 1 is dead, before it writes what it saw.)"""
     ddp, state = wrap(toy_model(), "auto:candidates=fp16,measure_at=2")
     assert isinstance(state, AutoState)
     pid = os.getpid()
@@ -455,8 +463,9 @@ def _peer_stops_while_measuring(rank: int, world: int, how: str, record: str) ->
         def stop(*_: Any) -> Any:
             if how == "frozen":
                 os.kill(pid, signal.SIGSTOP)  # rank 0 wakes it once it has its error
-                raise RuntimeError("rank 1 stopped")
-            os._exit(3)
+            else:
+                stay_until_written(record, at_most=5 * PEER_TIMEOUT)
+            raise RuntimeError("rank 1 stopped")
 
         online.probe_link = stop  # type: ignore[assignment]
     pids: list[int | None] = [None, None]
@@ -470,20 +479,17 @@ def _peer_stops_while_measuring(rank: int, world: int, how: str, record: str) ->
     if rank == 1:
         return
     elapsed = time.monotonic() - began
+    Path(record).write_text(repr({"elapsed": elapsed, "error": error, "kept": type(state.error).__name__}))
     if how == "frozen":
         os.kill(pids[1], signal.SIGCONT)  # type: ignore[arg-type]
-    Path(record).write_text(repr({"elapsed": elapsed, "error": error, "kept": type(state.error).__name__}))
 
 
-@pytest.mark.parametrize("how", ["frozen", "killed"])
+@pytest.mark.parametrize("how", ["frozen", "alive"])
 def test_a_peer_lost_while_auto_measures_is_a_peer_error(how: str, tmp_path: Path) -> None:
     """Issue 48, item 4: the probes' gloo failure becomes a PeerError within the group's timeout."""
     record = tmp_path / "rank0.txt"
-    try:
-        spawn_ranks(2, _peer_stops_while_measuring, (how, str(record)), timeout=60, group_timeout=PEER_TIMEOUT,
-                    fresh=True)  # fmt: skip
-    except RankError:
-        assert how == "killed"  # rank 1 died, as it was meant to
+    spawn_ranks(2, _peer_stops_while_measuring, (how, str(record)), timeout=60, group_timeout=PEER_TIMEOUT,
+                fresh=True)  # fmt: skip
     seen = eval(record.read_text())  # written by rank 0 with repr()
     assert seen["elapsed"] < 5 * PEER_TIMEOUT, seen
     assert "PeerError" in seen["error"] and "probes" in seen["error"], seen
