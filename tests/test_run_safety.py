@@ -177,6 +177,22 @@ def test_a_second_sweep_on_the_same_out_is_refused(tmp_path: Path) -> None:
         pass
 
 
+def test_a_sweep_stopped_by_sigterm_says_so_and_how_to_continue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a run's launcher raises on SIGTERM (its ranks ended, its run.json interrupted) ends the
+    sweep as Ctrl-C does, in a line, instead of a traceback."""
+    from gradcomp.experiments.sweep import command
+
+    def terminated(*args: object, **options: object) -> None:
+        raise run.Terminated("interrupted by SIGTERM")
+
+    monkeypatch.setattr(command, "run_sweep", terminated)
+    (tmp_path / "sweep.toml").write_text(SWEEP)
+    assert command.main([str(tmp_path / "sweep.toml"), "--out", str(tmp_path / "out")]) == 128 + signal.SIGTERM
+    assert "sweep interrupted by SIGTERM: run the same command again" in capsys.readouterr().err
+
+
 SWEEP = """
 [sweep]
 task = "digits"

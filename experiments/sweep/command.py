@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -14,6 +15,7 @@ from gradcomp.experiments.report import records
 from gradcomp.experiments.sweep import plan
 from gradcomp.experiments.sweep.runner import Progress, existing, format_summary, lock, run_sweep
 from gradcomp.experiments.training.config import method
+from gradcomp.experiments.training.run import Terminated
 
 
 def add_command(commands: argparse._SubParsersAction) -> None:
@@ -68,9 +70,10 @@ def _command(args: argparse.Namespace) -> int:
                        for r in runs]  # fmt: skip
             records.write_plan(out, os.path.abspath(path), planned)  # a report lists what is not made yet
             rows = run_sweep(runs, Progress(sys.stderr), keep_checkpoints=args.keep_checkpoints)
-    except KeyboardInterrupt:
-        sys.stderr.write("\nsweep interrupted: run the same command again to continue where it stopped\n")
-        return 130
+    except (KeyboardInterrupt, Terminated) as error:  # the run under way is recorded interrupted, its ranks ended
+        how = f" by {signal.SIGTERM.name}" if isinstance(error, Terminated) else ""
+        sys.stderr.write(f"\nsweep interrupted{how}: run the same command again to continue where it stopped\n")
+        return 128 + (signal.SIGTERM if isinstance(error, Terminated) else signal.SIGINT)
     sys.stdout.write("\n" + format_summary(rows))
     with open(os.path.join(out, "summary.json"), "w") as file:
         json.dump({"config": os.path.abspath(path), "runs": [dataclasses.asdict(r) for r in rows]}, file, indent=2)
