@@ -529,7 +529,7 @@ def poisoned_states(rank: int, world: int) -> Failures:
         else:
             failures.expect(False, f"{what}: a state holding a NaN at {path} was loaded")
 
-    for spec in ["topk:ratio=0.1,ef=true", "topk:ratio=0.1,ef=true,momentum=0.9", "sign:ef=ef21",
+    for spec in ["topk:ratio=0.1,ef=true", "topk:ratio=0.1,ef=true,momentum=0.9", "topk:ratio=0.1,ef=ef21",
                  "powersgd:rank=2,ef=true"]:  # fmt: skip
         ddp, state = wrap(toy_model(), spec)
         assert state is not None
