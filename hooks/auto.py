@@ -182,6 +182,7 @@ class AutoState(TrainingHookState):
         first bucket's check of the options, the measurement, the decision) is kept in :attr:`error`,
         as one that reaches a bucket's future is."""
         try:
+            self._check_same_options(bucket.buffer().device)
             return deliver(self, self._average(bucket, bucket.buffer()))
         except Exception as error:
             self.error = self.error or error
@@ -191,7 +192,8 @@ class AutoState(TrainingHookState):
         """At the first bucket: every rank was given the same spec (``measure_at``, ``recheck``, the
         candidates, ...) and the same ``link`` (or none), else a :class:`SpecMismatchError` naming
         every rank's, on every rank (where they differ the ranks would measure at different steps
-        and wait for each other until the group's timeout)."""
+        and wait for each other until the group's timeout). DDP's path only: the fault-tolerant
+        hook's group changes members, and it sends its decision round itself."""
         if self._checked:
             return
         link = "measured" if self.link is None else f"{self.link.alpha!r},{self.link.beta!r}"
@@ -202,7 +204,6 @@ class AutoState(TrainingHookState):
         """``buffer`` (the bucket's) averaged by the candidates chosen for its tensors; ``flush``: with
         the residuals of compressors its tensors left (else they wait for a later step)."""
         now = time.perf_counter()
-        self._check_same_options(buffer.device)
         if self.loss_scale is not None and bucket.index() == 0:  # DDP hands buckets over in index order
             self.follow_scale()
         parameters = bucket.parameters()
