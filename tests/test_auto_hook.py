@@ -409,7 +409,11 @@ def _off_the_happy_path(rank: int, world: int) -> dict[str, Any]:
     ddp, failing = wrap(toy_model(), spec, link=DEAR_LINK)
     assert isinstance(failing, AutoState)
     if rank == 0:
-        failing._decide = lambda *_: (_ for _ in ()).throw(ValueError("a defect of the decision"))  # type: ignore[method-assign]
+
+        def defect(*_: Any) -> list[float]:
+            raise ValueError("a defect of the decision")
+
+        failing._decide = defect  # type: ignore[method-assign]
     began = time.monotonic()
     said = _fails(ddp, batches)
     failures.expect(time.monotonic() - began < 20, "a rank waited for rank 0's decision")
