@@ -31,7 +31,7 @@ except ImportError as error:  # the core installs without it
 from gradcomp.bench.report import markdown_table
 from gradcomp.experiments.sweep.plan import Run
 from gradcomp.experiments.training import runinfo
-from gradcomp.experiments.training.config import PATH_FIELDS
+from gradcomp.experiments.training.config import PATH_FIELDS, check_batch
 from gradcomp.experiments.training.metrics import require_tensorboard
 from gradcomp.experiments.training.run import launch
 from gradcomp.launch import RankError
@@ -123,6 +123,26 @@ def drop_checkpoint(run: Run) -> int:
     return size
 
 
+def _run(run: Run) -> str:
+    """Run ``run``; its status. A failure is recorded in its run.json and logged in one line."""
+    try:
+        check_batch(run.config)  # its task's data cannot serve it (a file the task refuses): this run fails
+    except ValueError as error:
+        line = " ".join(str(error).split())
+        runinfo.record_failure(run.config.out, run.name, run.config.to_dict(), line)
+        logger.warning("run %s failed (recorded in its run.json): %s", run.name, line)
+        return "failed"
+    try:
+        return str(launch(run.config)["status"])
+    except (RankError, NetemError) as error:
+        line = error.summary if isinstance(error, RankError) else " ".join(str(error).split())
+        logger.warning("run %s failed (recorded in its run.json): %s", run.name, line)  # one line: a user's error
+        return "failed"
+    except KeyboardInterrupt:
+        runinfo.record_failure(run.config.out, run.name, run.config.to_dict(), "interrupted", "interrupted")
+        raise
+
+
 def run_sweep(runs: Sequence[Run], progress: Progress | None = None, keep_checkpoints: bool = False) -> list[Row]:
     """Run every run not finished yet, in order; a failure is recorded and the sweep continues.
     Returns the summary of all runs. The checkpoints of finished runs (those finished before, and
@@ -139,15 +159,7 @@ def run_sweep(runs: Sequence[Run], progress: Progress | None = None, keep_checkp
     for run in todo:
         if progress:
             progress.start(run)
-        try:
-            status = str(launch(run.config)["status"])
-        except (RankError, NetemError) as error:
-            line = error.summary if isinstance(error, RankError) else " ".join(str(error).split())
-            logger.warning("run %s failed (recorded in its run.json): %s", run.name, line)  # one line: a user's error
-            status = "failed"
-        except KeyboardInterrupt:
-            runinfo.record_failure(run.config.out, run.name, run.config.to_dict(), "interrupted", "interrupted")
-            raise
+        status = _run(run)
         if status == "finished" and not keep_checkpoints:
             freed.append(drop_checkpoint(run))
         if progress:
