@@ -15,6 +15,7 @@ pointing one way (``experiments`` -> ``gradcomp``) while one ``gradcomp`` comman
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -130,22 +131,15 @@ NET_HELP = (
 )
 
 
-# What `gradcomp --help` says of the commands of gradcomp's own layers without importing them (their
-# parsers say the same: tests/test_cli.py). Another package's command is imported to be listed.
-SUMMARIES = {
-    "gradcomp.commands": {
-        "explain": "print what a hook spec does with each bucket of a model, and why",
-        "plan": "predict every compressor and algorithm on a cluster; recommend one",
-        "report": "an HTML page comparing a sweep's runs by time to accuracy",
-        "sweep": "run a grid of trainings from a TOML config",
-    },
-    "gradcomp.bench": {
-        "ddp": "DDP step time: gradcomp hooks beside torch's, per network",
-        "fsdp": "FSDP2 step time: gradcomp's reduce-scatter beside FSDP2's own, per network",
-        "hsdp": "HSDP step time: gradcomp's all-reduce across nodes beside FSDP2's own HSDP",
-        "predict": "the cost model's step times against measured ones",
-    },
-}
+def summaries(group: str) -> dict[str, str]:
+    """What the layers above the core say of their commands in ``group`` without being imported: the
+    tables their ``gradcomp.summaries`` entry points name (``{group: {command: help}}``), merged. A
+    command none describes is imported to be listed."""
+    found: dict[str, str] = {}
+    for entry in entry_points(group="gradcomp.summaries"):
+        with contextlib.suppress(ImportError, AttributeError):  # a broken table: its commands load instead
+            found.update(entry.load().get(group, {}))
+    return found
 
 
 CORE_EXTRAS = {"calibrate": "calibrate"}
@@ -171,17 +165,17 @@ def _add_plugins(commands: argparse._SubParsersAction, group: str, wanted: Seque
     """Add the commands the installed layers above the core (``experiments``) give to ``group``: those
     in ``wanted`` (all when None) loaded, the others listed by their summary. A layer whose extra is
     not installed still lists its commands; running one says in one line what to install."""
-    summaries = SUMMARIES.get(group, {})
+    described = summaries(group)
     for entry in sorted(entry_points(group=group), key=lambda e: e.name):
-        if wanted is not None and entry.name not in wanted and entry.name in summaries:
-            commands.add_parser(entry.name, help=summaries[entry.name])
+        if wanted is not None and entry.name not in wanted and entry.name in described:
+            commands.add_parser(entry.name, help=described[entry.name])
             continue
         try:
             add_command = entry.load()
         except ImportError as error:
             # Its words, options included (no prefix character matches them), lead to the one line.
             unavailable = commands.add_parser(
-                entry.name, help=summaries.get(entry.name, "(not installed)"), prefix_chars="\0", add_help=False
+                entry.name, help=described.get(entry.name, "(not installed)"), prefix_chars="\0", add_help=False
             )
             unavailable.add_argument("words", nargs="*", help=argparse.SUPPRESS)
             unavailable.set_defaults(run=_unavailable(_missing(error, entry.extras)))

@@ -17,7 +17,8 @@ import gradcomp
 import gradcomp.experiments
 import gradcomp.hooks
 from gradcomp import cli
-from gradcomp.cli import SUMMARIES, command_parser, main
+from gradcomp.cli import command_parser, main
+from gradcomp.experiments.commands import SUMMARIES
 from gradcomp.experiments.sweep import plan
 from gradcomp.experiments.tasks import build_task
 
