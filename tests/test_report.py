@@ -261,7 +261,8 @@ def test_the_page_is_self_contained_and_shows_every_group_table_and_failure(swee
     # nothing to fetch: no scheme, no protocol-relative or file reference; url() and href only to #ids in the page
     assert "<script" not in text and not re.search(r"[a-z]+://|\s//|@import|url\((?!#)|href=\"(?!#)|src=", text, re.I)
     assert text.count("<svg") == 4  # per group: time to target and the curves
-    assert text.count('<h2 id="group-') == 2 and text.count("<table>") == 2
+    assert text.count('<h2 id="group-') == 2 and text.count("<table>") == 3  # a group's each, and across them
+    assert text.count('<h2 id="across">Across the groups</h2>') == 1
     assert "ValueError: torch&#x27;s PowerSGD hook hangs" in text
     assert "digits-mlp_quantize-bits=4_p2_loopback_seed2" in text  # the missing run is listed
     assert "(running)" in text and "not reached" in text and "Fixture CPU" in text
@@ -343,7 +344,7 @@ def test_the_page_renders_in_headless_chromium(sweep: Path, tmp_path: Path) -> N
                                                                   timeout=120).stdout.decode())  # fmt: skip
     assert title is not None, "the measuring script did not run"
     *tables, whole = (int(w) for w in title.group(1).split())
-    assert len(tables) == 2 and max(tables) <= 1351 - 32 and whole <= 1351, (tables, whole)
+    assert len(tables) == 3 and max(tables) <= 1351 - 32 and whole <= 1351, (tables, whole)
 
 
 def test_parallel_modes_are_groups_of_their_own_and_unreadable_runs_are_listed(tmp_path: Path) -> None:

@@ -5,6 +5,9 @@ accuracy, against PyTorch's own hooks.
   their curves, and the runs a sweep planned but has not finished;
 - :mod:`~gradcomp.experiments.report.analysis`: groups (task, network, world size), the target, time to
   target, speedups, means and spreads over seeds (scipy for intervals and tests);
+- :mod:`~gradcomp.experiments.report.spread`: each method across the groups (the cells of a grid): its
+  change against each group's baseline, seed-paired, its mean, worst group and worst seed, and its
+  fewer bytes at least and at most;
 - :mod:`~gradcomp.experiments.report.verdicts`: the verdict in words (a gain leads it only out of the
   seeds' noise) and the notes a table needs (a compute above the step, ties of a coarse evaluation);
 - :mod:`~gradcomp.experiments.report.plots`: the charts, as inline SVG (matplotlib);

@@ -72,7 +72,7 @@ def write(
         file.write(page.render(groups, runs, os.path.normpath(runs_dir), tolerance, baseline))
     if markdown:
         with open(markdown, "w") as file:
-            file.write(page.markdown(groups, runs))
+            file.write(page.markdown(groups, runs, tolerance))
     return path
 
 

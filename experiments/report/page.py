@@ -10,6 +10,7 @@ from gradcomp.bench.report import markdown_table
 from gradcomp.experiments.report import plots
 from gradcomp.experiments.report.analysis import Group, MethodRuns
 from gradcomp.experiments.report.records import Run
+from gradcomp.experiments.report.spread import MethodSpread, Spread, across_groups
 
 STYLE = """
 body { font-family: sans-serif; margin: 2em auto; padding: 0 1em; max-width: 1400px; color: #222; line-height: 1.4; }
@@ -45,6 +46,7 @@ def render(groups: Sequence[Group], runs: Sequence[Run], source: str, tolerance:
         *(f"<li><b>{_e(g.title)}</b>: {_e(g.verdict)}</li>" for g in groups),
         "</ul>",
     ]
+    parts += _across(across_groups(groups, tolerance), colours)
     for number, group in enumerate(groups, 1):
         parts += _section(number, group, colours)
     missing = [r for r in runs if r.status == "missing"]
@@ -127,13 +129,86 @@ def _table(group: Group, colours: dict[str, str]) -> str:
     for method in group.methods:
         every = cells_of(group, method)
         cells = [_e(every[i]) for i in shown]
-        swatch = f'<span class="swatch" style="background:{colours[method.hook]}"></span>'
-        name = cells[0].replace(",", ",<wbr>").replace(" over ", " over<wbr> ")  # a long spec breaks between options
-        cells[0] = f'{swatch}<span title="{_e(method.hook)}">{name}</span>'
+        cells[0] = _name_cell(method.hook, cells[0], colours)
         row = "".join(f"<td{' class=name' if i == 0 else ''}>{c}</td>" for i, c in enumerate(cells))
         rows.append(f"<tr>{row}</tr>")
     rows.append("</table>")
     return '<div class="scroll">' + "\n".join(rows) + "</div>"
+
+
+def _name_cell(hook: str, escaped: str, colours: dict[str, str]) -> str:
+    """A method's name cell: its colour's swatch, its name (``escaped``) broken between options, its
+    full canonical spec on hover."""
+    swatch = f'<span class="swatch" style="background:{colours[hook]}"></span>'
+    name = escaped.replace(",", ",<wbr>").replace(" over ", " over<wbr> ")  # a long spec breaks between options
+    return f'{swatch}<span title="{_e(hook)}">{name}</span>'
+
+
+def _across(tables: Sequence[Spread], colours: dict[str, str]) -> list[str]:
+    """The section "Across the groups" (nothing where no two groups of one metric share a method)."""
+    if not tables:
+        return []
+    parts = ['<h2 id="across">Across the groups</h2>']
+    for table in tables:
+        parts.append(f'<p class="note">{_e(spread_note(table))}</p>')
+        head = "".join(f"<th{' class=name' if i == 0 else ''}>{_e(h)}</th>" for i, h in enumerate(spread_header(table)))
+        rows = [f"<table><tr>{head}</tr>"]
+        for method in table.methods:
+            cells = [_e(c) for c in spread_cells(table, method)]
+            cells[0] = _name_cell(method.hook, cells[0], colours)
+            rows.append("<tr>" + "".join(f"<td{' class=name' if i == 0 else ''}>{c}</td>"
+                                         for i, c in enumerate(cells)) + "</tr>")  # fmt: skip
+        rows.append("</table>")
+        parts.append('<div class="scroll">' + "\n".join(rows) + "</div>")
+    return parts
+
+
+def spread_header(table: Spread) -> list[str]:
+    """The columns of an "Across the groups" table (a change's unit in its header)."""
+    unit = table.unit.strip()
+    return [
+        "method", "groups", "seeds", f"mean change ({unit})", "worst group", "worst seed",
+        "fewer bytes, least", "fewer bytes, most", f"within {table.tolerance:g}{table.unit}",
+    ]  # fmt: skip
+
+
+def spread_cells(table: Spread, method: MethodSpread) -> list[str]:
+    """A method's row of an "Across the groups" table, as text (the columns of :func:`spread_header`)."""
+    compared = len(method.changes)
+    groups = f"{method.groups}" + ("" if compared == method.groups else f" ({compared} compared)")
+    worst_group = worst_seed = "-"
+    if method.worst_group is not None:
+        worst_group = f"{table.format(method.worst_group.change)} ({method.worst_group.group})"
+    if method.worst_seed is not None:
+        seed = method.worst_seed
+        unpaired = "" if seed.paired else ", vs the baseline's mean"
+        worst_seed = f"{table.format(seed.change)} ({seed.group}, seed {seed.seed}{unpaired})"
+    return [
+        method.name,
+        groups,
+        f"{method.finished}/{method.runs}",
+        table.format(method.mean_change),
+        worst_group,
+        worst_seed,
+        _number(method.fewest_fewer_bytes, "{:.1f}x"),
+        _number(method.most_fewer_bytes, "{:.1f}x"),
+        f"{method.within_tolerance}/{compared}" if compared else "-",
+    ]
+
+
+def spread_note(table: Spread) -> str:
+    """What an "Across the groups" table shows and how a row is computed, in a sentence or three."""
+    metric = table.metric
+    unit = "percentage points" if metric.percent else "percent of the baseline's value"
+    return (
+        f"The final {metric.name} ({metric.key}) of each method found in two groups or more, against each "
+        f"group's baseline ({', '.join(table.baselines)}), in the groups {', '.join(table.groups)}. A change is "
+        f"in {unit} ({table.worse} is worse). A group's change is the mean over seeds of seed s against the "
+        "baseline's seed s (seeds without a pair left out; where none pairs up, against the baseline's mean); "
+        "mean change: over the groups; worst group and worst seed: the worst of those, with where. Fewer bytes: "
+        "the least and the most over the groups. Within: the groups whose change is within the target "
+        f"tolerance ({table.tolerance:g}{table.unit})."
+    )
 
 
 def cells_of(group: Group, method: MethodRuns) -> list[str]:
@@ -171,9 +246,10 @@ def cells_of(group: Group, method: MethodRuns) -> list[str]:
     ]
 
 
-def markdown(groups: Sequence[Group], runs: Sequence[Run] = ()) -> str:
+def markdown(groups: Sequence[Group], runs: Sequence[Run] = (), tolerance: float = 0.5) -> str:
     """The verdicts and tables as Markdown (for documents that quote a report: ``--markdown FILE``),
-    and the runs of ``runs`` that could not be read."""
+    the runs of ``runs`` that could not be read, and last the section "Across the groups" (by the
+    target ``tolerance``) where it has a row."""
     parts = [f"- unreadable: {r.name}: {r.error}" for r in runs if r.status == "unreadable"]
     parts += [""] if parts else []
     for group in groups:
@@ -189,6 +265,11 @@ def markdown(groups: Sequence[Group], runs: Sequence[Run] = ()) -> str:
         parts += [f"- failed: {r.name}: {r.reason}" for m in group.methods for r in m.failed]
         parts += [f"- not finished: {r.name} ({r.status})" for m in group.methods for r in m.unfinished]
         parts += [""] if any(m.failed or m.unfinished for m in group.methods) else []
+    tables = across_groups(groups, tolerance)
+    parts += ["### Across the groups", ""] if tables else []
+    for table in tables:
+        rows = [spread_cells(table, m) for m in table.methods]
+        parts += [spread_note(table), "", markdown_table(spread_header(table), rows), ""]
     return "\n".join(parts)
 
 
