@@ -22,6 +22,21 @@ error inflates; on the char LM, ``sign:ef=true`` under AdamW ends 29% worse in p
    into the one every rank divides by, with that step's bias correction. A short warm-up then
    suffices, for 1 / N of a gradient's bytes a step.
 
+Two safeguards, for a method that must hold on models and run lengths it was not tuned on:
+
+- ``freeze="auto"`` freezes when the variance has settled rather than at a fixed step: every 10
+  steps of the warm-up it compares AdamW's denominator ``sqrt(v / (1 - b2^t))`` with its value 10
+  steps before, and freezes once it moved less than ``settle`` (10%, relative in L1). Every rank
+  holds the same variance in the warm-up, so every rank decides alike, without a message; it reads
+  one number on the host every 10 warm-up steps (a GPU synchronization there, none after).
+- ``scaled=True`` compresses in Adam's units: an exchange is divided by AdamW's denominator (as of
+  the last step, floored at a tenth of its tensor's root mean square) before its compressor and
+  multiplied back after the average. A quantizer's chunk then spans coordinates of one scale (what
+  each contributes to its update), and a layer norm's or a bias's small gradient no longer rounds
+  in the range of the large ones beside it. The division is the same on every rank, so the average
+  stays the average, an unbiased compressor stays unbiased, and error feedback after the freeze
+  (where the denominator is frozen) keeps its residual in constant units.
+
 >>> model = DistributedDataParallel(net)
 >>> optimizer = CompressedAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, freeze=100)
 >>> state = optimizer.attach(model)     # the DDP hook of both phases; the state for checkpoints
@@ -36,6 +51,7 @@ without a gradient counts a zero gradient), so every rank must hold the same par
 # No ``from __future__ import annotations`` here: DDP checks its hook's annotations at run time.
 import collections
 import datetime
+import logging
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -50,9 +66,12 @@ from gradcomp.engine import Engine, HookSpec, HookSpecLike
 from gradcomp.engine.stats import StepStats, newest, steps_since, write_trace
 from gradcomp.flat import views
 from gradcomp.hooks import ddp
-from gradcomp.hooks.compressed_adamw_spec import DEFAULT_CARRIER, CompressedAdamWSpec
+from gradcomp.hooks.compressed_adamw_spec import AUTO, DEFAULT_CARRIER, SETTLE_EVERY, CompressedAdamWSpec
 from gradcomp.state import TrainingHookState
 
+SCALE_FLOOR = 0.1
+"""A scaled exchange's smallest divisor, as a fraction of its tensor's root-mean-square denominator."""
+logger = logging.getLogger(__name__)
 HISTORY = 10_000
 """Steps of statistics kept (the latest), as a hook's engine keeps its buckets."""
 
@@ -68,7 +87,10 @@ class CompressedAdamW(torch.optim.Optimizer):
             through ``carrier``: long enough for the variance to settle, which a learning-rate
             warm-up's end is not (on the char LM of 300 steps, freezing at step 30 cost 6% in
             perplexity by itself, at step 100 nothing: ``docs/compressors.md``), and every step of
-            it costs the whole gradient.
+            it costs the whole gradient. ``"auto"``: freeze once the variance has settled, measured:
+            the first check (every :data:`SETTLE_EVERY` steps) at which AdamW's denominator moved
+            less than ``settle`` since the last one (about step 50-60 of the char LM with ``settle``
+            0.1, whatever the run's length).
         carrier: the hook spec the momentum travels by (``sign:ef=true``, ``topk:ratio=0.01,ef=true``,
             ``quantize:bits=2,ef=true``, ...); biased compressors want error feedback.
         bound: after the freeze, the largest step of a coordinate, in units of ``lr`` (Adam's
@@ -77,6 +99,11 @@ class CompressedAdamW(torch.optim.Optimizer):
             rank go on learning it from its own gradients and average the ranks' every N steps
             through ``variance_carrier`` (``bf16`` by default): the variance every rank divides by
             then keeps up with training, for 1 / N of a gradient's bytes per step (bf16: half).
+        scaled: compress each exchange in Adam's units: the warm-up's gradient and the momentum are
+            divided by AdamW's denominator before their compressor and multiplied back after the
+            average (module notes). Costs a pass over the gradient each way, and a buffer per bucket.
+        settle: ``freeze="auto"``'s threshold, a relative change (L1) of AdamW's denominator over
+            :data:`SETTLE_EVERY` steps.
 
     Until :meth:`attach` the optimizer is AdamW on whatever gradient it finds (one process, or a
     model whose gradients something else averages), and a compressed step among several ranks is
@@ -91,16 +118,19 @@ class CompressedAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         *,
-        freeze: int = 100,
+        freeze: int | str = 100,
         carrier: HookSpecLike = DEFAULT_CARRIER,
         bound: float = 1.0,
         variance_every: int = 0,
         variance_carrier: HookSpecLike = "bf16",
+        scaled: bool = False,
+        settle: float = 0.1,
     ) -> None:
         if not (math.isfinite(lr) and lr >= 0) or not (math.isfinite(weight_decay) and weight_decay >= 0):
             raise ValueError(f"lr and weight_decay must be finite and >= 0, got {lr} and {weight_decay}")
         self.spec = CompressedAdamWSpec(freeze, str(HookSpec.parse(carrier)), betas[0], betas[1], eps, bound,
-                                        variance_every, str(HookSpec.parse(variance_carrier)))  # fmt: skip
+                                        variance_every, str(HookSpec.parse(variance_carrier)), scaled,
+                                        settle)  # fmt: skip
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         parameters = self._parameters()
         if len({(p.dtype, p.device) for p in parameters}) > 1:
@@ -108,6 +138,11 @@ class CompressedAdamW(torch.optim.Optimizer):
         self.hook_state: CompressedAdamWState | None = None
         self._flat: Tensor | None = None  # the momenta, back to back: what the carrier averages
         self._denominators: dict[nn.Parameter, Tensor] | None = None  # frozen with the variance
+        self._scales: dict[object, Tensor] = {}  # what a scaled exchange divides by: per bucket, and the momentum's
+        self.frozen_at: int | None = None if self.spec.freeze == AUTO else int(self.spec.freeze)
+        """The step after which the momentum travels compressed: ``freeze``, or with ``freeze=auto``
+        the step at which the variance was found settled (None until then)."""
+        self._settle_before: Tensor | None = None  # freeze=auto: the denominator SETTLE_EVERY steps ago
         self.local_variance: Tensor | None = None
         """This rank's own variance, flat, learned after the freeze (``variance_every``): per rank,
         saved with the hook's state."""
@@ -119,7 +154,7 @@ class CompressedAdamW(torch.optim.Optimizer):
         """The optimizer a ``compressed-adamw`` spec describes (a training run's ``--optimizer``)."""
         return cls(params, lr, (spec.beta1, spec.beta2), spec.eps, weight_decay, freeze=spec.freeze,
                    carrier=spec.carrier, bound=spec.bound, variance_every=spec.variance_every,
-                   variance_carrier=spec.variance_carrier)  # fmt: skip
+                   variance_carrier=spec.variance_carrier, scaled=spec.scaled, settle=spec.settle)  # fmt: skip
 
     @property
     def steps_done(self) -> int:
@@ -130,7 +165,7 @@ class CompressedAdamW(torch.optim.Optimizer):
     @property
     def compressing(self) -> bool:
         """Whether the next step sends the momentum through the carrier (the freeze is past)."""
-        return self.steps_done >= self.spec.freeze
+        return self.frozen_at is not None and self.steps_done >= self.frozen_at
 
     def attach(
         self,
@@ -200,6 +235,8 @@ class CompressedAdamW(torch.optim.Optimizer):
                 squares = self._moments(with_grad, "exp_avg_sq")
                 torch._foreach_mul_(squares, beta2)
                 torch._foreach_addcmul_(squares, grads, grads, 1 - beta2)
+        if not compressing and self.frozen_at is None and step % SETTLE_EVERY == 0:
+            self._check_settled(step)
         if compressing:
             self._average_momentum()
             if self.spec.variance_every:
@@ -240,8 +277,16 @@ class CompressedAdamW(torch.optim.Optimizer):
                     m.lerp_(p.grad, 1 - beta1)
         if self.hook_state is not None:
             carrier = self.hook_state.carrier
+            scale = None
+            if self.spec.scaled:  # the denominator is frozen: the same scale every step, until the variance moves
+                scale = self._scales.get("momentum")
+                if scale is None:
+                    scale = self._scales["momentum"] = self.exchange_scale(parameters, self.variance_step())
+                flat.div_(scale)
             carrier.reduce(flat, list(range(len(parameters))), [p.shape for p in parameters], last=True).wait()
             carrier.end_step()
+            if scale is not None:
+                flat.mul_(scale)
         elif dist.is_initialized() and dist.get_world_size() > 1:
             raise RuntimeError(
                 "a compressed step averages the momentum through the hook's state: call attach(model) first"
@@ -262,7 +307,8 @@ class CompressedAdamW(torch.optim.Optimizer):
                 mine.mul_(beta2)
                 if p.grad is not None:
                     mine.addcmul_(p.grad, p.grad, value=1 - beta2)
-        if (step - self.spec.freeze) % self.spec.variance_every:
+        assert self.frozen_at is not None  # learning the variance comes after the freeze
+        if (step - self.frozen_at) % self.spec.variance_every:
             return
         if self.hook_state is not None and self.hook_state.variance is not None:
             variance = self.hook_state.variance
@@ -273,10 +319,29 @@ class CompressedAdamW(torch.optim.Optimizer):
         for p, averaged in zip(parameters, local, strict=True):
             self.state[p]["exp_avg_sq"].copy_(averaged)
         self._denominators = None
+        self._scales.pop("momentum", None)
+
+    def _check_settled(self, step: int) -> None:
+        """``freeze=auto``: freeze after this step if AdamW's denominator moved less than ``settle``
+        (relative, in L1) since :data:`SETTLE_EVERY` steps ago. One number read on the host, every
+        :data:`SETTLE_EVERY` steps of the warm-up; every rank holds the same variance (the warm-up
+        averages the gradient), so every rank decides alike."""
+        parameters = self._parameters()
+        now = torch.cat([v.reshape(-1) for v in self._moments(parameters, "exp_avg_sq")])
+        now.div_(1 - self.spec.beta2**step).sqrt_()
+        before, self._settle_before = self._settle_before, now
+        if before is None:
+            return
+        change = (now - before).abs_().sum() / now.sum().clamp_min(torch.finfo(now.dtype).tiny)
+        if change.item() < self.spec.settle:
+            self.frozen_at, self._settle_before = step, None
+            logger.info("compressed-adamw: the variance settled (changed %.3g in %d steps): frozen at step %d",
+                        change.item(), SETTLE_EVERY, step)  # fmt: skip
 
     def variance_step(self) -> int:
         """The step whose variance every rank divides by: the freeze's, or the last average's."""
-        every, freeze, done = self.spec.variance_every, self.spec.freeze, self.steps_done
+        every, freeze, done = self.spec.variance_every, self.frozen_at, self.steps_done
+        assert freeze is not None, "the variance is frozen only after the freeze"
         if not every or done < freeze + every:
             return freeze
         return freeze + (done - freeze) // every * every
@@ -326,14 +391,49 @@ class CompressedAdamW(torch.optim.Optimizer):
         torch._foreach_clamp_max_(steps, bound)
         torch._foreach_add_(parameters, steps, alpha=-lr)
 
+    def exchange_scale(self, parameters: Sequence[Tensor], step: int, key: object = None) -> Tensor:
+        """What a scaled exchange of ``parameters`` divides by, flat: AdamW's denominators
+        ``sqrt(v / (1 - b2^step))`` (ones before the first step), each floored at :data:`SCALE_FLOOR`
+        of its tensor's root mean square (a coordinate whose variance is still 0, an embedding row
+        not seen yet, would otherwise dominate its chunk's range). With a ``key`` the buffer is kept
+        and refilled by the next call with that key (a bucket's, every step)."""
+        total = sum(p.numel() for p in parameters)
+        flat = self._scales.get(key) if key is not None else None
+        if flat is None or flat.numel() != total:
+            flat = torch.empty(total, dtype=parameters[0].dtype, device=parameters[0].device)
+            if key is not None:
+                self._scales[key] = flat
+        if step == 0 or not total:
+            return flat.fill_(1)
+        roots = [root for root in views(flat, [p.shape for p in parameters]) if root.numel()]
+        for root, p in zip(roots, [p for p in parameters if p.numel()], strict=True):
+            torch.sqrt(self.state[p]["exp_avg_sq"], out=root)
+        flat.div_((1 - self.spec.beta2**step) ** 0.5)
+        # A tensor's floor is a tenth of its root mean square; a tensor with no variance yet (no gradient
+        # so far) takes the whole exchange's instead, not eps (its first gradient would swamp its chunk).
+        # Chosen on the device: no host read.
+        everyone = torch.linalg.vector_norm(flat) / flat.numel() ** 0.5
+        for root in roots:
+            own = torch.linalg.vector_norm(root) / root.numel() ** 0.5
+            root.clamp_(min=torch.where(own > 0, own, everyone) * SCALE_FLOOR + self.spec.eps)
+        return flat
+
     def _parameters(self) -> list[nn.Parameter]:
         return [p for group in self.param_groups for p in group["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """AdamW's state, and ``freeze=auto``'s: the step it froze at, or the denominator it compares with."""
+        return {**super().state_dict(), "freeze": {"frozen_at": self.frozen_at, "settle_before": self._settle_before}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """AdamW's state (moments and step count, the same on every rank); the flat momentum is built
         again from it at the next compressed step."""
-        super().load_state_dict(state_dict)
+        freeze = state_dict.get("freeze")
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "freeze"})
         self._flat = self._denominators = None
+        self._scales.clear()
+        if freeze is not None:
+            self.frozen_at, self._settle_before = freeze["frozen_at"], freeze["settle_before"]
 
 
 class CompressedAdamWState(TrainingHookState):
@@ -418,6 +518,11 @@ class CompressedAdamWState(TrainingHookState):
 
 def _hook(state: CompressedAdamWState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """Until the freeze, the warm-up hook's average; then each rank's own gradient, untouched."""
-    if not state.optimizer.compressing:
+    optimizer = state.optimizer
+    if optimizer.compressing:
+        return ddp.unchanged(bucket)
+    if not optimizer.spec.scaled:
         return ddp.gradcomp_hook(state.warmup, bucket)
-    return ddp.unchanged(bucket)
+    scale = optimizer.exchange_scale(bucket.parameters(), optimizer.steps_done, key=bucket.index())
+    bucket.buffer().div_(scale)
+    return ddp.gradcomp_hook(state.warmup, bucket).then(lambda done: done.value().mul_(scale))

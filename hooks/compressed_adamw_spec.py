@@ -9,9 +9,14 @@ from typing import Any
 
 from gradcomp.engine import rules
 from gradcomp.engine.spec import HookSpec
-from gradcomp.options import convert, split_nesting_spec
+from gradcomp.options import convert, format_value, split_nesting_spec
 
 NAME = "compressed-adamw"
+AUTO = "auto"
+"""``freeze=auto``: freeze once Adam's variance has settled."""
+SETTLE_EVERY = 10
+"""``freeze=auto`` compares AdamW's denominator with its value this many steps before (and reads that
+one number on the host, every this many steps of the warm-up only)."""
 DEFAULT_CARRIER = "sign:ef=true"
 
 
@@ -20,9 +25,10 @@ class CompressedAdamWSpec:
     """A parsed ``compressed-adamw`` spec: the optimizer's options besides AdamW's learning rate and
     weight decay (which a run sets with ``--lr`` and ``--weight-decay``)."""
 
-    freeze: int = 100
+    freeze: int | str = 100
     """Uncompressed (warm-up) steps: AdamW on the gradient the DDP hook averages; then Adam's
-    variance is frozen and the momentum travels through ``carrier``."""
+    variance is frozen and the momentum travels through ``carrier``. ``"auto"``: freeze once the
+    variance has settled (``settle``), measured every :data:`SETTLE_EVERY` steps."""
     carrier: str = DEFAULT_CARRIER
     """The hook spec the momentum travels by after the freeze (canonical text): any gradcomp spec
     but ``noop``; error feedback (``ef=true``) keeps what a biased compressor leaves out."""
@@ -39,12 +45,25 @@ class CompressedAdamWSpec:
     with training for a share of 1 / N of a step's gradient bytes (a bf16 carrier: half that)."""
     variance_carrier: str = "bf16"
     """The hook spec the variances travel by every ``variance_every`` steps."""
+    scaled: bool = False
+    """Compress in Adam's units: each exchange (the warm-up's gradient, then the momentum) is divided
+    by AdamW's denominator before its compressor and multiplied back after the average, so that the
+    compressor's error weighs on every coordinate as it weighs on its update (a chunk's small-gradient
+    coordinates, layer norms' and biases', no longer drown in its large ones' rounding)."""
+    settle: float = 0.1
+    """With ``freeze=auto``: the relative change of AdamW's denominator ``sqrt(v / (1 - b2^t))`` (its
+    L1 norm's) over the last :data:`SETTLE_EVERY` steps below which the variance counts as settled
+    and freezes."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.freeze, bool) or not isinstance(self.freeze, int) or self.freeze < 1:
+        counted = not isinstance(self.freeze, bool) and isinstance(self.freeze, int) and self.freeze >= 1
+        if self.freeze != AUTO and not counted:
             raise ValueError(
-                f"freeze must be an integer >= 1 (Adam's variance needs uncompressed steps), got {self.freeze!r}"
+                f"freeze must be an integer >= 1 (Adam's variance needs uncompressed steps) or 'auto' (when it has "
+                f"settled), got {self.freeze!r}"
             )
+        if not (math.isfinite(self.settle) and 0 < self.settle < 1):
+            raise ValueError(f"settle must be in (0, 1): a relative change of Adam's denominator, got {self.settle}")
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             if not (math.isfinite(value) and 0.0 <= value < 1.0):
@@ -69,13 +88,20 @@ class CompressedAdamWSpec:
         options start anew. ValueError names what is wrong and the valid options."""
         options = split_nesting_spec(text, NAME, OPTIONS, nesting=SPECS)
         hints = {f.name: type(f.default) for f in dataclasses.fields(cls)}
-        values: dict[str, Any] = {key: convert(key, value, hints[key]) for key, value in options.items()}
+        hints["freeze"] = int
+        if options.get("freeze", AUTO) != AUTO and not str(options["freeze"]).strip().lstrip("-").isdigit():
+            raise ValueError(f"freeze must be an integer >= 1 or 'auto' (when the variance has settled), "
+                             f"got {options['freeze']!r}")  # fmt: skip
+        values: dict[str, Any] = {
+            key: value if (key, value) == ("freeze", AUTO) else convert(key, value, hints[key])
+            for key, value in options.items()
+        }
         return cls(**values)
 
     def __str__(self) -> str:
         """The canonical text: the name, then every option that differs from its default."""
         changed = [
-            f"{f.name}={getattr(self, f.name)}"
+            f"{f.name}={format_value(getattr(self, f.name))}"
             for f in dataclasses.fields(self)
             if getattr(self, f.name) != (str(HookSpec.parse(str(f.default))) if f.name in SPECS else f.default)
         ]

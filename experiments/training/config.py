@@ -55,10 +55,11 @@ class TrainConfig:
     variance_carrier=bf16 (the defaults; freeze: warm-up steps, after which the variance is frozen;
     carrier: the hook spec the momentum travels by; bound: the largest step per coordinate after the
     freeze, in units of lr; variance_every: N > 0 to go on learning the variance, each rank from its own
-    gradients, averaged every N steps through variance_carrier). The hook then averages the gradient
+    gradients, averaged every N steps through variance_carrier; freeze=auto: freeze once the variance
+    has settled, its denominator moving less than settle=0.1 in 10 steps; scaled=true: compress in
+    Adam's units, each exchange divided by AdamW's denominator). The hook then averages the gradient
     until the freeze (allreduce, or a spec without error feedback: quantize:bits=4 sends the warm-up in
-    4 bits) and sends nothing after it; DDP only
-    (no fsdp, no sync)."""
+    4 bits) and sends nothing after it; DDP only (no fsdp, no sync)."""
     lr: float = 0.1
     """Peak learning rate."""
     momentum: float = 0.0

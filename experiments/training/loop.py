@@ -217,6 +217,9 @@ class Loop:
             "steps_per_s": rate,
             "samples_per_s": rate * self.config.batch_size if rate else None,
         }
+        frozen_at = getattr(self.optimizer, "frozen_at", None)  # CompressedAdamW: where its warm-up ended
+        if frozen_at is not None:
+            metrics["frozen_at"] = frozen_at
         for part, total in self._times.items():
             metrics[f"{part}_ms"] = 1e3 * total / steps if steps else None
         hooked = self.meter.steps
