@@ -407,7 +407,11 @@ class CompressedAdamW(torch.optim.Optimizer):
             return flat.fill_(1)
         roots = [root for root in views(flat, [p.shape for p in parameters]) if root.numel()]
         for root, p in zip(roots, [p for p in parameters if p.numel()], strict=True):
-            torch.sqrt(self.state[p]["exp_avg_sq"], out=root)
+            variance = (self.state.get(p) or {}).get("exp_avg_sq")  # none for a parameter this optimizer lacks
+            if variance is None:
+                root.zero_()
+            else:
+                torch.sqrt(variance, out=root)
         flat.div_((1 - self.spec.beta2**step) ** 0.5)
         # A tensor's floor is a tenth of its root mean square; a tensor with no variance yet (no gradient
         # so far) takes the whole exchange's instead, not eps (its first gradient would swamp its chunk).

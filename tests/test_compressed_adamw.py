@@ -152,6 +152,11 @@ def test_a_tensor_without_variance_yet_is_floored_by_the_whole_exchange_and_an_e
     everyone = torch.cat([roots, torch.zeros(3)]).square().mean().sqrt()
     torch.testing.assert_close(scale[4:], (0.1 * everyone + 1e-8).expand(3), rtol=1e-6, atol=0)
     torch.testing.assert_close(scale[:4], roots, rtol=1e-6, atol=0)
+    outside = nn.Parameter(torch.ones(2))  # in DDP's buckets, not in this optimizer: floored as unseen
+    scale = optimizer.exchange_scale([seen, outside], 1)
+    floor = 0.1 * torch.cat([roots, torch.zeros(2)]).square().mean().sqrt() + 1e-8
+    torch.testing.assert_close(scale[4:], floor.expand(2))
+    assert outside not in optimizer.state
 
 
 def test_the_spec_reads_its_carriers_options_and_prints_its_canonical_text() -> None:
