@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import os
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -322,17 +323,8 @@ def test_scaled_exact_exchanges_are_adamw_on_the_averaged_gradient_before_and_af
     """Dividing each exchange by Adam's denominator and multiplying the average back changes nothing
     but rounding: with allreduce before and after the freeze, every step is one process's on the
     whole batch (unscaled: it exchanges nothing)."""
-    world = 2
-    ranks = spawn_ranks(world, scaled_exact_steps, timeout=120)
-    model = toy_model()
-    optimizer = CompressedAdamW(model.parameters(), LR, weight_decay=DECAY, freeze=3)
-    every_rank = [toy_batches(r, 7) for r in range(world)]
-    for step in range(7):
-        optimizer.zero_grad()
-        for batches in every_rank:
-            x, y = batches[step]
-            (nn.functional.cross_entropy(model(x), y) / world).backward()
-        optimizer.step()
+    ranks = spawn_ranks(2, scaled_exact_steps, timeout=120)
+    for step, model in enumerate(_whole_batch_steps(2, steps=7, freeze=3)):
         for snapshots in ranks:
             for a, b in zip(snapshots[step], model.parameters(), strict=True):
                 torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-7, msg=f"step {step + 1} differs")
@@ -375,20 +367,26 @@ def exact_carrier(rank: int, world: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in ddp.parameters()]
 
 
-def test_an_exact_carrier_is_adamw_on_the_averaged_gradient() -> None:
-    """With an exact carrier (allreduce), the average of the ranks' momenta is the momentum of the
-    averaged gradient: the run is one process's on the whole batch, to rounding."""
-    world = 2
-    ranks = spawn_ranks(world, exact_carrier, timeout=120)
+def _whole_batch_steps(world: int, steps: int, freeze: int) -> Iterator[nn.Module]:
+    """The reference for exact exchanges: one process's CompressedAdamW on every rank's batch at once
+    (each rank's loss over ``world``), the model after each step."""
     model = toy_model()
-    optimizer = CompressedAdamW(model.parameters(), LR, weight_decay=DECAY, freeze=2)
-    every_rank = [toy_batches(r, 6) for r in range(world)]
-    for step in range(6):
+    optimizer = CompressedAdamW(model.parameters(), LR, weight_decay=DECAY, freeze=freeze)
+    every_rank = [toy_batches(r, steps) for r in range(world)]
+    for step in range(steps):
         optimizer.zero_grad()
         for batches in every_rank:
             x, y = batches[step]
             (nn.functional.cross_entropy(model(x), y) / world).backward()
         optimizer.step()
+        yield model
+
+
+def test_an_exact_carrier_is_adamw_on_the_averaged_gradient() -> None:
+    """With an exact carrier (allreduce), the average of the ranks' momenta is the momentum of the
+    averaged gradient: the run is one process's on the whole batch, to rounding."""
+    ranks = spawn_ranks(2, exact_carrier, timeout=120)
+    *_, model = _whole_batch_steps(2, steps=6, freeze=2)
     for parameters in ranks:
         for a, b in zip(parameters, model.parameters(), strict=True):
             torch.testing.assert_close(a, b.detach(), rtol=1e-4, atol=1e-6)

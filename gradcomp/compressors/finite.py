@@ -69,11 +69,18 @@ def refuse_non_finite(state: Any, what: str) -> None:
     residuals, velocities and estimates, PowerSGD's memories, a synchronizer's global parameters)
     is kept as it was by a non-finite step (rule "one bad step"), so a non-finite value loaded into
     it would never be replaced and would make every later step non-finite. At load time, not in the
-    step: one reduction pass and one host read per tensor."""
-    for path, tensor in _tensors(state, ""):
-        if (tensor.is_floating_point() or tensor.is_complex()) and not bool(torch.isfinite(tensor).all()):
+    step: a reduction pass per tensor (:func:`finite`), one host read per device."""
+    floating = [(path, t) for path, t in _tensors(state, "") if t.is_floating_point() or t.is_complex()]
+    by_device: dict[torch.device, list[tuple[str, Tensor]]] = {}
+    for path, tensor in floating:
+        real = torch.view_as_real(tensor) if tensor.is_complex() else tensor  # aminmax takes no complex
+        by_device.setdefault(tensor.device, []).append((path, real))
+    for held in by_device.values():
+        checks = host.values(torch.stack([finite(tensor) for _, tensor in held]))
+        bad = next((path for (path, _), ok in zip(held, checks, strict=True) if not ok), None)
+        if bad is not None:
             raise ValueError(
-                f"{what} holds a non-finite value (NaN or Inf) at {path}: it would make every later step "
+                f"{what} holds a non-finite value (NaN or Inf) at {bad}: it would make every later step "
                 "non-finite (a non-finite step leaves the state as it was); load a checkpoint saved before "
                 "the run diverged, or leave this state out and start it afresh"
             )
