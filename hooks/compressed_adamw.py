@@ -103,7 +103,9 @@ class CompressedAdamW(torch.optim.Optimizer):
             divided by AdamW's denominator before their compressor and multiplied back after the
             average (module notes). Costs a pass over the gradient each way, and a buffer per bucket.
         settle: ``freeze="auto"``'s threshold, a relative change (L1) of AdamW's denominator over
-            :data:`SETTLE_EVERY` steps.
+            :data:`SETTLE_EVERY` steps. Lower freezes later: a variance averaged over more steps,
+            for more bytes. On issue 49's grid 0.07 froze at step 70-80 instead of 50-60 and held
+            every cell within 2% (the documented 10x recipe, ``docs/hooks.md``), where 0.1 missed one.
 
     Until :meth:`attach` the optimizer is AdamW on whatever gradient it finds (one process, or a
     model whose gradients something else averages), and a compressed step among several ranks is

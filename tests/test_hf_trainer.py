@@ -94,6 +94,26 @@ def test_compressed_adamw_as_the_trainers_optimizer_keeps_the_ranks_identical_an
 
 
 @pytest.mark.timeout(300)
+def test_the_documented_10x_recipe_freezes_where_measured_and_resumes_before_the_freeze(out: Path) -> None:
+    """docs/hooks.md's 10x recipe through the Trainer: ``freeze="auto"`` finds the step (a check every
+    10 steps, never the first) and compresses after it, the ranks end identical, and a run resumed from
+    the checkpoint of the last check before the freeze (whose snapshot of the variance, in the
+    Trainer's optimizer state, the freeze is measured against) freezes at the same step and ends
+    bitwise where the run straight through does."""
+    recipe, resumed = out / "recipe", out / "recipe_resumed"
+    frozen_at = json.loads((recipe / "frozen.json").read_text())["frozen_at"]
+    assert frozen_at % 10 == 0 and 20 <= frozen_at < 60, frozen_at
+    assert json.loads((resumed / "frozen.json").read_text())["frozen_at"] == frozen_at
+    for rank in (0, 1):
+        assert alike(rank_parameters(resumed, rank), rank_parameters(recipe, rank))
+    assert alike(rank_parameters(recipe, 0), rank_parameters(recipe, 1))
+    before = torch.load(resumed / f"checkpoint-{frozen_at - 10}" / "gradcomp_rank0.pt", weights_only=True)["hook"]
+    assert not before["compressor"]["residuals"], "before the freeze: no carrier residuals yet"
+    after = torch.load(recipe / "checkpoint-60" / "gradcomp_rank0.pt", weights_only=True)["hook"]
+    assert after["compressor"]["residuals"], "past the freeze: the momentum's 2 bits with error feedback"
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("whose", ["callback", "state"])
 def test_the_summary_is_the_steps_summed_by_hand(out: Path, whose: str) -> None:
     """The callback's (kept step by step) and the hook state's (its history: all 6 steps here)."""
