@@ -140,6 +140,28 @@ def test_the_exchange_scale_is_adamws_denominator_floored_at_a_tenth_of_its_tens
     torch.testing.assert_close(unseen, floors[0].expand_as(unseen), rtol=1e-6, atol=0)
 
 
+def test_the_exchange_scale_launches_as_many_operators_for_150_tensors_as_for_one() -> None:
+    """A bucket of GPT-2's shape (150 tensors) against one tensor of as many elements, on an
+    accelerator's paths: the same operators (kernels on a GPU), none per tensor, and no host read."""
+    from gradcomp.bench.launches import gpt_shapes
+    from gradcomp.cost.roofline import traffic
+    from tests import host_reads
+
+    shapes = gpt_shapes()
+    counts = []
+    for layout in ([torch.Size([sum(s.numel() for s in shapes)])], shapes):
+        parameters = [nn.Parameter(torch.randn(shape)) for shape in layout]
+        optimizer = CompressedAdamW(parameters, LR, freeze=10, scaled=True)
+        for p in parameters:
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+        optimizer.exchange_scale(parameters, 1, key=0)  # the first call keeps the bucket's buffer and sizes
+        with host_reads.audit() as reads:
+            counts.append(traffic(lambda: optimizer.exchange_scale(parameters, 1, key=0)).kernels)  # noqa: B023
+        assert reads.gated == 0 and not reads.ungated
+    assert counts[0] == counts[1] and counts[0] < 20, counts
+
+
 def test_a_tensor_without_variance_yet_is_floored_by_the_whole_exchange_and_an_empty_one_is_skipped() -> None:
     """A tensor that has had no gradient yet (variance 0 throughout) divides by a tenth of the whole
     exchange's root mean square, not by eps (its first gradient would swamp its chunk's range); a
