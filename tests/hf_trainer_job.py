@@ -41,7 +41,7 @@ from gradcomp.hooks.compressed_adamw_spec import SETTLE_EVERY
 from gradcomp.hooks.hf_trainer import GradcompCallback
 
 SPEC = "topk:ratio=0.1,ef=true"
-RECIPE_STEPS = 60
+RECIPE_STEPS = 50
 """Long enough for ``freeze="auto"`` to find the variance settled (it compares every 10 steps; at step 40
 here) and to compress after it."""
 

@@ -102,14 +102,14 @@ def test_the_documented_10x_recipe_freezes_where_measured_and_resumes_before_the
     bitwise where the run straight through does."""
     recipe, resumed = out / "recipe", out / "recipe_resumed"
     frozen_at = json.loads((recipe / "frozen.json").read_text())["frozen_at"]
-    assert frozen_at % 10 == 0 and 20 <= frozen_at < 60, frozen_at
+    assert frozen_at % 10 == 0 and 20 <= frozen_at < 50, frozen_at
     assert json.loads((resumed / "frozen.json").read_text())["frozen_at"] == frozen_at
     for rank in (0, 1):
         assert alike(rank_parameters(resumed, rank), rank_parameters(recipe, rank))
     assert alike(rank_parameters(recipe, 0), rank_parameters(recipe, 1))
     before = torch.load(resumed / f"checkpoint-{frozen_at - 10}" / "gradcomp_rank0.pt", weights_only=True)["hook"]
     assert not before["compressor"]["residuals"], "before the freeze: no carrier residuals yet"
-    after = torch.load(recipe / "checkpoint-60" / "gradcomp_rank0.pt", weights_only=True)["hook"]
+    after = torch.load(recipe / "hook0.pt", weights_only=True)  # at the end
     assert after["compressor"]["residuals"], "past the freeze: the momentum's 2 bits with error feedback"
 
 
