@@ -51,6 +51,7 @@ without a gradient counts a zero gradient), so every rank must hold the same par
 # No ``from __future__ import annotations`` here: DDP checks its hook's annotations at run time.
 import collections
 import datetime
+import functools
 import logging
 import math
 import os
@@ -141,7 +142,6 @@ class CompressedAdamW(torch.optim.Optimizer):
         self._flat: Tensor | None = None  # the momenta, back to back: what the carrier averages
         self._denominators: dict[nn.Parameter, Tensor] | None = None  # frozen with the variance
         self._scales: dict[object, Tensor] = {}  # what a scaled exchange divides by: per bucket, and the momentum's
-        self._scale_layouts: dict[object, tuple[Tensor, Tensor]] = {}  # per key: its tensors' sizes and their roots
         self.frozen_at: int | None = None if self.spec.freeze == AUTO else int(self.spec.freeze)
         """The step after which the momentum travels compressed: ``freeze``, or with ``freeze=auto``
         the step at which the variance was found settled (None until then)."""
@@ -403,8 +403,8 @@ class CompressedAdamW(torch.optim.Optimizer):
 
         Cost: a fixed number of operators whatever the number of tensors (a bucket of GPT-2's 148
         holds dozens): the variances copied in one ``_foreach_copy_``, their norms in one
-        ``_foreach_norm``, each tensor's floor spread over its elements by one ``repeat_interleave``;
-        no host read."""
+        ``_foreach_norm``, each tensor's floor spread over its elements by one ``repeat_interleave``
+        (the sizes on the device made once per layout: :func:`_sizes`); no host read."""
         total = sum(p.numel() for p in parameters)
         flat = self._scales.get(key) if key is not None else None
         if flat is None or flat.numel() != total:
@@ -426,24 +426,11 @@ class CompressedAdamW(torch.optim.Optimizer):
         # A tensor's floor is a tenth of its root mean square; a tensor with no variance yet (no gradient
         # so far) takes the whole exchange's instead, not eps (its first gradient would swamp its chunk).
         # Chosen on the device: no host read.
-        sizes, roots_of_sizes = self._scale_layout(present, key)
+        sizes, roots_of_sizes = _sizes(tuple(p.numel() for p in present), flat.dtype, flat.device)
         everyone = torch.linalg.vector_norm(flat) / flat.numel() ** 0.5
         own = torch.stack(torch._foreach_norm(roots)).div_(roots_of_sizes)
         floors = torch.where(own > 0, own, everyone).mul_(SCALE_FLOOR).add_(self.spec.eps)
         return torch.maximum(flat, floors.repeat_interleave(sizes, output_size=flat.numel()), out=flat)
-
-    def _scale_layout(self, present: Sequence[Tensor], key: object) -> tuple[Tensor, Tensor]:
-        """The element counts of ``present`` (int64) and their square roots, on their device: kept per
-        ``key``, so that a bucket's step copies nothing from the host."""
-        layout = self._scale_layouts.get(key) if key is not None else None
-        sizes = [p.numel() for p in present]
-        if layout is None or layout[0].numel() != len(sizes):
-            device = present[0].device
-            roots = [math.sqrt(n) for n in sizes]
-            layout = (torch.tensor(sizes, device=device), torch.tensor(roots, dtype=present[0].dtype, device=device))
-            if key is not None:
-                self._scale_layouts[key] = layout
-        return layout
 
     def _parameters(self) -> list[nn.Parameter]:
         return [p for group in self.param_groups for p in group["params"]]
@@ -541,6 +528,15 @@ class CompressedAdamWState(TrainingHookState):
         self.carrier.load_state_dict(state["engine"])
         variance = state.get("variance")
         self.optimizer.local_variance = None if variance is None else variance.clone()
+
+
+@functools.lru_cache(maxsize=64)
+def _sizes(sizes: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """A layout's tensor sizes (int64) and their square roots (``dtype``) on ``device``, made once (a
+    bucket's layout repeats every step): what :meth:`CompressedAdamW.exchange_scale` spreads and
+    divides by, without a copy from the host in the step."""
+    roots = [math.sqrt(n) for n in sizes]
+    return torch.tensor(sizes, device=device), torch.tensor(roots, dtype=dtype, device=device)
 
 
 def _hook(state: CompressedAdamWState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:

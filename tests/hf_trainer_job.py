@@ -16,11 +16,12 @@ the runs):
   scaled=True)``, its momentum in 2 bits, the warm-up's hook ``quantize:bits=4``), the Trainer's default
   clipping, RECIPE_STEPS steps: the freeze is measured, not given; and ``recipe_resumed`` from its
   checkpoint at the last check before the freeze (10 steps before it), which must find the freeze at
-  the same step. Rank 0 writes where each froze (frozen.json).
+  the same step.
 
 Each rank writes its parameters to OUT/<run>/rank<r>.pt and its hook's final state to
 OUT/<run>/hook<r>.pt; rank 0 of ``straight`` also writes what the Trainer logged (log.json), its hook's
-steps (steps.json) and the summaries of the callback and the hook's state (summary.json)."""
+steps (steps.json) and the summaries of the callback and the hook's state (summary.json); rank 0 of each
+CompressedAdamW run writes the step it froze at (frozen.json)."""
 
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ def train(
             (out / "summary.json").write_text(json.dumps(summaries))
         if optimizer is not None:
             assert optimizer.compressing, "past the freeze"
-            if rank == 0 and out.name.startswith("recipe"):
+            if rank == 0:
                 (out / "frozen.json").write_text(json.dumps({"frozen_at": optimizer.frozen_at}))
     return callback
 

@@ -13,7 +13,10 @@ import pytest
 import torch
 from torch import nn
 
+from gradcomp.bench.launches import gpt_shapes
+from gradcomp.cost.roofline import traffic
 from gradcomp.hooks import CompressedAdamW, CompressedAdamWSpec
+from tests import host_reads
 from tests.distributed import (
     Failures,
     identical_on_all_ranks,
@@ -143,10 +146,6 @@ def test_the_exchange_scale_is_adamws_denominator_floored_at_a_tenth_of_its_tens
 def test_the_exchange_scale_launches_as_many_operators_for_150_tensors_as_for_one() -> None:
     """A bucket of GPT-2's shape (150 tensors) against one tensor of as many elements, on an
     accelerator's paths: the same operators (kernels on a GPU), none per tensor, and no host read."""
-    from gradcomp.bench.launches import gpt_shapes
-    from gradcomp.cost.roofline import traffic
-    from tests import host_reads
-
     shapes = gpt_shapes()
     counts = []
     for layout in ([torch.Size([sum(s.numel() for s in shapes)])], shapes):
