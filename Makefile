@@ -27,17 +27,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check gradcomp hooks experiments tests examples
 	$(BIN)/mypy
 
-# Three workers on two cores, a test file each at a time (a file's rank pools and fixtures stay in
-# one worker): distributed tests wait on peers and timeouts, and the other workers fill those waits
-# (the suite keeps about a third of two cores busy with two workers: 8:20 with two, 6:41 with three,
-# one machine, one after the other). Lint runs beside them, its cold mypy fitting in the same waits;
-# its output comes after the tests'; either failing fails the target.
-test: $(STAMP)
-	@$(MAKE) --no-print-directory lint > $(VENV)/lint.log 2>&1 & linting=$$!; \
-	$(BIN)/python -m pytest -q -n 3 --dist loadfile; tests=$$?; \
-	wait $$linting; linted=$$?; cat $(VENV)/lint.log; \
-	if [ $$linted -ne 0 ]; then echo "make test: lint failed"; fi; \
-	[ $$tests -eq 0 ] && [ $$linted -eq 0 ]
+# Two workers, a test file each at a time (a file's rank pools and fixtures stay in one worker):
+# distributed tests wait on peers and timeouts, and the other worker fills those waits.
+test: lint
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
